@@ -1,0 +1,128 @@
+"""One error hierarchy for the whole project.
+
+Every error a user can cause is a `PromptLangError`. When it knows where the
+problem is, it carries a `Span` and prints as
+
+    file:line:col: message
+        the offending source line
+        ^
+
+Errors pickle (their constructor arguments are kept in `args`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Span:
+    """A place in a source file: 1-based line and column, plus that line's text."""
+
+    file: str
+    line: int
+    col: int
+    line_text: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+def span_in(source: str, offset: int, file: str) -> Span:
+    """The Span of character `offset` in `source`."""
+    line = source.count("\n", 0, offset) + 1
+    line_start = source.rfind("\n", 0, offset) + 1
+    line_end = source.find("\n", offset)
+    if line_end == -1:
+        line_end = len(source)
+    return Span(file, line, offset - line_start + 1, source[line_start:line_end])
+
+
+class PromptLangError(Exception):
+    """Base class of every error promptlang reports to its users."""
+
+    def __init__(self, message: str, span: Span | None = None):
+        super().__init__(message, span)
+        self.message = message
+        self.span = span
+
+    def __str__(self) -> str:
+        if self.span is None:
+            return self.message
+        text = f"{self.span}: {self.message}"
+        if self.span.line_text:
+            line = self.span.line_text.expandtabs(1)
+            text += f"\n    {line}\n    {' ' * (self.span.col - 1)}^"
+        return text
+
+
+class PMLSyntaxError(PromptLangError):
+    """Malformed PML: bad tags, attributes, entities, DOCTYPE, unbalanced elements."""
+
+
+class UnknownSchemaError(PromptLangError):
+    """A prompt names a schema that is not the one it is bound against."""
+
+
+class UnknownModuleError(PromptLangError):
+    """A prompt imports a module (or scaffold) the schema does not declare there."""
+
+
+class UnknownParameterError(PromptLangError):
+    """A prompt passes an argument the module does not declare."""
+
+
+class MissingArgumentError(PromptLangError):
+    """A prompt imports a module without an argument for one of its parameters."""
+
+
+class ArgumentTooLongError(PromptLangError):
+    """An argument has more tokens than its parameter reserves."""
+
+    def __init__(self, message: str, span: Span | None = None, *, parameter: str = "",
+                 bound: int = 0, count: int = 0):
+        super().__init__(message, span)
+        self.parameter, self.bound, self.count = parameter, bound, count
+
+    def __reduce__(self):
+        return (_rebuild_too_long, (self.message, self.span, self.parameter, self.bound, self.count))
+
+
+def _rebuild_too_long(message, span, parameter, bound, count):
+    return ArgumentTooLongError(message, span, parameter=parameter, bound=bound, count=count)
+
+
+class UnionConflictError(PromptLangError):
+    """A prompt imports two members of one union."""
+
+
+class TextNotAllowedError(PromptLangError):
+    """Text where the language allows none (inside a union, a scaffold, a module reference)."""
+
+
+class SourceFileError(PromptLangError):
+    """A `src=` file that is missing, unreadable, or outside the schema's folder."""
+
+
+class ContextLengthError(PromptLangError):
+    """A layout or a request that needs more positions than the model has."""
+
+
+class SchemaError(PromptLangError):
+    """A well-formed schema that breaks a structural rule (duplicate names, misplaced params...)."""
+
+
+class RoleError(PromptLangError):
+    """Role blocks that do not pair up: a role opened inside another, or closed without opening."""
+
+
+class ModelError(PromptLangError):
+    """A model that cannot be loaded or used (unsupported architecture, missing files...)."""
+
+
+class TokenizerMismatchError(PromptLangError):
+    """A layout made for one tokenizer used with a model that has another."""
+
+
+class CacheError(PromptLangError):
+    """A problem with the module store that the user must know about."""
