@@ -26,6 +26,8 @@ from promptlang.pml import nodes
 from promptlang.tokenizer import Tokenizer
 
 ModulePath = tuple[str, ...]          # () is the schema root (its anonymous text)
+# prefix: the tokenizer's BOS; text/role: schema text and chat-role affixes; param:
+# placeholders in a parameter slot; argument: a prompt's argument; prompt: prompt text
 SegmentKind = Literal["prefix", "text", "role", "param", "argument", "prompt"]
 
 
@@ -38,6 +40,8 @@ class Segment:
     kind: SegmentKind
     param: str | None = None          # for "param" (placeholders) and "argument" segments
     text: str = ""                    # the source text these tokens came from
+    role: str | None = None           # for "role" segments: "user" opens, "/user" closes
+    span: Span | None = field(default=None, compare=False, repr=False)
 
     @property
     def end(self) -> int:
@@ -119,6 +123,162 @@ def scaffold_unit_id(name: str) -> str:
     return "scaffold:" + name
 
 
+def role_segment(tokenizer: Tokenizer, marker: nodes.RoleOpen | nodes.RoleClose, pos: int,
+                 kind: SegmentKind = "role") -> Segment:
+    """The chat template's prefix (RoleOpen) or suffix (RoleClose) text of a role, at `pos`."""
+    prefix, suffix = tokenizer.role_affixes(marker.role)
+    opening = isinstance(marker, nodes.RoleOpen)
+    text = prefix if opening else suffix
+    return Segment(tuple(tokenizer.encode(text)), pos, kind, text=text,
+                   role=marker.role if opening else "/" + marker.role, span=marker.span)
+
+
+_memo: dict[tuple[int, str], tuple[nodes.Schema, SchemaLayout]] = {}
+_MEMO_SIZE = 64
+
+
 def lay_out(schema: nodes.Schema, tokenizer: Tokenizer) -> SchemaLayout:
     """Positions for every token of `schema` under `tokenizer` (memoised)."""
-    raise NotImplementedError("being written")
+    memo_key = (hash(schema), tokenizer.fingerprint)
+    hit = _memo.get(memo_key)
+    if hit is not None and hit[0] == schema:
+        return hit[1]
+    layout = _Walker(tokenizer).run(schema)
+    if len(_memo) >= _MEMO_SIZE:
+        _memo.pop(next(iter(_memo)))
+    _memo[memo_key] = (schema, layout)
+    return layout
+
+
+class _Walker:
+    """One document-order walk that assigns positions and collects units."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self.modules: dict[ModulePath, ModuleLayout] = {}
+        self.unions: list[UnionLayout] = []
+        self.scaffolds: dict[str, tuple[ModulePath, ...]] = {}
+
+    def run(self, schema: nodes.Schema) -> SchemaLayout:
+        prefix = tuple(self.tok.prefix_ids)
+        own = [Segment(prefix, 0, "prefix", text=self.tok.decode(prefix))] if prefix else []
+        params: list[ParamSlot] = []
+        children: list[ModulePath] = []
+        end = self._lay_children(schema.children, (), len(prefix), own, params, children,
+                                 cache=True)
+        root = ModuleLayout((), 0, end, tuple(own), (), tuple(children), True, None, None,
+                            schema.span)
+        modules = {(): root, **self.modules}
+        limit = self.tok.max_positions
+        if limit is not None and end > limit:
+            raise ContextLengthError(
+                f"schema {schema.name!r} needs {end} positions; the model has {limit}",
+                schema.span)
+        return SchemaLayout(schema, self.tok.fingerprint, modules, tuple(self.unions),
+                            dict(self.scaffolds), self._units(modules), end)
+
+    def _lay_children(self, children, path: ModulePath, pos: int, own: list[Segment],
+                      params: list[ParamSlot], child_paths: list[ModulePath],
+                      cache: bool, scaffold: str | None = None) -> int:
+        """Lay out `children` of the module at `path` from `pos`; return the end position."""
+        run: list[str] = []                       # pending text of the current run
+        span: list[Span | None] = [None]          # where the pending run starts
+
+        def flush(pos: int) -> int:
+            text = "".join(run)
+            run.clear()
+            if not text:
+                return pos
+            ids = tuple(self.tok.encode(text))
+            own.append(Segment(ids, pos, "text", text=text, span=span[0]))
+            return pos + len(ids)
+
+        for child in children:
+            if isinstance(child, nodes.Text):
+                if not run:
+                    span[0] = child.span
+                run.append(child.text)
+            elif isinstance(child, nodes.Comment):
+                continue
+            elif isinstance(child, (nodes.RoleOpen, nodes.RoleClose)):
+                pos = flush(pos)
+                segment = role_segment(self.tok, child, pos)
+                own.append(segment)
+                pos = segment.end
+            elif isinstance(child, nodes.Param):
+                pos = flush(pos)
+                ids = self._placeholder(child)
+                own.append(Segment(ids, pos, "param", param=child.name, span=child.span))
+                params.append(ParamSlot(child.name, pos, child.length, child.span))
+                pos += child.length
+            elif isinstance(child, nodes.Module):
+                pos = flush(pos)
+                child_paths.append(path + (child.name,))
+                pos = self._lay_module(child, path, pos, cache, None, scaffold)
+            elif isinstance(child, nodes.Union):
+                pos = flush(pos)
+                pos = self._lay_union(child, path, pos, child_paths, cache)
+            elif isinstance(child, nodes.Scaffold):
+                pos = flush(pos)
+                members = []
+                for member in child.members:
+                    child_paths.append(path + (member.name,))
+                    members.append(path + (member.name,))
+                    pos = self._lay_module(member, path, pos, cache, None, child.name)
+                self.scaffolds[child.name] = tuple(members)
+            else:  # pragma: no cover - the parser admits nothing else
+                raise SchemaError(f"unexpected {type(child).__name__} in a schema",
+                                  getattr(child, "span", None))
+        return flush(pos)
+
+    def _lay_module(self, module: nodes.Module, parent: ModulePath, start: int,
+                    cache: bool, union: int | None, scaffold: str | None) -> int:
+        path = parent + (module.name,)
+        cache = cache and module.cache
+        own: list[Segment] = []
+        params: list[ParamSlot] = []
+        children: list[ModulePath] = []
+        self.modules[path] = None  # type: ignore[assignment]  # keeps document order
+        end = self._lay_children(module.children, path, start, own, params, children, cache)
+        self.modules[path] = ModuleLayout(path, start, end, tuple(own), tuple(params),
+                                          tuple(children), cache, union, scaffold, module.span)
+        return end
+
+    def _lay_union(self, union: nodes.Union, parent: ModulePath, start: int,
+                   child_paths: list[ModulePath], cache: bool) -> int:
+        index = len(self.unions)
+        self.unions.append(None)  # type: ignore[arg-type]  # reserve the index
+        end = start
+        members = []
+        for member in union.members:
+            path = parent + (member.name,)
+            child_paths.append(path)
+            members.append(path)
+            end = max(end, self._lay_module(member, parent, start, cache, index, None))
+        self.unions[index] = UnionLayout(index, parent, start, end - start, tuple(members),
+                                         union.span)
+        return end
+
+    def _placeholder(self, param: nodes.Param) -> tuple[int, ...]:
+        ids = self.tok.encode(param.scaffold) if param.scaffold else []
+        if len(ids) > param.length:
+            raise SchemaError(
+                f"the scaffold text of parameter {param.name!r} has {len(ids)} tokens; "
+                f"the parameter reserves {param.length}", param.span)
+        return tuple(ids) + (self.tok.placeholder_id,) * (param.length - len(ids))
+
+    def _units(self, modules: dict[ModulePath, ModuleLayout]) -> dict[str, Unit]:
+        units: dict[str, Unit] = {}
+        for path, module in modules.items():
+            context = tuple(module_unit_id(path[:i]) for i in range(len(path)))
+            units[module_unit_id(path)] = Unit(module_unit_id(path), (path,), module.segments,
+                                               context, module.cache)
+        for name, members in self.scaffolds.items():
+            segments = tuple(s for m in members for s in modules[m].segments)
+            parent = members[0][:-1] if members else ()
+            context = tuple(module_unit_id(parent[:i]) for i in range(len(parent) + 1))
+            cache = all(modules[m].cache for m in members)
+            units[scaffold_unit_id(name)] = Unit(scaffold_unit_id(name), members,
+                                                 tuple(sorted(segments, key=lambda s: s.start)),
+                                                 context, cache)
+        return units
