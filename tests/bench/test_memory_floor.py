@@ -1,0 +1,96 @@
+"""KV bytes per token, model shapes, and the floor formula, against hand-computed numbers."""
+
+import pytest
+from transformers import FalconConfig, GPT2Config, LlamaConfig
+
+from promptlang.runtime.bench import floor, memory
+from promptlang.runtime.bench.shapes import PUBLISHED, ModelShape, shape_from_config
+
+
+def test_default_model_caches_46080_bytes_per_token_in_float32():
+    assert memory.kv_bytes_per_token(PUBLISHED["SmolLM2-135M"], 4) == 46_080
+
+
+def test_llama2_7b_caches_half_a_mebibyte_per_token_in_float16():
+    assert memory.kv_bytes_per_token(PUBLISHED["Llama-2-7B"], 2) == 524_288
+
+
+def test_grouped_and_multi_query_attention_shrink_the_cache():
+    assert memory.kv_bytes_per_token(PUBLISHED["Llama-2-70B"], 2) == 80 * 2 * 8 * 128 * 2
+    assert memory.kv_bytes_per_token(PUBLISHED["Falcon-7B"], 2) == 32 * 2 * 1 * 64 * 2
+
+
+def test_kv_bytes_from_transformers_configs():
+    smol = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9,
+                       num_key_value_heads=3, intermediate_size=1536, vocab_size=49152)
+    assert memory.kv_bytes_per_token(smol) == 46_080
+    # no num_key_value_heads: one KV head per attention head; head_dim = hidden / heads
+    gpt2 = GPT2Config(n_layer=12, n_embd=768, n_head=12)
+    assert memory.kv_bytes_per_token(gpt2, 2) == 12 * 2 * 12 * 64 * 2
+    # Falcon: multi-query keeps one KV head; the new decoder architecture num_kv_heads
+    assert shape_from_config(FalconConfig(multi_query=True)).kv_heads == 1
+    assert shape_from_config(FalconConfig(multi_query=False)).kv_heads == 71
+    assert shape_from_config(FalconConfig(new_decoder_architecture=True,
+                                          num_kv_heads=8)).kv_heads == 8
+
+
+def test_published_shapes_add_up_to_the_advertised_parameter_counts():
+    billions = {name: shape.parameter_count() / 1e9 for name, shape in PUBLISHED.items()}
+    assert billions["SmolLM2-135M"] == pytest.approx(0.135, rel=0.01)
+    assert billions["Qwen2.5-0.5B"] == pytest.approx(0.494, rel=0.01)
+    assert billions["Llama-2-7B"] == pytest.approx(6.74, rel=0.01)
+    assert billions["Llama-2-13B"] == pytest.approx(13.0, rel=0.01)
+    assert billions["Llama-2-70B"] == pytest.approx(69.0, rel=0.01)
+    assert billions["Llama-3-8B"] == pytest.approx(8.03, rel=0.01)
+    assert billions["Mistral-7B"] == pytest.approx(7.24, rel=0.01)
+
+
+def test_memory_table_has_every_model_and_says_na_for_missing_paper_figures():
+    rows = memory.memory_rows()
+    assert [r["model"] for r in rows] == list(PUBLISHED)
+    smol = rows[0]
+    assert (smol["bytes/token fp16"], smol["bytes/token fp32"]) == (23_040, 46_080)
+    table = memory.memory_table()
+    assert "46,080" in table and "524,288" in table
+    if not memory.PAPER_TABLE2:
+        assert all(line.split()[-2] == "n/a" for line in table.splitlines()[2:])
+
+
+def test_floor_is_compute_or_memory_whichever_takes_longer():
+    # 1e9 FLOPs at 1e10 FLOP/s = 0.1 s; 3e8 bytes at 1e9 B/s = 0.3 s
+    assert floor.floor_seconds(1e9, 2e8, 1e8, rate=1e10, bandwidth=1e9) == pytest.approx(0.3)
+    assert floor.floor_seconds(1e10, 2e8, 1e8, rate=1e10, bandwidth=1e9) == pytest.approx(1.0)
+
+
+def test_prefill_flops_on_a_hand_computed_shape():
+    shape = ModelShape("toy", layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4,
+                       intermediate=16, vocab=10)
+    per_layer = 8 * 4 * (2 * 2 + 2 * 1) + 3 * 8 * 16            # 192 + 384 = 576
+    assert shape.linear_params_per_layer() == per_layer
+    # 3 new tokens after 5 cached ones see 6 + 7 + 8 = 21 keys
+    expected = 2 * 3 * 2 * per_layer + 2 * 1 * 8 * 10 + 4 * 2 * 2 * 4 * 21
+    assert floor.prefill_flops(shape, n_new=3, n_context=5) == expected
+    # every new token's logits: 3 rows of the LM head instead of 1
+    assert floor.prefill_flops(shape, 3, 5, logits_tokens=3) == expected + 2 * 2 * 8 * 10
+
+
+def test_prefill_flops_grow_linearly_in_context_for_a_fixed_question():
+    shape = PUBLISHED["SmolLM2-135M"]
+    a, b, c = (floor.prefill_flops(shape, 14, ctx) for ctx in (1000, 2000, 3000))
+    assert b - a == pytest.approx(c - b)
+    assert b - a == 4 * 30 * 9 * 64 * 14 * 1000
+
+
+def test_measured_machine_numbers_are_positive_and_finite():
+    machine = floor.measure_machine(matmul_n=128, copy_bytes=1 << 20, repeats=1)
+    assert 0 < machine.matmul_flops_per_s < float("inf")
+    assert 0 < machine.copy_bytes_per_s < float("inf")
+    assert machine.threads >= 1
+
+
+def test_module_weight_bytes_counts_tied_weights_once():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    assert floor.module_weight_bytes(model) == 10 * 4 * 4
