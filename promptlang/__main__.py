@@ -1,0 +1,5 @@
+import sys
+
+from promptlang.cli import main
+
+sys.exit(main())

@@ -1,0 +1,212 @@
+"""The `promptlang` command.
+
+    promptlang --help | --version
+    promptlang pml check FILE... [--tokenizer NAME_OR_PATH] [--no-layout] [--schema FILE]
+
+Command groups live next to the code they drive: a module that exposes
+`register(subparsers)` adds its subcommands, each with
+`set_defaults(func=handler)` where `handler(args) -> int` is the exit status.
+This file registers `pml` itself, then `promptlang.compiler.cli` and
+`promptlang.runtime.cli` when they are installed.
+
+Exit status: 0 success, 1 errors in the input (each printed as
+`file:line:col: message`, never a traceback), 2 usage errors. No torch import
+here: checking PML needs only a tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from promptlang.errors import PromptLangError
+
+COMMAND_MODULES = ("promptlang.compiler.cli", "promptlang.runtime.cli")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit:                 # --help, --version, usage errors
+        return exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 2)
+    func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
+    if func is None:
+        (getattr(args, "group_parser", None) or parser).print_help(sys.stderr)
+        return 2
+    try:
+        return int(func(args) or 0)
+    except PromptLangError as err:
+        print(err, file=sys.stderr)
+        return 1
+    except BrokenPipeError:            # `promptlang ... | head`: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="promptlang",
+        description="Prompt programs served from modular attention (KV) caches.")
+    parser.add_argument("--version", action="version", version=f"promptlang {_version()}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    _register_pml(commands)
+    for name in COMMAND_MODULES:
+        module = _optional_module(name)
+        if module is not None:
+            module.register(commands)
+    return parser
+
+
+def _optional_module(name: str) -> Any:
+    """The module, or None when it (or its package) is not installed; an import
+    error raised from inside the module propagates."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and (name == err.name or name.startswith(err.name + ".")):
+            return None
+        raise
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("promptlang")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+# --- promptlang pml ---------------------------------------------------------------
+
+def _register_pml(commands: Any) -> None:
+    pml = commands.add_parser("pml", help="work with Prompt Markup Language files",
+                              description="Work with Prompt Markup Language (PML) files.")
+    pml.set_defaults(group_parser=pml)
+    pml_commands = pml.add_subparsers(title="commands", metavar="COMMAND")
+    check = pml_commands.add_parser(
+        "check", help="parse PML files; lay out schemas and bind prompts",
+        description="Parse each FILE. A schema is laid out with the tokenizer and its "
+                    "modules' positions are printed; a prompt is bound against --schema.")
+    check.add_argument("files", nargs="+", metavar="FILE", help="schema or prompt files")
+    check.add_argument("--tokenizer", metavar="NAME_OR_PATH",
+                       help="tokenizer (model id or folder) for the layout; default: the "
+                            "default model's")
+    check.add_argument("--no-layout", action="store_true",
+                       help="only parse (no tokenizer, no layout, no binding)")
+    check.add_argument("--schema", metavar="FILE", help="schema to bind prompt files against")
+    check.set_defaults(func=_pml_check)
+
+
+class _LazyTokenizer:
+    """Loads the tokenizer the first time a file needs it; remembers a failure."""
+
+    def __init__(self, name_or_path: str | None):
+        self.name_or_path = name_or_path
+        self._tokenizer: Any = None
+        self._error: PromptLangError | None = None
+
+    def __call__(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        if self._tokenizer is None:
+            from promptlang.hf_tokenizer import load_tokenizer
+
+            try:
+                self._tokenizer = load_tokenizer(self.name_or_path)
+            except PromptLangError as err:
+                self._error = err
+                raise
+        return self._tokenizer
+
+
+def _pml_check(args: argparse.Namespace) -> int:
+    from promptlang.pml import nodes
+    from promptlang.pml.parser import parse_file
+
+    tokenizer = _LazyTokenizer(args.tokenizer)
+    failed = False
+    schema_layout = None
+    if args.schema and not args.no_layout:
+        try:
+            schema = parse_file(args.schema)
+            if not isinstance(schema, nodes.Schema):
+                raise PromptLangError(f"{args.schema}: --schema needs a <schema> file, "
+                                      "not a <prompt>")
+            from promptlang.pml.layout import lay_out
+
+            schema_layout = lay_out(schema, tokenizer())
+        except PromptLangError as err:
+            print(err, file=sys.stderr)
+            failed = True
+
+    for path in args.files:
+        try:
+            document = parse_file(path)
+            if isinstance(document, nodes.Schema):
+                print(f"{path}: schema {document.name!r}: valid")
+                if not args.no_layout:
+                    from promptlang.pml.layout import lay_out
+
+                    print(format_layout(lay_out(document, tokenizer()), tokenizer()))
+            else:
+                print(f"{path}: prompt for schema {document.schema!r}: valid")
+                if schema_layout is not None:
+                    from promptlang.pml.binding import bind
+
+                    print(format_binding(bind(document, schema_layout, tokenizer())))
+                elif not args.no_layout and not args.schema:
+                    print("  (pass --schema FILE to bind it)")
+        except PromptLangError as err:
+            print(err, file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
+
+
+def format_layout(layout: Any, tokenizer: Any) -> str:
+    """A schema layout as a table: one row per module (the root first)."""
+    header = ("module", "start", "end", "(len)", "own", "union", "scaffold", "cache", "params")
+    rows = []
+    for path, module in layout.modules.items():
+        own = sum(len(segment.token_ids) for segment in module.segments)
+        if module.union is None:
+            union = "-"
+        else:
+            union = f"{module.union}@{layout.unions[module.union].start}"
+        params = " ".join(f"{p.name}@{p.start}+{p.length}" for p in module.params) or "-"
+        rows.append(("/".join(path) or "(root)", str(module.start), str(module.end),
+                     f"({module.end - module.start})", str(own), union, module.scaffold or "-",
+                     "yes" if module.cache else "no", params))
+    numeric = {1, 2, 3, 4}
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        cells = [cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i])
+                 for i, cell in enumerate(row)]
+        return "  " + "  ".join(cells).rstrip()
+
+    limit = tokenizer.max_positions
+    name = getattr(tokenizer, "name", type(tokenizer).__name__)
+    title = (f"  {layout.end} positions" + (f" of {limit}" if limit else "") + "; " +
+             ", ".join(_count(n, what) for n, what in ((len(layout.modules) - 1, "module"),
+                                                       (len(layout.unions), "union"),
+                                                       (len(layout.scaffolds), "scaffold"))) +
+             f"; tokenizer {name}")
+    return "\n".join([title, line(header), *(line(row) for row in rows)])
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def format_binding(bound: Any) -> str:
+    """What a bound prompt imports and how many tokens it computes per request."""
+    imported = ", ".join("/".join(path) or "(root)" for path in bound.modules)
+    uncached = sum(len(segment.token_ids) for segment in bound.uncached)
+    return (f"  imports: {imported}\n"
+            f"  uncached tokens: {uncached} (request ends at position {bound.end})")

@@ -1,0 +1,362 @@
+"""A Hugging Face tokenizer behind the `Tokenizer` protocol of the PML layer.
+
+The chat-role text (`<user>` -> prefix, `</user>` -> suffix) is derived from the
+tokenizer's own jinja2 chat template, never hard-coded: conversations whose
+contents are sentinel strings are rendered, and the text around each sentinel
+is cut out (see `derive_role_affixes`). When a template has no such per-role
+split, a plain format is used instead (`PLAIN_AFFIXES`):
+
+    System: ...\\n\\n   User: ...\\n\\n   Assistant: ...\\n\\n
+
+transformers is imported inside functions only: `import promptlang` stays light.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from promptlang.errors import ModelError, RoleError
+from promptlang.pml.nodes import ROLES
+
+PLAIN_AFFIXES: Mapping[str, tuple[str, str]] = {
+    "system": ("System: ", "\n\n"),
+    "user": ("User: ", "\n\n"),
+    "assistant": ("Assistant: ", "\n\n"),
+}
+
+# Contents no template rewrites (no spaces to trim, no markup) and none contains another.
+_S1, _U1, _A1, _U2, _A2, _U3 = ("zqsysonezq", "zquseronezq", "zqasstonezq",
+                                "zqusertwozq", "zqassttwozq", "zquserthreezq")
+_SANE_MAX_LENGTH = 10_000_000       # tokenizers without a limit report ~1e30
+
+
+class HFTokenizer:
+    """`Tokenizer` protocol around a transformers tokenizer.
+
+    `max_positions` is the model's context length when the caller knows it (from
+    the model config); otherwise the tokenizer's `model_max_length` when sane.
+    `eos_ids` adds end-of-generation ids (a generation config's) to the
+    tokenizer's own eos token.
+    """
+
+    def __init__(self, tokenizer: Any, *, max_positions: int | None = None,
+                 eos_ids: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+        if max_positions is None:
+            limit = getattr(tokenizer, "model_max_length", None)
+            max_positions = int(limit) if limit and limit < _SANE_MAX_LENGTH else None
+        self._max_positions = max_positions
+        own_eos = tokenizer.eos_token_id
+        self._eos_ids = _unique(([own_eos] if own_eos is not None else []) + list(eos_ids))
+        self._prefix_ids = _added_prefix(tokenizer)
+        self._fingerprint: str | None = None
+        self._affixes: dict[str, tuple[str, str]] | None = None
+        self._affix_source = ""
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | Path, *, max_positions: int | None = None,
+                        local_files_only: bool = True, **kwargs: Any) -> "HFTokenizer":
+        """Load the tokenizer of a transformers model id or folder. The model's
+        config and generation config are read when present, for the context
+        length and the end-of-generation ids."""
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        source = str(name_or_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only,
+                                                      **kwargs)
+        except (OSError, ValueError) as err:
+            raise ModelError(_not_found(source, "tokenizer", local_files_only, err)) from None
+        if max_positions is None:
+            try:
+                config = AutoConfig.from_pretrained(source, local_files_only=local_files_only)
+            except (OSError, ValueError):
+                config = None               # a tokenizer-only folder
+            max_positions = context_length(config) if config is not None else None
+        try:
+            generation = GenerationConfig.from_pretrained(source,
+                                                          local_files_only=local_files_only)
+            eos_ids = _as_ids(generation.eos_token_id)
+        except (OSError, ValueError):
+            eos_ids = []
+        return cls(tokenizer, max_positions=max_positions, eos_ids=eos_ids)
+
+    # --- the Tokenizer protocol -------------------------------------------------------
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 over the tokenizer's full definition and its chat template."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256()
+            digest.update(_definition(self.tokenizer).encode())
+            digest.update(b"\0chat-template\0")
+            digest.update(json.dumps(self.tokenizer.chat_template, sort_keys=True).encode())
+            self._fingerprint = "hf-" + digest.hexdigest()
+        return self._fingerprint
+
+    @property
+    def max_positions(self) -> int | None:
+        return self._max_positions
+
+    @property
+    def placeholder_id(self) -> int:
+        for candidate in (self.tokenizer.pad_token_id, self.tokenizer.unk_token_id,
+                          self.tokenizer.eos_token_id):
+            if candidate is not None:
+                return int(candidate)
+        raise ModelError(f"tokenizer {self.name} has no pad, unk or eos token to use as "
+                         "a placeholder")
+
+    @property
+    def prefix_ids(self) -> tuple[int, ...]:
+        return self._prefix_ids
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self._eos_ids
+
+    def encode(self, text: str) -> list[int]:
+        # special-token strings in `text` (e.g. "<|im_start|>") become their special ids
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+
+    def role_affixes(self, role: str) -> tuple[str, str]:
+        if role not in ROLES:
+            raise RoleError(f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        return self._role_affixes()[role]
+
+    # --- chat template -------------------------------------------------------------
+
+    @property
+    def affix_source(self) -> str:
+        """Where the role affixes come from: "chat template", "chat template (system
+        rendered as user: ...)" or "plain format (...)"."""
+        self._role_affixes()
+        return self._affix_source
+
+    def _role_affixes(self) -> dict[str, tuple[str, str]]:
+        if self._affixes is None:
+            if not self.tokenizer.chat_template:
+                self._affixes = dict(PLAIN_AFFIXES)
+                self._affix_source = "plain format (no chat template)"
+            else:
+                bos_text = self.decode(self._prefix_ids) if self._prefix_ids else ""
+                self._affixes, self._affix_source = derive_role_affixes(self._render, bos_text)
+        return self._affixes
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        if not isinstance(text, str):
+            raise TypeError(f"chat template rendered {type(text).__name__}, not text")
+        return text
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.name!r}, max_positions={self._max_positions})"
+
+
+def load_tokenizer(name_or_path: str | Path | None = None) -> HFTokenizer:
+    """The tokenizer of a model id or folder; None is the default model's (offline)."""
+    if name_or_path is None:
+        from promptlang.default_model import DEFAULT_MODEL_NAME, default_tokenizer_dir
+
+        tokenizer = HFTokenizer.from_pretrained(default_tokenizer_dir(), local_files_only=True)
+        tokenizer.name = f"{DEFAULT_MODEL_NAME} (default)"
+        return tokenizer
+    return HFTokenizer.from_pretrained(name_or_path)
+
+
+def context_length(config: Any) -> int | None:
+    """The context length a transformers model config declares, if any (ALiBi
+    models such as BLOOM declare none)."""
+    for attribute in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length",
+                      "max_sequence_length"):
+        value = getattr(config, attribute, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+Render = Callable[[list[dict[str, str]], bool], str]
+
+
+class _Unsplittable(Exception):
+    """The template's output cannot be cut into per-role prefix and suffix text."""
+
+
+def derive_role_affixes(render: Render,
+                        bos_text: str = "") -> tuple[dict[str, tuple[str, str]], str]:
+    """Cut (prefix, suffix) text per role out of renders of sentinel conversations.
+
+    - suffix(user), suffix(assistant): what follows the role's content when its
+      message is the last one;
+    - prefix(assistant): the generation prompt (add_generation_prompt=True minus
+      False), which must also be what precedes an assistant message in a history
+      (a template that ignores add_generation_prompt yields "": the history's
+      text is used, and a generation prompt adds nothing);
+    - prefix(user): what lies between an assistant message and the next user
+      message, minus suffix(assistant);
+    - prefix(system): what precedes the system content in [system, user, ...],
+      without the BOS text that the tokenizer's prefix ids supply; suffix(system):
+      what lies between system and user content, minus prefix(user).
+
+    Whole conversations are then rendered again and compared with the
+    concatenation of affixes and contents. A template that rejects a system
+    message, drops it or merges it into the user turn (Llama-2's <<SYS>>) gets
+    the user affixes for system; one that fails for user/assistant gets
+    `PLAIN_AFFIXES`. Returns (affixes, a description of their source).
+    """
+    def message(role: str, content: str) -> dict[str, str]:
+        return {"role": role, "content": content}
+
+    def attempt(messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        try:
+            return render(messages, add_generation_prompt)
+        except Exception as err:     # a template is arbitrary code: any failure means "cannot"
+            raise _Unsplittable(f"the template fails on {[m['role'] for m in messages]}: "
+                                f"{type(err).__name__}: {err}") from None
+
+    try:
+        turns = attempt([message("user", _U1), message("assistant", _A1), message("user", _U2)])
+        user_suffix = _after(turns, _U2)
+        assistant_suffix = _after(attempt([message("user", _U1), message("assistant", _A1)]),
+                                  _A1)
+        user_prefix = _drop_head(_between(turns, _A1, _U2), assistant_suffix)
+        history_prefix = _drop_head(_between(turns, _U1, _A1), user_suffix)
+        alone = [message("user", _U1)]
+        generation = _drop_head(attempt(alone, True), attempt(alone))
+        if generation and generation != history_prefix:
+            raise _Unsplittable(f"the generation prompt {generation!r} differs from the text "
+                                f"before an assistant message {history_prefix!r}")
+        affixes = {"user": (user_prefix, user_suffix),
+                   "assistant": (history_prefix, assistant_suffix)}
+        if not user_prefix and not user_suffix:
+            raise _Unsplittable("the template puts no text around user messages")
+        conversation = [message("user", _U1), message("assistant", _A1), message("user", _U2),
+                        message("assistant", _A2), message("user", _U3)]
+        _verify(attempt, conversation, affixes, preamble=None)
+        _verify(attempt, conversation, affixes, preamble=None, generation=generation)
+    except _Unsplittable as why:
+        return dict(PLAIN_AFFIXES), f"plain format ({why})"
+
+    try:
+        with_system = [message("system", _S1), message("user", _U1), message("assistant", _A1),
+                       message("user", _U2)]
+        rendered = attempt(with_system)
+        system_prefix = _before(rendered, _S1)
+        if bos_text and system_prefix.startswith(bos_text):
+            system_prefix = system_prefix[len(bos_text):]     # the prefix ids supply it
+        system_suffix = _drop_tail(_between(rendered, _S1, _U1), user_prefix)
+        affixes["system"] = (system_prefix, system_suffix)
+        _verify(attempt, with_system, affixes, preamble=bos_text)
+        _verify(attempt, with_system + [message("assistant", _A2)], affixes, preamble=bos_text)
+        _verify(attempt, with_system, affixes, preamble=bos_text, generation=generation)
+    except _Unsplittable as why:
+        affixes["system"] = affixes["user"]
+        return affixes, f"chat template (system rendered as user: {why})"
+    return affixes, "chat template"
+
+
+def _verify(attempt: Callable[..., str], messages: list[dict[str, str]],
+            affixes: Mapping[str, tuple[str, str]], *, preamble: str | None,
+            generation: str | None = None) -> None:
+    """The render must be (preamble +) the concatenation of affixes and contents
+    (+ the generation prompt, when `generation` is not None). preamble None: any
+    text may precede the first message (a template's default system message, a
+    BOS); otherwise only "" or `preamble`."""
+    rendered = attempt(messages, generation is not None)
+    body = "".join(affixes[m["role"]][0] + m["content"] + affixes[m["role"]][1]
+                   for m in messages) + (generation or "")
+    lead = rendered[:len(rendered) - len(body)]
+    if not rendered.endswith(body) or (preamble is not None and lead not in ("", preamble)):
+        roles = [m["role"] for m in messages]
+        raise _Unsplittable(f"rendering {roles} is not the concatenation of the derived affixes")
+
+
+def _position(text: str, marker: str) -> int:
+    if text.count(marker) != 1:
+        raise _Unsplittable(f"the template renders a message {text.count(marker)} times")
+    return text.index(marker)
+
+
+def _before(text: str, marker: str) -> str:
+    return text[:_position(text, marker)]
+
+
+def _after(text: str, marker: str) -> str:
+    return text[_position(text, marker) + len(marker):]
+
+
+def _between(text: str, first: str, second: str) -> str:
+    start, end = _position(text, first) + len(first), _position(text, second)
+    if end < start:
+        raise _Unsplittable("the template reorders messages")
+    return text[start:end]
+
+
+def _drop_head(text: str, head: str) -> str:
+    if not text.startswith(head):
+        raise _Unsplittable(f"{text!r} does not start with {head!r}")
+    return text[len(head):]
+
+
+def _drop_tail(text: str, tail: str) -> str:
+    if not text.endswith(tail):
+        raise _Unsplittable(f"{text!r} does not end with {tail!r}")
+    return text[:len(text) - len(tail)]
+
+
+def _added_prefix(tokenizer: Any) -> tuple[int, ...]:
+    """The ids the tokenizer puts before the text when adding special tokens (a BOS)."""
+    probe = "a"
+    plain = list(tokenizer(probe, add_special_tokens=False).input_ids)
+    full = list(tokenizer(probe, add_special_tokens=True).input_ids)
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return tuple(int(i) for i in full[:start])
+    return ()
+
+
+def _definition(tokenizer: Any) -> str:
+    """The tokenizer as canonical JSON: vocabulary, merges, normalisation,
+    pre-tokenisation and added tokens (not the padding/truncation settings that
+    change with calls)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        definition = json.loads(backend.to_str())
+        definition.pop("truncation", None)
+        definition.pop("padding", None)
+    else:
+        definition = {"class": type(tokenizer).__name__,
+                      "vocab": sorted(tokenizer.get_vocab().items()),
+                      "special": tokenizer.all_special_tokens}
+    return json.dumps(definition, sort_keys=True, ensure_ascii=False)
+
+
+def _as_ids(value: int | Sequence[int] | None) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _unique(ids: Sequence[int]) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _not_found(source: str, what: str, local_files_only: bool, err: Exception) -> str:
+    if local_files_only:
+        where = ("was not found locally (promptlang does not download from the Hugging Face "
+                 "hub: pass a folder that holds the model's files)")
+    else:
+        where = "could not be loaded"
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return f"{what} {source!r} {where}: {detail}"

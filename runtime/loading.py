@@ -1,0 +1,113 @@
+"""Loading a causal LM and its tokenizer: the default model or any transformers model.
+
+The default model comes as a GGUF (see promptlang/default_model.py). Reading it
+de-quantizes every weight (~40 s), so the first load writes a float copy next
+to it and every later load reads that instead (seconds):
+
+    <default model folder>/converted/
+        model.safetensors     state dict, tied weights stored once
+        config.json           without the GGUF quantization_config
+        generation_config.json, tokenizer files
+
+A GGUF-loaded model refuses `save_pretrained` ("quantized with gguf and is not
+serializable"), hence safetensors' `save_model` plus the config by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from promptlang.errors import ModelError
+from promptlang.hf_tokenizer import HFTokenizer, context_length
+
+
+def load_hf_model(name_or_path: str | Path | None = None, *, device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32) -> tuple[Any, HFTokenizer]:
+    """(model in eval mode, its HFTokenizer). None loads the default model
+    (SmolLM2-135M-Instruct), converting its GGUF once; anything else is a
+    transformers model id or folder, read from local files only."""
+    folder = _default_model_folder() if name_or_path is None else str(name_or_path)
+    model = _from_pretrained(folder, dtype)
+    model.to(device)
+    model.eval()
+    tokenizer = HFTokenizer.from_pretrained(folder, max_positions=context_length(model.config))
+    if name_or_path is None:
+        from promptlang.default_model import DEFAULT_MODEL_NAME
+
+        tokenizer.name = f"{DEFAULT_MODEL_NAME} (default)"
+    return model, tokenizer
+
+
+def _from_pretrained(source: str, dtype: torch.dtype, **kwargs: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True,
+                                                    **kwargs)
+    except OSError as err:
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelError(f"model {source!r} was not found locally (promptlang does not "
+                         f"download from the Hugging Face hub: pass a folder that holds the "
+                         f"model's files): {detail}") from None
+    except ValueError as err:          # e.g. a config whose architecture has no causal LM
+        raise ModelError(f"model {source!r} cannot be loaded as a causal LM: {err}") from None
+
+
+def _default_model_folder() -> str:
+    """The converted copy of the default model, made from the GGUF on first use."""
+    from promptlang import default_model
+
+    converted = default_model.default_converted_dir()
+    if _converted_ready(converted):
+        return str(converted)
+    folder = default_model.default_model_files()      # fetches the GGUF if needed (own lock)
+    with default_model.model_lock():
+        if not _converted_ready(converted):
+            _convert_default_model(folder, converted)
+    return str(converted)
+
+
+def _converted_ready(folder: Path) -> bool:
+    return (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+
+
+def _convert_default_model(folder: Path, converted: Path) -> None:
+    from safetensors.torch import save_model
+
+    from promptlang import default_model
+
+    _say("converting the default model from GGUF to float weights (once, ~40 s)...")
+    began = time.perf_counter()
+    model = _from_pretrained(str(folder), torch.float32, gguf_file=default_model.GGUF_FILE)
+    work = default_model.partial_path(folder, default_model.CONVERTED_SUBDIR)
+    try:
+        # shared tensors (tied embeddings) are written once; from_pretrained re-ties them
+        save_model(model, str(work / "model.safetensors"), metadata={"format": "pt"})
+        (work / "model.safetensors").chmod(0o644)
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config          # the copy is plain float, not GGUF
+        config.dtype = torch.float32
+        config.save_pretrained(str(work))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(str(work))
+        tokenizer_dir = folder / default_model.TOKENIZER_SUBDIR
+        for item in tokenizer_dir.iterdir():
+            if item.is_file() and item.name != "config.json":
+                shutil.copy2(item, work / item.name)
+        shutil.rmtree(converted, ignore_errors=True)    # an incomplete copy
+        os.replace(work, converted)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _say(f"converted in {time.perf_counter() - began:.0f} s, saved to {converted}")
+
+
+def _say(message: str) -> None:
+    print(f"promptlang: {message}", file=sys.stderr, flush=True)
