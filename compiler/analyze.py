@@ -1,0 +1,469 @@
+"""Analysis: a @prompt function's source -> its IR (`ir.py`) and the diagnostics found on the way.
+
+Runs at decoration time. It reads the source with `inspect` (`source.py`), parses
+it with libcst and resolves `PositionProvider` metadata, then visits the body
+statement by statement (`visit_<NodeClass>`). Nothing here looks at run-time
+values: which calls reach @prompt functions, which bounds apply and what is cached
+is decided later, in `lower.py`, when the function's module is complete.
+
+Text rules (docs/COMPILER.md):
+- the docstring is documentation, not text;
+- a statement that is a string literal, an f-string or a bare expression emits its
+  value as text (`str(value)`; a value of None emits nothing);
+- a statement that is ONE triple-quoted literal spanning several lines is dedented:
+  the line break right after the opening quotes is dropped, the common indentation
+  of the other lines is removed, and whitespace-only lines become empty, so a block
+  whose closing quotes sit on their own line ends with a newline. Every other
+  literal is taken exactly as Python evaluates it.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from dataclasses import dataclass, field
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from promptlang.compiler import ir
+from promptlang.compiler.diagnostics import Diagnostic
+from promptlang.compiler.source import FunctionSource, function_source
+from promptlang.errors import Span
+from promptlang.pml.nodes import ROLES
+
+_HOLE = "\ue000"     # stands for a hole while the literal parts around it are dedented
+
+
+@dataclass
+class Analysis:
+    """What the analysis of one function produced. `ir` is None when it could not start."""
+
+    ir: ir.FunctionIR | None
+    diagnostics: list[Diagnostic]
+    source: FunctionSource | None = None
+    # where each item's statement is, as (kind, line, byte column[, case index]): the
+    # positions CPython's own parser gives, which `instrument.py` works on
+    places: dict[tuple, int | tuple[int, int]] = field(default_factory=dict)
+
+
+def analyze_function(fn) -> Analysis:
+    """Analyse `fn`'s body; never raises for problems in the user's code."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    if fn.__name__ == "<lambda>":
+        return Analysis(None, [Diagnostic("PL101", "a lambda cannot be a @prompt function: "
+                                                   "its body is one expression, not statements")])
+    try:
+        source = function_source(fn)
+    except (OSError, TypeError) as e:
+        return Analysis(None, [Diagnostic("PL002", f"cannot read the source of {name}: {e}")])
+    try:
+        wrapper = MetadataWrapper(cst.parse_module(source.text))
+    except cst.ParserSyntaxError as e:
+        span = source.span(e.raw_line, e.raw_column)
+        return Analysis(None, [Diagnostic(
+            "PL002", f"the source of {name} in {source.file} does not parse (was the file "
+                     f"edited after it was imported?): {e.message}", span)])
+    module = wrapper.module
+    top = module.body[0] if module.body else None
+    if source.indented and isinstance(top, cst.If):
+        top = top.body.body[0] if isinstance(top.body, cst.IndentedBlock) else None
+    if not isinstance(top, cst.FunctionDef) or top.name.value != fn.__name__:
+        return Analysis(None, [Diagnostic(
+            "PL002", f"the source found for {name} in {source.file} is not its `def`",
+            source.span(source.start, 0))])
+    analyzer = _Analyzer(fn, source, module, top, wrapper.resolve(PositionProvider))
+    return analyzer.run()
+
+
+class _Analyzer:
+    def __init__(self, fn, source: FunctionSource, module: cst.Module, node: cst.FunctionDef,
+                 positions):
+        self.fn, self.source, self.module, self.node = fn, source, module, node
+        self.positions = positions
+        self.diagnostics: list[Diagnostic] = []
+        self.places: dict[tuple, int | tuple[int, int]] = {}
+        self.lines = source.text.split("\n")
+        self.statement_calls: set[cst.Call] = set()
+        self.next_id = 0
+        self.in_role = False
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def span(self, node: cst.CSTNode) -> Span:
+        start = self.positions[node].start
+        return self.source.span(start.line, start.column)
+
+    def place(self, kind: str, node: cst.CSTNode, *extra) -> tuple:
+        """`node`'s position as CPython's ast gives it: line and UTF-8 byte column."""
+        start = self.positions[node].start
+        line = self.lines[start.line - 1]
+        return (kind, start.line, len(line[:start.column].encode("utf-8")), *extra)
+
+    def code(self, node: cst.CSTNode) -> str:
+        return self.module.code_for_node(node)
+
+    def report(self, code: str, message: str, node: cst.CSTNode, suggestion: str | None = None):
+        self.diagnostics.append(Diagnostic(code, message, self.span(node), suggestion))
+
+    # -- the function -------------------------------------------------------------------------
+
+    def run(self) -> Analysis:
+        node = self.node
+        if node.asynchronous is not None:
+            self.report("PL101", f"{node.name.value} is an async function; a @prompt function "
+                                 "is a plain `def`", node.name)
+        scan = _ScopeScan()
+        node.body.visit(scan)
+        for y in scan.yields:
+            self.report("PL101", "a @prompt function cannot be a generator (`yield`)", y)
+        for a in scan.awaits:
+            self.report("PL101", "a @prompt function cannot `await`", a)
+        statements = self.body_statements(node.body)
+        body = self.block(statements, docstring=True)
+        calls = tuple(ir.ExpressionCall(path, self.code(c.func), self.span(c))
+                      for c in scan.calls if c not in self.statement_calls
+                      for path in [_dotted(c.func)] if path is not None)
+        params = node.params
+        names = tuple(p.name.value for p in (
+            *params.posonly_params, *params.params,
+            *([params.star_arg] if isinstance(params.star_arg, cst.Param) else []),
+            *params.kwonly_params, *([params.star_kwarg] if params.star_kwarg else [])))
+        function = ir.FunctionIR(
+            name=node.name.value, qualname=self.fn.__qualname__, file=self.source.file,
+            span=self.span(node.name), parameters=names, locals=frozenset(scan.stores),
+            body=body, expression_calls=calls, params_span=self.params_span())
+        return Analysis(function, self.diagnostics, self.source, self.places)
+
+    def params_span(self) -> Span | None:
+        for decorator in self.node.decorators:
+            if isinstance(decorator.decorator, cst.Call):
+                for arg in decorator.decorator.args:
+                    if arg.keyword is not None and arg.keyword.value == "params":
+                        return self.span(arg)
+        return None
+
+    # -- statements ---------------------------------------------------------------------------
+
+    @staticmethod
+    def body_statements(body) -> list[cst.CSTNode]:
+        """The statements of a block, a one-line suite's small statements included."""
+        if isinstance(body, cst.SimpleStatementSuite):
+            return list(body.body)
+        out: list[cst.CSTNode] = []
+        for statement in body.body:
+            if isinstance(statement, cst.SimpleStatementLine):
+                out.extend(statement.body)
+            else:
+                out.append(statement)
+        return out
+
+    def block(self, statements, docstring: bool = False) -> tuple[ir.Item, ...]:
+        items: list[ir.Item] = []
+        for index, statement in enumerate(statements):
+            if docstring and index == 0 and _is_docstring(statement):
+                continue
+            visit = getattr(self, "visit_" + type(statement).__name__, None)
+            if visit is not None:
+                items.extend(visit(statement))
+        return tuple(items)
+
+    def suite(self, body) -> tuple[ir.Item, ...]:
+        return self.block(self.body_statements(body))
+
+    def visit_Expr(self, node: cst.Expr) -> list[ir.Item]:
+        value = node.value
+        if isinstance(value, (cst.SimpleString, cst.ConcatenatedString, cst.FormattedString)):
+            return self.string_statement(node, value)
+        if isinstance(value, cst.Call):
+            self.statement_calls.add(value)
+            item = ir.CallItem(self.new_id(), _dotted(value.func), self.code(value.func),
+                               self.span(value))
+            self.places[self.place("expr", node)] = item.id
+            return [item]
+        if isinstance(value, cst.Ellipsis) or (isinstance(value, cst.Name)
+                                               and value.value == "None"):
+            return []           # `...` is a placeholder; None emits nothing
+        if isinstance(value, (cst.Yield, cst.Await)):
+            return []           # reported as PL101
+        if isinstance(value, (cst.Integer, cst.Float, cst.Imaginary)) or (
+                isinstance(value, cst.Name) and value.value in ("True", "False")):
+            item = ir.TextItem(self.new_id(), str(ast.literal_eval(value.value)), self.span(node))
+            self.places[self.place("expr", node)] = item.id
+            return [item]
+        hole = ir.Hole(_normalise(self.code(value)),
+                       value.value if isinstance(value, cst.Name) else None, self.span(value))
+        item = ir.ValueItem(self.new_id(), hole, self.span(node))
+        self.places[self.place("expr", node)] = item.id
+        return [item]
+
+    def string_statement(self, node: cst.Expr, value) -> list[ir.Item]:
+        code = self.code(value)
+        try:
+            tree = ast.parse("(" + code + "\n)", mode="eval").body
+        except SyntaxError as e:      # libcst accepted what CPython rejects: say so, located
+            self.report("PL001", f"invalid string literal: {e.msg}", value)
+            return []
+        if isinstance(tree, ast.Constant) and isinstance(tree.value, bytes):
+            self.report("PL109", "a bytes literal is not text", value)
+            return []
+        pieces = tree.values if isinstance(tree, ast.JoinedStr) else [tree]
+        expressions = _hole_nodes(value)
+        template = "".join(p.value if isinstance(p, ast.Constant) else _HOLE for p in pieces)
+        if _is_block_literal(value):
+            template = dedent_block(template)
+        literal = template.split(_HOLE)
+        holes = [ir.Hole(_normalise(self.code(e.expression)),
+                         e.expression.value if isinstance(e.expression, cst.Name) else None,
+                         self.span(e.expression)) for e in expressions]
+        if not holes:
+            item: ir.Item = ir.TextItem(self.new_id(), template, self.span(node))
+        else:
+            parts: list[str | ir.Hole] = []
+            for k, hole in enumerate(holes):
+                parts.extend([literal[k], hole])
+            parts.append(literal[-1])
+            item = ir.FStringItem(self.new_id(), tuple(p for p in parts if p != ""),
+                                  self.span(node))
+        self.places[self.place("expr", node)] = item.id
+        return [item]
+
+    def visit_Return(self, node: cst.Return) -> list[ir.Item]:
+        if node.value is not None:
+            self.report("PL102", "a @prompt function cannot return a value: calling it returns "
+                                 "its Prompt", node)
+        return [ir.ReturnItem(self.new_id(), self.span(node))]
+
+    def visit_If(self, node: cst.If) -> list[ir.Item]:
+        arms: list[ir.Arm] = []
+        branch_id = self.new_id()
+        current: cst.If | cst.Else | None = node
+        owner = node
+        while current is not None:
+            arm_id = self.new_id()
+            if isinstance(current, cst.If):
+                self.places[self.place("if", current)] = arm_id
+                arms.append(ir.Arm(arm_id, self.code(current.test), self.suite(current.body),
+                                   self.span(current)))
+                owner, current = current, current.orelse
+            else:    # CPython's ast has no node for `else`: it is placed by its `if`
+                self.places[self.place("else", owner)] = arm_id
+                arms.append(ir.Arm(arm_id, "", self.suite(current.body), self.span(current)))
+                current = None
+        if not any(arm.body for arm in arms):
+            return []
+        return [ir.BranchItem(branch_id, "if", tuple(arms), self.span(node))]
+
+    def visit_Match(self, node: cst.Match) -> list[ir.Item]:
+        branch_id = self.new_id()
+        arms = []
+        for index, case in enumerate(node.cases):
+            arm_id = self.new_id()
+            self.places[self.place("case", node, index)] = arm_id
+            label = self.code(case.pattern)
+            if case.guard is not None:
+                label += " if " + self.code(case.guard)
+            arms.append(ir.Arm(arm_id, label, self.suite(case.body), self.span(case)))
+        if not any(arm.body for arm in arms):
+            return []
+        return [ir.BranchItem(branch_id, "match", tuple(arms), self.span(node))]
+
+    def loop(self, node, kind) -> list[ir.Item]:
+        block_id = self.new_id()
+        body = self.suite(node.body)
+        if node.orelse is not None:
+            body += self.suite(node.orelse.body)
+        return [ir.BlockItem(block_id, kind, body, self.span(node))] if body else []
+
+    def visit_For(self, node: cst.For) -> list[ir.Item]:
+        return self.loop(node, "for")
+
+    def visit_While(self, node: cst.While) -> list[ir.Item]:
+        return self.loop(node, "while")
+
+    def visit_Try(self, node) -> list[ir.Item]:
+        block_id = self.new_id()
+        body = self.suite(node.body)
+        for handler in node.handlers:
+            body += self.suite(handler.body)
+        for extra in (node.orelse, node.finalbody):
+            if extra is not None:
+                body += self.suite(extra.body)
+        return [ir.BlockItem(block_id, "try", body, self.span(node))] if body else []
+
+    visit_TryStar = visit_Try
+
+    def visit_With(self, node: cst.With) -> list[ir.Item]:
+        roles = [(item, _role_call(item.item)) for item in node.items]
+        if any(role is not None for _, role in roles):
+            problem = None
+            if len(node.items) > 1:
+                problem = "a role block takes one context manager: `with user():`"
+            elif node.asynchronous is not None:
+                problem = "a role block cannot be `async with`"
+            elif roles[0][0].asname is not None:
+                problem = "a role block binds no name: drop `as ...`"
+            elif roles[0][0].item.args:
+                problem = "a role helper takes no arguments"
+            elif self.in_role:
+                problem = "a role block inside another role block: close the first one before"
+            if problem is not None:
+                self.report("PL106", problem, node)
+                return list(self.suite(node.body))
+            path, role = roles[0][1]
+            open_id, close_id = self.new_id(), self.new_id()
+            self.places[self.place("with", node)] = (open_id, close_id)
+            self.in_role = True
+            try:
+                body = self.suite(node.body)
+            finally:
+                self.in_role = False
+            return [ir.RoleItem(open_id, close_id, role, path, body, self.span(node))]
+        block_id = self.new_id()
+        body = self.suite(node.body)
+        return [ir.BlockItem(block_id, "with", body, self.span(node))] if body else []
+
+
+# -- small syntactic helpers ---------------------------------------------------------------
+
+
+def dedent_block(text: str) -> str:
+    """The dedent rule for a multi-line triple-quoted text statement (see the module doc)."""
+    first, _, rest = text.partition("\n")
+    if not _:
+        return text
+    rest = textwrap.dedent(rest)
+    return rest if not first.strip() else first + "\n" + rest
+
+
+def _is_block_literal(value) -> bool:
+    if not isinstance(value, (cst.SimpleString, cst.FormattedString)):
+        return False
+    if isinstance(value, cst.SimpleString):
+        quote = value.value.lstrip("rRbBuU")[:3]
+        raw = value.value
+    else:
+        quote = value.start.lstrip("rRfF")[:3]
+        raw = value.start + "".join(
+            p.value if isinstance(p, cst.FormattedStringText) else "{}" for p in value.parts)
+    return quote in ('"""', "'''") and "\n" in raw
+
+
+def _is_docstring(statement) -> bool:
+    """Whether a first statement is what Python takes as the docstring (a str literal)."""
+    if not isinstance(statement, cst.Expr):
+        return False
+    strings = [statement.value]
+    while strings and isinstance(strings[-1], cst.ConcatenatedString):
+        last = strings.pop()
+        strings += [last.left, last.right]
+    return all(isinstance(s, cst.SimpleString) and "b" not in s.prefix.lower() for s in strings)
+
+
+def _hole_nodes(value) -> list[cst.FormattedStringExpression]:
+    if isinstance(value, cst.ConcatenatedString):
+        return _hole_nodes(value.left) + _hole_nodes(value.right)
+    if isinstance(value, cst.FormattedString):
+        return [p for p in value.parts if isinstance(p, cst.FormattedStringExpression)]
+    return []
+
+
+def _dotted(node) -> tuple[str, ...] | None:
+    if isinstance(node, cst.Name):
+        return (node.value,)
+    if isinstance(node, cst.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else base + (node.attr.value,)
+    return None
+
+
+def _role_call(node) -> tuple[tuple[str, ...], str] | None:
+    """(path, role) when `node` looks like `user()` / `pl.user()`."""
+    if isinstance(node, cst.Call):
+        path = _dotted(node.func)
+        if path is not None and path[-1] in ROLES:
+            return path, path[-1]
+    return None
+
+
+def _normalise(code: str) -> str:
+    return " ".join(code.split())
+
+
+class _ScopeScan(cst.CSTVisitor):
+    """What a function body contains, not counting nested functions, lambdas and classes:
+    calls, names it assigns, `yield` and `await`."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[cst.Call] = []
+        self.stores: set[str] = set()
+        self.yields: list[cst.CSTNode] = []
+        self.awaits: list[cst.CSTNode] = []
+
+    def visit_FunctionDef(self, node) -> bool:
+        self.stores.add(node.name.value)
+        return False
+
+    def visit_ClassDef(self, node) -> bool:
+        self.stores.add(node.name.value)
+        return False
+
+    def visit_Lambda(self, node) -> bool:
+        return False
+
+    def visit_Call(self, node: cst.Call) -> None:
+        self.calls.append(node)
+
+    def visit_Yield(self, node) -> None:
+        self.yields.append(node)
+
+    def visit_Await(self, node) -> None:
+        self.awaits.append(node)
+
+    def _targets(self, node) -> None:
+        if isinstance(node, cst.Name):
+            self.stores.add(node.value)
+        elif isinstance(node, (cst.Tuple, cst.List)):
+            for element in node.elements:
+                self._targets(element.value)
+        elif isinstance(node, cst.StarredElement):
+            self._targets(node.value)
+
+    def visit_AssignTarget(self, node) -> None:
+        self._targets(node.target)
+
+    def visit_AnnAssign(self, node) -> None:
+        self._targets(node.target)
+
+    def visit_AugAssign(self, node) -> None:
+        self._targets(node.target)
+
+    def visit_For(self, node) -> None:
+        self._targets(node.target)
+
+    def visit_AsName(self, node) -> None:
+        self._targets(node.name)
+
+    def visit_NamedExpr(self, node) -> None:
+        self._targets(node.target)
+
+    def visit_MatchAs(self, node) -> None:
+        if node.name is not None:
+            self.stores.add(node.name.value)
+
+    def visit_MatchStar(self, node) -> None:
+        if node.name is not None:
+            self.stores.add(node.name.value)
+
+    def visit_ImportAlias(self, node) -> None:
+        if node.asname is None:
+            name = node.name
+            while isinstance(name, cst.Attribute):
+                name = name.value
+            if isinstance(name, cst.Name):
+                self.stores.add(name.value)

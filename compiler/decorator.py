@@ -1,0 +1,147 @@
+"""`@prompt`: turns a function into a `PromptFunction`.
+
+    @prompt                                       # bare
+    def greet(name: Annotated[str, MaxTokens(8)]): ...
+
+    @prompt(name="shop.greet", params={"name": 8})   # with options
+    def greet(name): ...
+
+Decorating analyses the source (`analyze.py`) and raises `CompileError` for what
+is wrong in the function alone. The first call (or `.schema`) lowers it
+(`lower.py`: names resolved, bounds read, cached part chosen) and builds its
+instrumented twin (`instrument.py`); errors that need other functions surface
+then. Calling it runs the twin with the real arguments and returns a `Prompt`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import threading
+import types
+from contextlib import contextmanager
+from contextvars import ContextVar
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+from promptlang.compiler import lower
+from promptlang.compiler.analyze import analyze_function
+from promptlang.compiler.diagnostics import CompileError, Diagnostic, errors
+from promptlang.compiler.instrument import instrument
+from promptlang.compiler.prompt import Prompt
+from promptlang.compiler.source import module_name_for_file
+from promptlang.compiler.trace import Hooks, Trace
+from promptlang.pml import nodes
+from promptlang.pml.writer import write
+
+_COLLECTING: ContextVar[list | None] = ContextVar("promptlang_collecting", default=None)
+_PLANNING = threading.RLock()      # plans read other functions' plans: one lock for all
+
+
+def prompt(fn: Callable | None = None, *, name: str | None = None,
+           params: Mapping[str, Any] | None = None):
+    """Make `fn` a prompt program. `name`: the schema name (default: module-qualified
+    function name). `params`: length bounds in tokens, by parameter, local variable or
+    hole expression (`{"question": 32}`; a `MaxTokens` works too)."""
+    def decorate(f: Callable) -> "PromptFunction":
+        return PromptFunction(f, name=name, params=params)
+
+    return decorate if fn is None else decorate(fn)
+
+
+class PromptFunction:
+    """A @prompt function. Calling it returns a `Prompt`; on a class it binds like a method."""
+
+    def __init__(self, fn: Callable, *, name: str | None = None,
+                 params: Mapping[str, Any] | None = None):
+        if isinstance(fn, (staticmethod, classmethod)):
+            raise TypeError(f"put @prompt below @{type(fn).__name__}, directly on the def")
+        if not inspect.isfunction(fn):
+            raise TypeError(f"@prompt decorates a function, not {type(fn).__name__}")
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise TypeError(f"@prompt(name=...) must be a non-empty string, not {name!r}")
+        functools.update_wrapper(self, fn)
+        self.options = {"name": name, "params": dict(params or {})}
+        self.schema_name = name or default_schema_name(fn)
+        self.analysis = analyze_function(fn)
+        self._plan: lower.FunctionPlan | None = None
+        self._instrumented: types.FunctionType | None = None
+        self._schema: nodes.Schema | None = None
+        self._signature = inspect.signature(fn)
+        collected = _COLLECTING.get()
+        if collected is not None:
+            collected.append(self)
+        elif errors(self.analysis.diagnostics):
+            raise CompileError(self.analysis.diagnostics)
+
+    # -- compiling ------------------------------------------------------------------------
+
+    def plan(self, stack: tuple = ()) -> lower.FunctionPlan:
+        """What this function caches (computed once; raises CompileError)."""
+        if self._plan is None:
+            with _PLANNING:
+                if self._plan is None:
+                    plan = lower.plan_function(self, stack)
+                    self._instrumented = instrument(self.__wrapped__, self.analysis,
+                                                    Hooks(self), set(plan.module_names))
+                    self._plan = plan
+        return self._plan
+
+    def instrumented(self) -> types.FunctionType:
+        self.plan()
+        return self._instrumented
+
+    @property
+    def schema(self) -> nodes.Schema:
+        """The PML schema of this function (and the @prompt functions it calls)."""
+        if self._schema is None:
+            self._schema = lower.schema_of(self)
+        return self._schema
+
+    def schema_pml(self) -> str:
+        return write(self.schema)
+
+    @property
+    def diagnostics(self) -> tuple[Diagnostic, ...]:
+        """Warnings and errors found so far (the analysis, and the plan once made)."""
+        found = list(self.analysis.diagnostics)
+        if self._plan is not None:
+            found += [d for d in self._plan.diagnostics if d not in found]
+        return tuple(found)
+
+    # -- calling --------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs) -> Prompt:
+        self.plan()
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        doc = Trace().run(self, args, kwargs)
+        return Prompt(self.__qualname__, self.schema, doc, MappingProxyType(dict(bound.arguments)))
+
+    def __get__(self, instance, owner=None):
+        return self if instance is None else types.MethodType(self, instance)
+
+    def __repr__(self) -> str:
+        return f"<@prompt function {self.__module__}.{self.__qualname__}>"
+
+
+def default_schema_name(fn: Callable) -> str:
+    """`module.qualname` (no `<locals>`): the same in every process and on every machine."""
+    module = fn.__module__
+    if not module or module == "__main__":
+        module = module_name_for_file(fn.__code__.co_filename)
+    qualname = ".".join(p for p in fn.__qualname__.split(".") if p != "<locals>")
+    return re.sub(r"[^\w.-]+", "-", f"{module}.{qualname}")
+
+
+@contextmanager
+def collecting():
+    """Within this block, @prompt records the functions it makes (in a list it yields)
+    instead of raising their analysis errors: `promptlang check` reports them all."""
+    found: list[PromptFunction] = []
+    token = _COLLECTING.set(found)
+    try:
+        yield found
+    finally:
+        _COLLECTING.reset(token)

@@ -1,0 +1,154 @@
+"""Diagnostics: what the compiler tells a user about a `@prompt` function.
+
+A `Diagnostic` has a stable code from `CODES`, a severity, a message, a `Span`
+and a suggestion, and prints mypy-style so editors and CI can read it:
+
+    app.py:14:9: error: dynamic text without a length bound before cached text (line 16) [PL203]
+        question
+        ^
+    app.py:14:9: note: add a length bound: Annotated[str, MaxTokens(n)] or @prompt(params=...)
+
+Every diagnostic of a function (and, in `promptlang check`, of a file) is
+collected before anything stops; errors are then raised together as one
+`CompileError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Literal
+
+from promptlang.errors import PromptLangError, Span
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class Code:
+    """One entry of the registry: the code, what it means, and how to fix it in general."""
+
+    code: str
+    severity: Severity
+    title: str
+    suggestion: str
+
+
+CODES: dict[str, Code] = {c.code: c for c in (
+    # -- the file or the function as a whole
+    Code("PL001", "error", "Python syntax error", "fix the syntax; the file does not compile"),
+    Code("PL002", "error", "the source of a @prompt function cannot be read",
+         "define the function in a .py file (the compiler reads its source with inspect)"),
+    Code("PL003", "error", "importing the file raised an exception",
+         "the file must import cleanly for its @prompt functions to be compiled"),
+    # -- constructs the compiler does not accept anywhere
+    Code("PL101", "error", "unsupported kind of function",
+         "make it a plain `def` (not async, not a generator)"),
+    Code("PL102", "error", "`return` with a value",
+         "a @prompt function's result is its prompt: emit text instead of returning it"),
+    Code("PL103", "error", "a length bound names nothing the function uses",
+         "name a parameter, a local variable, or the exact expression of a text hole"),
+    Code("PL104", "error", "invalid length bound",
+         "a bound is a positive number of tokens: params={'x': 16} or MaxTokens(16)"),
+    Code("PL105", "error", "two different length bounds for one name",
+         "declare the bound once, in the annotation or in params="),
+    Code("PL106", "error", "misused role block",
+         "write `with system():`, `with user():` or `with assistant():` alone, not nested, "
+         "using promptlang's helpers"),
+    Code("PL107", "error", "a @prompt function called inside an expression",
+         "call it as a statement of its own to include its text"),
+    Code("PL108", "error", "recursive @prompt call",
+         "a schema is finite: unroll the recursion or make the inner part a loop in the "
+         "uncached tail"),
+    Code("PL109", "error", "a statement that cannot be text",
+         "emit str values: decode bytes first"),
+    # -- text that cannot be cached because of where it is
+    Code("PL201", "error", "text emitted in a `for` loop before cached text",
+         "move the loop after the last cached text, or give each item its own @prompt call "
+         "or branch"),
+    Code("PL202", "error", "text emitted in a `while` loop before cached text",
+         "move the loop after the last cached text"),
+    Code("PL203", "error", "dynamic text without a length bound before cached text",
+         "add a length bound: Annotated[str, MaxTokens(n)] or @prompt(params={...: n}), or "
+         "move it after the last cached text"),
+    Code("PL204", "error", "a call to a function that is not a @prompt function emits text "
+                           "before cached text",
+         "decorate the callee with @prompt, assign its result (`_ = f(...)`) if it is called "
+         "for its side effects, or move it after the last cached text"),
+    Code("PL205", "error", "text emitted inside `try` before cached text",
+         "compute values in the `try` and emit text after it"),
+    Code("PL206", "error", "text emitted inside a `with` block that is not a role block "
+                           "before cached text",
+         "compute values inside the `with` and emit text after it"),
+    Code("PL207", "error", "`return` before cached text",
+         "use if/else instead of an early return: text after the return would be in the "
+         "schema but not in this call's prompt"),
+    Code("PL208", "error", "a @prompt call that ends in uncached text before cached text",
+         "call it after the last cached text, or bound the callee's dynamic text"),
+    # -- warnings
+    Code("PL301", "warning", "a length bound that no text hole uses",
+         "remove the bound, or use the name as a text hole"),
+)}
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    """One finding, located in the user's source."""
+
+    code: str
+    message: str
+    span: Span | None = None
+    suggestion: str | None = None       # None: the registry's general suggestion
+
+    def __post_init__(self):
+        if self.code not in CODES:
+            raise ValueError(f"unregistered diagnostic code {self.code}")
+
+    @property
+    def severity(self) -> Severity:
+        return CODES[self.code].severity
+
+    @property
+    def hint(self) -> str:
+        return self.suggestion if self.suggestion is not None else CODES[self.code].suggestion
+
+    def format(self) -> str:
+        """`file:line:col: severity: message [code]`, the source line with a caret, a note."""
+        where = f"{self.span}: " if self.span is not None else ""
+        lines = [f"{where}{self.severity}: {self.message} [{self.code}]"]
+        if self.span is not None and self.span.line_text:
+            lines.append("    " + self.span.line_text.expandtabs(1))
+            lines.append("    " + " " * (self.span.col - 1) + "^")
+        lines.append(f"{where}note: {self.hint}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def errors(diagnostics: Iterable[Diagnostic]) -> list[Diagnostic]:
+    return [d for d in diagnostics if d.severity == "error"]
+
+
+def sort_key(d: Diagnostic):
+    s = d.span
+    return (s.file, s.line, s.col, d.code) if s is not None else ("", 0, 0, d.code)
+
+
+class CompileError(PromptLangError):
+    """A @prompt function the compiler cannot turn into a schema; carries every diagnostic."""
+
+    def __init__(self, diagnostics: Iterable[Diagnostic]):
+        self.diagnostics = tuple(sorted(set(diagnostics), key=sort_key))
+        first = self.diagnostics[0] if self.diagnostics else None
+        count = len(errors(self.diagnostics))
+        summary = (f"{first.message} [{first.code}]" if first is not None else "compile error")
+        if count > 1:
+            summary += f" (and {count - 1} more error{'s' if count > 2 else ''})"
+        super().__init__(summary, first.span if first is not None else None)
+        self.args = (self.diagnostics,)
+
+    def __str__(self) -> str:
+        return "\n".join(d.format() for d in self.diagnostics)
+
+    def __reduce__(self):
+        return (CompileError, (self.diagnostics,))

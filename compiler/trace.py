@@ -1,0 +1,208 @@
+"""One call of a @prompt function, traced: which modules it entered, with which arguments,
+and the uncached text after them.
+
+The instrumented function (`instrument.py`) reports each item it runs to its
+`Hooks`, which forward to the `Trace` of the current call (a context variable, so
+threads and nested calls each have their own). The trace keeps a stack of frames,
+one per cached module entered; it switches to *tail* mode at the first item the
+plan did not cache, after which every piece of text becomes uncached prompt text.
+
+When a frame closes, the cached items it emitted must be exactly the module's own
+items of the schema: the prompt must render to what the Python code emitted.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+from promptlang.compiler.lower import FunctionPlan, prompt_function_of, merge_text
+from promptlang.errors import PromptLangError
+from promptlang.pml import nodes
+
+_CURRENT: ContextVar["Trace | None"] = ContextVar("promptlang_trace", default=None)
+
+
+class Hooks:
+    """`_promptlang_rt` inside the instrumented twin of one @prompt function."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def _trace(self) -> "Trace":
+        trace = _CURRENT.get()
+        if trace is None:
+            raise PromptLangError(f"the instrumented body of {self.function.__qualname__} ran "
+                                  "outside a call of a @prompt function")
+        return trace
+
+    def text(self, item: int) -> None:
+        self._trace().text(self.function.plan(), item)
+
+    def value(self, item: int, value) -> None:
+        self._trace().value(self.function.plan(), item, value)
+
+    def fstring(self, item: int, values: tuple[str, ...]) -> None:
+        self._trace().fstring(self.function.plan(), item, values)
+
+    def call(self, item: int, func, *args, **kwargs) -> None:
+        self._trace().call(self.function.plan(), item, func, args, kwargs)
+
+    def module(self, item: int):
+        return self._trace().module(self.function.plan(), item)
+
+    def role(self, open_item: int, close_item: int):
+        return self._trace().role(self.function.plan(), open_item, close_item)
+
+
+@dataclass
+class _Frame:
+    plan: FunctionPlan
+    key: int | None                      # None: the function's own module; else an arm id
+    name: str
+    args: list[nodes.Argument] = field(default_factory=list)
+    children: list[nodes.ModuleRef] = field(default_factory=list)
+    own: list[int] = field(default_factory=list)
+
+
+class Trace:
+    def __init__(self):
+        self.tail = False
+        self.forced = 0                   # callees running inside the tail, all uncached
+        self.frames: list[_Frame] = []
+        self.uncached: list = []          # Text / RoleOpen / RoleClose after the modules
+
+    # -- running a call -------------------------------------------------------------------
+
+    def run(self, function, args, kwargs) -> nodes.PromptDoc:
+        plan = function.plan()
+        token = _CURRENT.set(self)
+        try:
+            self.frames.append(_Frame(plan, None, plan.module_name))
+            function.instrumented()(*args, **kwargs)
+            root = self.close(self.frames.pop())
+        finally:
+            _CURRENT.reset(token)
+        return nodes.PromptDoc(function.schema_name, (root, *merge_text(self.uncached)))
+
+    def close(self, frame: _Frame) -> nodes.ModuleRef:
+        expected = frame.plan.expected.get(frame.key, ())
+        if tuple(frame.own) != expected:
+            missing = next((i for k, i in enumerate(expected)
+                            if k >= len(frame.own) or frame.own[k] != i), None)
+            span = frame.plan.spans.get(missing) if missing is not None else None
+            raise PromptLangError(
+                f"{frame.plan.ir.qualname} left out cached text of module '{frame.name}' that "
+                "its schema always includes (an early exit from a block, or a suppressed "
+                "exception?): the prompt would not render what the function emitted", span)
+        return nodes.ModuleRef(frame.name, tuple(frame.args), tuple(frame.children))
+
+    def is_tail(self, plan: FunctionPlan, item: int) -> bool:
+        if not self.tail and item not in plan.cached:
+            self.tail = True
+        elif self.tail and not self.forced and item in plan.cached:
+            # the plan puts every item that can run after uncached text in the tail
+            raise PromptLangError(f"internal error: cached item {item} of "
+                                  f"{plan.ir.qualname} ran after uncached text",
+                                  plan.spans.get(item))
+        return self.tail
+
+    def run_uncached(self, function, args, kwargs) -> None:
+        self.forced += 1
+        try:
+            function(*args, **kwargs)
+        finally:
+            self.forced -= 1
+
+    # -- events ---------------------------------------------------------------------------
+
+    def _emit(self, text: str) -> None:
+        if text:
+            self.uncached.append(nodes.Text(text))
+
+    def text(self, plan: FunctionPlan, item: int) -> None:
+        text = plan.texts[item]
+        if self.is_tail(plan, item):
+            self._emit(text)
+        else:
+            self.frames[-1].own.append(item)
+
+    def value(self, plan: FunctionPlan, item: int, value) -> None:
+        text = "" if value is None else str(value)
+        if self.is_tail(plan, item):
+            self._emit(text)
+            return
+        frame = self.frames[-1]
+        frame.own.append(item)
+        frame.args.append(nodes.Argument(plan.param_names[item][0], text))
+
+    def fstring(self, plan: FunctionPlan, item: int, values: tuple[str, ...]) -> None:
+        parts, holes = plan.fstrings[item], iter(values)
+        text = "".join(next(holes) if p is None else p for p in parts)
+        if self.is_tail(plan, item):
+            self._emit(text)
+            return
+        frame = self.frames[-1]
+        frame.own.append(item)
+        frame.args.extend(nodes.Argument(name, value)
+                          for name, value in zip(plan.param_names[item], values))
+
+    def call(self, plan: FunctionPlan, item: int, func, args, kwargs) -> None:
+        static = plan.callees.get(item)
+        target = prompt_function_of(func)
+        span = plan.spans.get(item)
+        if static is None:        # compiled as a plain call: its text is uncached
+            if target is not None:
+                self.is_tail(plan, item)
+                if getattr(func, "__self__", None) is not None and func is not target:
+                    args = (func.__self__, *args)
+                self.run_uncached(target.instrumented(), args, kwargs)
+                return
+            result = func(*args, **kwargs)
+            if result is not None:
+                self.is_tail(plan, item)
+                self._emit(str(result))
+            return
+        if target is not static:
+            raise PromptLangError(
+                f"this call was compiled as a call to {static.__qualname__} but reached "
+                f"{getattr(target, '__qualname__', repr(func))} at run time", span)
+        if getattr(func, "__self__", None) is not None and func is not target:
+            args = (func.__self__, *args)
+        run = static.instrumented()
+        if self.is_tail(plan, item):
+            self.run_uncached(run, args, kwargs)
+            return
+        if item not in plan.module_names:     # a callee that caches nothing
+            run(*args, **kwargs)
+            return
+        frame = _Frame(static.plan(), None, plan.module_names[item])
+        self.frames.append(frame)
+        run(*args, **kwargs)
+        self.frames.pop()
+        self.frames[-1].children.append(self.close(frame))
+
+    @contextmanager
+    def module(self, plan: FunctionPlan, item: int):
+        if self.tail or item not in plan.module_names:
+            yield
+            return
+        frame = _Frame(plan, item, plan.module_names[item])
+        self.frames.append(frame)
+        yield
+        self.frames.pop()
+        self.frames[-1].children.append(self.close(frame))
+
+    @contextmanager
+    def role(self, plan: FunctionPlan, open_item: int, close_item: int):
+        role = plan.roles[open_item]
+        if self.is_tail(plan, open_item):
+            self.uncached.append(nodes.RoleOpen(role))
+        else:
+            self.frames[-1].own.append(open_item)
+        yield
+        if self.is_tail(plan, close_item):
+            self.uncached.append(nodes.RoleClose(role))
+        else:
+            self.frames[-1].own.append(close_item)
