@@ -1,0 +1,24 @@
+"""promptlang.runtime: model adapters, encoder, module store, assembler, generator.
+
+Data flow of one request (each step one file):
+
+    engine.py     bind the prompt, then drive the steps below; timings per phase
+    encoder.py    unit -> KV at its layout positions (one forward pass), via the store
+    store.py      KV by content key, in device / host / disk tiers
+    assembler.py  the request's units' KV into a pooled, preallocated buffer
+    generate.py   prefill of the uncached tokens, then decode (sampling.py picks tokens)
+    model.py      the only code that knows transformers' cache classes
+
+The public names are imported lazily, so `import promptlang.runtime` stays cheap.
+"""
+
+from __future__ import annotations
+
+__all__ = ["load", "LLM", "Result", "Timings"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from promptlang.runtime import engine
+        return getattr(engine, name)
+    raise AttributeError(f"module 'promptlang.runtime' has no attribute {name!r}")

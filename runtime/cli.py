@@ -1,0 +1,110 @@
+"""`promptlang run` and `promptlang cache`: the runtime's commands.
+
+    promptlang run SCHEMA.pml PROMPT.pml [--model PATH] [--max-new-tokens N] [--baseline]
+                   [--isolate] [--temperature T] [--seed S] [--stream]
+    promptlang cache ls [--dir DIR]
+    promptlang cache clear [--dir DIR]
+
+`run` prints the answer on stdout and the timing breakdown on stderr. Nothing here
+imports torch until a command runs (`promptlang pml check` stays light).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    run = subparsers.add_parser(
+        "run", help="answer a prompt with cached modules",
+        description="Serve PROMPT (a <prompt> file) against SCHEMA (a <schema> file): cached "
+                    "modules come from the KV store (encoded on first use), the rest is "
+                    "computed. Prints the answer, then the timing breakdown on stderr.")
+    run.add_argument("schema", metavar="SCHEMA.pml")
+    run.add_argument("prompt", metavar="PROMPT.pml")
+    run.add_argument("--model", metavar="PATH",
+                     help="transformers model folder (default: the embedded SmolLM2-135M)")
+    run.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    run.add_argument("--baseline", action="store_true",
+                     help="no reuse: the same tokens at positions 0..N-1, for comparison")
+    run.add_argument("--isolate", action="store_true",
+                     help="each module attends only to itself (the paper's rule)")
+    run.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                     help="0 (default) is greedy")
+    run.add_argument("--seed", type=int, default=None, metavar="S")
+    run.add_argument("--stream", action="store_true", help="print text as it is generated")
+    run.set_defaults(func=_run)
+
+    cache = subparsers.add_parser("cache", help="inspect or empty the KV store on disk",
+                                  description="The module store's disk tier.")
+    cache.set_defaults(group_parser=cache)
+    commands = cache.add_subparsers(title="commands", metavar="COMMAND")
+    ls = commands.add_parser("ls", help="list stored units")
+    ls.add_argument("--dir", metavar="DIR", help="store folder (default: the KV home)")
+    ls.set_defaults(func=_cache_ls)
+    clear = commands.add_parser("clear", help="delete every stored unit")
+    clear.add_argument("--dir", metavar="DIR", help="store folder (default: the KV home)")
+    clear.set_defaults(func=_cache_clear)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from promptlang.runtime import engine
+
+    started = time.perf_counter()
+    llm = engine.load(args.model, isolate=args.isolate)
+    loaded = time.perf_counter() - started
+    llm.add_schema(args.schema)
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   seed=args.seed, baseline=args.baseline)
+    if args.stream:
+        stream = llm.generate(args.prompt, stream=True, **options)
+        for delta in stream:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        result = stream.result
+    else:
+        result = llm.generate(args.prompt, **options)
+        print(result.text)
+    mode = "baseline" if args.baseline else ("isolate" if args.isolate else "cached")
+    print(f"[{mode}] {len(result.token_ids)} tokens, finish: {result.finish_reason}; "
+          f"prefill {result.prefill_tokens} tokens, cached {result.cached_tokens}; "
+          f"model load {loaded:.1f} s", file=sys.stderr)
+    print(f"[{mode}] {result.timings}", file=sys.stderr)
+    return 0
+
+
+def _cache_ls(args: argparse.Namespace) -> int:
+    from promptlang.runtime.store import list_disk_entries
+
+    entries = list_disk_entries(args.dir)
+    total = 0
+    for e in entries:
+        total += e["file_bytes"]
+        if e["error"]:
+            print(f"{e['key'][:16]}  unreadable: {e['error']}")
+            continue
+        meta = e["meta"]
+        modified = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["modified"]))
+        print(f"{e['key'][:16]}  {e['length']:>6} tokens  {_size(e['file_bytes']):>9}  "
+              f"{modified}  {meta.get('schema', '?')}:{meta.get('unit', '?')}")
+    print(f"{len(entries)} entries, {_size(total)}")
+    return 0
+
+
+def _cache_clear(args: argparse.Namespace) -> int:
+    from promptlang.runtime.store import clear_disk
+
+    print(f"removed {clear_disk(args.dir)} entries")
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover

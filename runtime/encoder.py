@@ -1,0 +1,209 @@
+"""The encoder: one layout unit -> its KV at its layout positions, in ONE forward pass.
+
+A unit's tokens (placeholders in parameter slots included) attend causally, by
+position, to the unit's own tokens and, under the default guaranteed-context rule,
+to the KV of the units in `Unit.context` (the schema root and the module's
+ancestors) at positions <= their own. With `isolate=True` they attend only to
+themselves (the paper's rule). Context units are taken from the store, or encoded
+first, recursively.
+
+The store key of a unit is a digest of everything that determines its KV: the
+model fingerprint, the rule, the tokenizer fingerprint, the unit's token ids,
+positions and placeholder flags, and (guaranteed context) the same for the part of
+each context unit it can see (the tokens up to its own last position). Editing one
+module therefore re-encodes that module and the units that see it, nothing else;
+text that moves *after* a module (e.g. the root's closing role tag when the last
+module changes length) re-encodes the unit holding that text, not the module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import torch
+
+from promptlang.pml.layout import SchemaLayout, Unit
+from promptlang.runtime.kv import ModuleKV
+from promptlang.runtime.model import ModelAdapter, Past
+
+KEY_VERSION = "promptlang-unit-v1"
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """A unit's tokens as tensors, and its store key."""
+
+    unit: Unit
+    key: str
+    token_ids: torch.Tensor      # [S] int64
+    positions: torch.Tensor      # [S] int64
+    placeholder: torch.Tensor    # [S] bool
+
+    @property
+    def length(self) -> int:
+        return int(self.positions.shape[0])
+
+
+@dataclass
+class EncodeStats:
+    """What one request spent encoding units the store lacked."""
+
+    calls: int = 0
+    seconds: float = 0.0
+
+
+class UnitEncoder:
+    """Serves units' KV from the store, encoding (and storing) the ones it lacks.
+
+    `calls` counts encoded units (one forward pass each, or one per chunk of a long unit);
+    `encoded` holds the latest encoded keys, oldest first.
+    """
+
+    def __init__(self, adapter: ModelAdapter, store, tokenizer_fingerprint: str,
+                 isolate: bool = False):
+        self.adapter = adapter
+        self.store = store
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.isolate = isolate
+        self.rule = "isolate" if isolate else "guaranteed-context"
+        self.calls = 0
+        self.encoded: deque[str] = deque(maxlen=1024)   # keys of the latest encodes
+        self._plans: OrderedDict[int, tuple[SchemaLayout, dict[str, UnitPlan]]] = OrderedDict()
+        self._plans_lock = threading.Lock()
+
+    # --- keys -----------------------------------------------------------------------------
+
+    def plan(self, layout: SchemaLayout, unit_id: str) -> UnitPlan:
+        """The unit's tensors and store key (memoised per layout)."""
+        with self._plans_lock:
+            hit = self._plans.get(id(layout))
+            if hit is None or hit[0] is not layout:
+                hit = (layout, {})
+                self._plans[id(layout)] = hit
+                if len(self._plans) > 64:
+                    self._plans.popitem(last=False)
+            self._plans.move_to_end(id(layout))
+            plans = hit[1]
+        plan = plans.get(unit_id)
+        if plan is None:
+            plan = self._make_plan(layout, layout.units[unit_id])
+            plans[unit_id] = plan
+        return plan
+
+    def _make_plan(self, layout: SchemaLayout, unit: Unit) -> UnitPlan:
+        ids, pos, hold = [], [], []
+        for seg in unit.segments:
+            ids += seg.token_ids
+            pos += seg.positions
+            hold += [seg.kind == "param"] * len(seg.token_ids)
+        last = max(pos, default=-1)
+        key = self._digest(layout, unit, ids, pos, hold, last)
+        return UnitPlan(unit, key, torch.tensor(ids, dtype=torch.int64),
+                        torch.tensor(pos, dtype=torch.int64), torch.tensor(hold, dtype=torch.bool))
+
+    def _digest(self, layout: SchemaLayout, unit: Unit, ids, pos, hold, last: int) -> str:
+        """What determines the KV of `unit`'s tokens at positions <= `last`: those tokens,
+        and the same for its context units (a context token after `last` is never seen,
+        so text that moves after a module does not invalidate it)."""
+        keep = [i for i, p in enumerate(pos) if p <= last]
+        h = hashlib.sha256()
+        for part in (KEY_VERSION, self.adapter.fingerprint, self.rule, self.tokenizer_fingerprint):
+            h.update(part.encode() + b"\0")
+        h.update(array("q", [ids[i] for i in keep]).tobytes() + b"\0")
+        h.update(array("q", [pos[i] for i in keep]).tobytes() + b"\0")
+        h.update(bytes(hold[i] for i in keep) + b"\0")
+        for context_id in self.context_of(unit):
+            context = layout.units[context_id]
+            c_ids, c_pos, c_hold = [], [], []
+            for seg in context.segments:
+                c_ids += seg.token_ids
+                c_pos += seg.positions
+                c_hold += [seg.kind == "param"] * len(seg.token_ids)
+            h.update(self._digest(layout, context, c_ids, c_pos, c_hold, last).encode() + b"\0")
+        return h.hexdigest()
+
+    def context_of(self, unit: Unit) -> tuple[str, ...]:
+        return () if self.isolate else unit.context
+
+    def key(self, layout: SchemaLayout, unit_id: str) -> str:
+        return self.plan(layout, unit_id).key
+
+    # --- serving ----------------------------------------------------------------------------
+
+    def get(self, layout: SchemaLayout, unit_id: str, stats: EncodeStats | None = None) -> ModuleKV:
+        """The unit's KV: from the store, or encoded now (context units first) and stored."""
+        plan = self.plan(layout, unit_id)
+        if plan.length == 0:
+            return self._empty()
+        kv = self.store.get(plan.key)
+        if kv is not None:
+            return kv
+        with self.adapter.lock:          # one encoder of a key at a time; others then hit
+            kv = self.store.get(plan.key)
+            if kv is not None:
+                return kv
+            context = [self.get(layout, c, stats) for c in self.context_of(plan.unit)]
+            started = time.perf_counter()
+            kv = self.encode(plan, context)
+            self.store.put(plan.key, kv, {"unit": plan.unit.id, "schema": layout.schema.name,
+                                          "tokens": str(plan.length), "rule": self.rule})
+            if stats is not None:
+                stats.calls += 1
+                stats.seconds += time.perf_counter() - started
+            return kv
+
+    def warm(self, layout: SchemaLayout) -> int:
+        """Make sure every cached unit of `layout` is in the store; returns units encoded."""
+        before = self.calls
+        for unit_id, unit in layout.units.items():
+            if unit.cache:
+                self.get(layout, unit_id)
+        return self.calls - before
+
+    @torch.inference_mode()
+    def encode(self, plan: UnitPlan, context: list[ModuleKV]) -> ModuleKV:
+        """One forward pass over the unit's tokens at their positions, against `context`."""
+        device = self.adapter.device
+        ids = plan.token_ids.to(device)
+        pos = plan.positions.to(device)
+        last = int(pos.max())
+        # context tokens after the unit's last token are never attended: leave them out
+        pieces = [(kv, kv.positions <= last) for kv in context]
+        past_len = sum(int(keep.sum()) for _, keep in pieces)
+        keys, values = self.adapter.empty_kv(past_len + plan.length)
+        past_pos = torch.empty(past_len, dtype=torch.int64, device=device)
+        at = 0
+        for kv, keep in pieces:
+            n = int(keep.sum())
+            if n == 0:
+                continue
+            if n == kv.length:
+                keys[:, :, at:at + n] = kv.keys
+                values[:, :, at:at + n] = kv.values
+            else:
+                keys[:, :, at:at + n] = kv.keys[:, :, keep]
+                values[:, :, at:at + n] = kv.values[:, :, keep]
+            past_pos[at:at + n] = kv.positions[keep]
+            at += n
+        allowed = None   # causal in input order, all past visible: the common case
+        ordered = bool((pos[1:] > pos[:-1]).all())
+        if not ordered or (past_len and int(past_pos.max()) >= int(pos.min())):
+            allowed = torch.cat([past_pos[None, :] <= pos[:, None],
+                                 pos[None, :] <= pos[:, None]], dim=1)
+        step = self.adapter.forward(ids, pos, Past(keys, values, past_pos), allowed)
+        self.calls += 1
+        self.encoded.append(plan.key)
+        own = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731
+        return ModuleKV(own(step.keys), own(step.values), pos.clone(), ids.clone(),
+                        plan.placeholder.to(device))
+
+    def _empty(self) -> ModuleKV:
+        keys, values = self.adapter.empty_kv(0)
+        empty = torch.empty(0, dtype=torch.int64, device=self.adapter.device)
+        return ModuleKV(keys, values, empty, empty.clone(),
+                        torch.empty(0, dtype=torch.bool, device=self.adapter.device))

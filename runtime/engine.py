@@ -1,0 +1,371 @@
+"""The engine: `load()` a model, register schemas, and serve prompts from cached modules.
+
+    llm = load()                                   # the embedded default model
+    llm.add_schema(open("travel.pml").read())      # or a nodes.Schema, or a path
+    result = llm.generate('<prompt schema="travel"><trip-plan duration="3 days"/>...</prompt>')
+    print(result.text, result.timings)
+
+A request goes: bind (prompt -> BoundPrompt) -> retrieve (each unit's KV from the
+store, encoded on a miss) -> assemble (into a pooled buffer) -> prefill (the
+uncached tokens, one pass) -> decode. Every check that can reject a request runs
+before anything is encoded, so a rejected request leaves the store as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from promptlang.errors import (ContextLengthError, PromptLangError, TokenizerMismatchError,
+                               UnknownSchemaError)
+from promptlang.pml import nodes
+from promptlang.pml.binding import BoundPrompt, bind
+from promptlang.pml.layout import SchemaLayout, lay_out
+from promptlang.runtime.assembler import Assembler, KVBuffer
+from promptlang.runtime.encoder import EncodeStats, UnitEncoder
+from promptlang.runtime.generate import (baseline_prefill, decode, prefill, take_last,
+                                         uncached_tokens)
+from promptlang.runtime.model import ModelAdapter, adapt
+from promptlang.runtime.sampling import Decoding, SamplingParams
+
+
+@dataclass
+class Timings:
+    """Seconds spent in each phase of one request. `encode` is the part of `retrieve`
+    spent encoding units the store lacked; `first_token` runs from the call to the
+    first picked token; `total` to the end."""
+
+    bind: float = 0.0
+    retrieve: float = 0.0
+    assemble: float = 0.0
+    prefill: float = 0.0
+    first_token: float = 0.0
+    total: float = 0.0
+    encode: float = 0.0
+
+    def __str__(self) -> str:
+        parts = [f"{name} {getattr(self, name) * 1000:.1f} ms" for name in
+                 ("bind", "retrieve", "encode", "assemble", "prefill", "first_token", "total")]
+        return " | ".join(parts)
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    timings: Timings
+    prefill_tokens: int          # tokens computed by the prefill pass
+    cached_tokens: int           # tokens served from cached units
+
+
+@dataclass
+class Prefilled:
+    """A prefill's outputs, copied out of the request buffer (for tests and benchmarks).
+    Token order: the assembled cached tokens, then the prefilled ones."""
+
+    logits: torch.Tensor         # [R, V]: every prefilled token's, or the last one's
+    keys: torch.Tensor           # [L, H_kv, N, D]
+    values: torch.Tensor         # [L, H_kv, N, D]
+    positions: torch.Tensor      # [N]
+    token_ids: torch.Tensor      # [N]
+    cached_length: int           # the first cached_length tokens came from the store
+    timings: Timings
+
+
+class TextStream:
+    """An iterator of text deltas; `result` is set once it is exhausted."""
+
+    def __init__(self, deltas: Iterator[str], request: "_Request"):
+        self._deltas = deltas
+        self._request = request
+        self.result: Result | None = None
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._deltas)
+        except StopIteration:
+            self.result = self._request.result
+            raise
+
+    def close(self) -> None:
+        """Stop early (the request's buffer goes back to the pool)."""
+        self._deltas.close()
+
+
+@dataclass
+class _Request:
+    bound: BoundPrompt
+    params: SamplingParams
+    baseline: bool
+    timings: Timings = field(default_factory=Timings)
+    started: float = field(default_factory=time.perf_counter)
+    cached_length: int = 0
+    prefill_tokens: int = 0
+    result: Result | None = None
+
+
+class LLM:
+    """A model with its tokenizer, module store and registered schemas."""
+
+    decode_room = 1024     # generated tokens a request buffer holds before it grows
+
+    def __init__(self, adapter: ModelAdapter, tokenizer, store=None, *, isolate: bool = False):
+        if store is None:
+            from promptlang.runtime.store import ModuleStore
+            store = ModuleStore(device=adapter.device)
+        self.adapter = adapter
+        self.tokenizer = tokenizer
+        self.store = store
+        self.isolate = isolate
+        self.encoder = UnitEncoder(adapter, store, tokenizer.fingerprint, isolate=isolate)
+        self.assembler = Assembler(adapter)
+        self._schemas: dict[str, tuple[nodes.Schema, SchemaLayout | None]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_model(cls, hf_model: torch.nn.Module, tokenizer, *, store=None,
+                   isolate: bool = False) -> "LLM":
+        """Wrap an already loaded transformers causal LM (e.g. a tiny test model)."""
+        return cls(adapt(hf_model), tokenizer, store, isolate=isolate)
+
+    @property
+    def max_positions(self) -> int | None:
+        limits = [n for n in (self.adapter.max_positions, self.tokenizer.max_positions) if n]
+        return min(limits) if limits else None
+
+    @property
+    def encoder_calls(self) -> int:
+        return self.encoder.calls
+
+    # --- schemas ----------------------------------------------------------------------------
+
+    def add_schema(self, schema) -> nodes.Schema:
+        """Register a schema (nodes.Schema, SchemaLayout, PML text or a path to a .pml file)
+        under its name; a schema of the same name is replaced."""
+        layout = None
+        if isinstance(schema, SchemaLayout):
+            self._check_layout(schema)
+            layout, schema = schema, schema.schema
+        elif isinstance(schema, (str, os.PathLike)) and not isinstance(schema, nodes.Schema):
+            schema = _read_schema(schema)
+        if not isinstance(schema, nodes.Schema):
+            raise PromptLangError(f"not a schema: {type(schema).__name__}")
+        with self._lock:
+            known = self._schemas.get(schema.name)
+            if known is None or known[0] != schema or layout is not None:
+                self._schemas[schema.name] = (schema, layout)
+        return schema
+
+    def layout(self, schema) -> SchemaLayout:
+        """The layout of a registered schema (by name or node), memoised."""
+        name = schema if isinstance(schema, str) else schema.name
+        with self._lock:
+            entry = self._schemas.get(name)
+        if entry is None:
+            raise UnknownSchemaError(f"unknown schema {name!r} (registered: "
+                                     f"{', '.join(sorted(self._schemas)) or 'none'})")
+        schema, layout = entry
+        if layout is None:
+            layout = lay_out(schema, self.tokenizer)
+            self._check_fits(layout.end, f"schema {schema.name!r}", schema.span)
+            with self._lock:
+                if self._schemas.get(name, (None,))[0] is schema:
+                    self._schemas[name] = (schema, layout)
+        return layout
+
+    def encode(self, schema) -> int:
+        """Register `schema` and encode every cached unit the store lacks; returns how many."""
+        schema = self.add_schema(schema)
+        return self.encoder.warm(self.layout(schema))
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def bind(self, prompt, *, schema=None) -> BoundPrompt:
+        """Parse (if needed) and bind `prompt` to its registered schema."""
+        doc = self._prompt_doc(prompt, schema)
+        with self._lock:
+            entry = self._schemas.get(doc.schema)
+        if entry is None:
+            raise UnknownSchemaError(
+                f"unknown schema {doc.schema!r} (registered: "
+                f"{', '.join(sorted(self._schemas)) or 'none'})", doc.span)
+        bound = bind(doc, self.layout(doc.schema), self.tokenizer)
+        if bound.cached_token_count + bound.uncached_token_count == 0:
+            raise PromptLangError("the prompt is empty: nothing to compute", doc.span)
+        self._check_fits(bound.end, "the prompt", doc.span)
+        return bound
+
+    def generate(self, prompt, *, schema=None, max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=(),
+                 stream: bool = False, baseline: bool = False):
+        """Answer `prompt` (PML text, a nodes.PromptDoc, or an object with `.schema` and
+        `.doc`). Returns a Result, or with stream=True a TextStream of text deltas."""
+        started = time.perf_counter()
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_p=top_p, top_k=top_k, seed=seed, stop=stop)
+        request = _Request(self.bind(prompt, schema=schema), params, baseline, started=started)
+        request.timings.bind = time.perf_counter() - started
+        buffer, logits, position = self._prefill(request, all_logits=False)
+        deltas = self._decode(request, buffer, logits[-1], position)
+        if stream:
+            return TextStream(deltas, request)
+        for _ in deltas:
+            pass
+        return request.result
+
+    def prefill(self, prompt, *, schema=None, baseline: bool = False,
+                all_logits: bool = True) -> Prefilled:
+        """Run a request's prefill only and return its logits and KV (copies)."""
+        started = time.perf_counter()
+        request = _Request(self.bind(prompt, schema=schema), SamplingParams(max_new_tokens=1),
+                           baseline, started=started)
+        request.timings.bind = time.perf_counter() - started
+        buffer, logits, _ = self._prefill(request, all_logits=all_logits)
+        try:
+            n = buffer.length
+            request.timings.total = time.perf_counter() - started
+            return Prefilled(logits.clone(), buffer.keys[:, :, :n].clone(),
+                             buffer.values[:, :, :n].clone(), buffer.positions[:n].clone(),
+                             buffer.token_ids[:n].clone(), request.cached_length, request.timings)
+        finally:
+            self.assembler.release(buffer)
+
+    # --- the phases ---------------------------------------------------------------------------
+
+    def _prefill(self, request: _Request, all_logits: bool) -> tuple[KVBuffer, torch.Tensor, int]:
+        """Retrieve, assemble and prefill; returns the request's buffer (the caller releases
+        it), the prefill's logits and the first position to decode at."""
+        bound, t = request.bound, request.timings
+        room = request.params.max_new_tokens          # decoding grows the buffer past this
+        if self.max_positions is not None:
+            room = max(1, min(room, self.max_positions - bound.end))
+        room = min(room, self.decode_room)
+        if request.baseline:
+            ids = bound.token_ids()
+            buffer = self.assembler.acquire(len(ids) + room)
+            request.cached_length, request.prefill_tokens = 0, len(ids)
+            with self._released_on_error(buffer):
+                mark = time.perf_counter()
+                logits = baseline_prefill(self.adapter, buffer, ids, all_logits)
+                t.prefill = time.perf_counter() - mark
+            return buffer, logits, len(ids)
+
+        mark = time.perf_counter()
+        stats = EncodeStats()
+        units = [(self.encoder.key(bound.layout, unit_id),
+                  self.encoder.get(bound.layout, unit_id, stats)) for unit_id in bound.units]
+        units = [(key, kv) for key, kv in units if kv.length]
+        t.retrieve, t.encode = time.perf_counter() - mark, stats.seconds
+
+        mark = time.perf_counter()
+        ids, positions = uncached_tokens(bound.uncached)
+        cached = sum(int((~kv.placeholder).sum()) for _, kv in units)
+        buffer = self.assembler.acquire(cached + len(ids) + room, [key for key, _ in units])
+        with self._released_on_error(buffer):
+            self.assembler.assemble(buffer, units)
+            if not ids:             # the last token's output is needed: recompute it
+                token, position = take_last(buffer)
+                ids, positions = [token], [position]
+            t.assemble = time.perf_counter() - mark
+            request.cached_length, request.prefill_tokens = buffer.length, len(ids)
+            mark = time.perf_counter()
+            logits = prefill(self.adapter, buffer, ids, positions, all_logits)
+            t.prefill = time.perf_counter() - mark
+        return buffer, logits, bound.end
+
+    @contextlib.contextmanager
+    def _released_on_error(self, buffer: KVBuffer):
+        try:
+            yield
+        except BaseException:
+            self.assembler.release(buffer)
+            raise
+
+    def _decode(self, request: _Request, buffer: KVBuffer, logits: torch.Tensor,
+                position: int) -> Iterator[str]:
+        decoding = Decoding(request.params, self.tokenizer)
+        t = request.timings
+        try:
+            first = True
+            for _, delta, finished in decode(self.adapter, buffer, logits, position, decoding,
+                                             self.max_positions):
+                if first:
+                    t.first_token = time.perf_counter() - request.started
+                    first = False
+                if delta:
+                    yield delta
+                if finished:
+                    break
+        finally:
+            self.assembler.release(buffer)
+        t.total = time.perf_counter() - request.started
+        text, token_ids, reason = decoding.result()
+        request.result = Result(text, token_ids, reason, t, request.prefill_tokens,
+                                request.cached_length)
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _prompt_doc(self, prompt, schema) -> nodes.PromptDoc:
+        if schema is not None:
+            self.add_schema(schema)
+        if isinstance(prompt, nodes.PromptDoc):
+            return prompt
+        if isinstance(prompt, (str, os.PathLike)):
+            return _read_prompt(prompt)
+        doc, attached = getattr(prompt, "doc", None), getattr(prompt, "schema", None)
+        if isinstance(doc, nodes.PromptDoc) and attached is not None:
+            self.add_schema(attached)
+            return doc
+        raise PromptLangError(f"not a prompt: {type(prompt).__name__} (give PML text, a "
+                              "PromptDoc, or an object with .schema and .doc)")
+
+    def _check_layout(self, layout: SchemaLayout) -> None:
+        if layout.tokenizer_fingerprint != self.tokenizer.fingerprint:
+            raise TokenizerMismatchError(
+                f"schema {layout.schema.name!r} was laid out for tokenizer "
+                f"{layout.tokenizer_fingerprint[:16]}, but this model's tokenizer is "
+                f"{self.tokenizer.fingerprint[:16]}: lay it out again for this model",
+                layout.schema.span)
+
+    def _check_fits(self, end: int, what: str, span) -> None:
+        limit = self.max_positions
+        if limit is not None and end > limit:
+            raise ContextLengthError(f"{what} needs {end} positions; the model has {limit}", span)
+
+
+def _read_schema(source) -> nodes.Schema:
+    from promptlang.pml.parser import parse_file, parse_schema
+    if isinstance(source, str) and source.lstrip().startswith("<"):
+        return parse_schema(source, file="<schema>")
+    parsed = parse_file(source)
+    if not isinstance(parsed, nodes.Schema):
+        raise PromptLangError(f"{os.fspath(source)} holds a prompt, not a schema", parsed.span)
+    return parsed
+
+
+def _read_prompt(source) -> nodes.PromptDoc:
+    from promptlang.pml.parser import parse_file, parse_prompt
+    if isinstance(source, str) and source.lstrip().startswith("<"):
+        return parse_prompt(source, file="<prompt>")
+    parsed = parse_file(source)
+    if not isinstance(parsed, nodes.PromptDoc):
+        raise PromptLangError(f"{os.fspath(source)} holds a schema, not a prompt", parsed.span)
+    return parsed
+
+
+def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
+         dtype: torch.dtype = torch.float32, isolate: bool = False, store=None) -> LLM:
+    """Load a causal LM (None: the embedded default, SmolLM2-135M-Instruct) ready to serve."""
+    from promptlang.runtime.loading import load_hf_model
+    hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)
+    return LLM(adapt(hf_model), tokenizer, store, isolate=isolate)

@@ -1,0 +1,412 @@
+"""Model adapters: the only code that knows transformers' cache classes.
+
+A forward pass is driven through public inputs only: explicit `position_ids`,
+a 4-D float attention mask `[1, 1, Q, K]` of 0 / -inf (K = past + new tokens),
+and a `Cache` whose layers hold the past keys/values in a caller-owned buffer.
+The position scheme decides what else is needed:
+
+- rope (Llama family): position ids rotate queries and keys; nothing else.
+- learned (GPT-2): position ids index the position embedding table.
+- alibi (BLOOM): the model builds its biases from the cache index and takes no
+  position ids, so a forward pre-hook on every attention module substitutes
+  biases built from the real key positions (and our mask, since BLOOM builds its
+  ALiBi from a 2-D mask and cannot take a 4-D one).
+
+Keys and values are kept at `num_key_value_heads` (never after repeat_kv), as
+`[L, H_kv, S, D]`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from promptlang.errors import ModelError
+
+# model_type -> position scheme. Every entry is exercised by tests/runtime/test_oracle.py.
+SCHEMES: dict[str, str] = {
+    "llama": "rope", "mistral": "rope", "qwen2": "rope", "qwen3": "rope",
+    "gemma": "rope", "olmo2": "rope", "granite": "rope",
+    "gpt2": "learned",
+    "bloom": "alibi",
+}
+
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "_commit_hash", "architectures",
+                         "torch_dtype", "dtype", "_attn_implementation_autoset"}
+
+
+class Past(NamedTuple):
+    """Keys/values a forward pass attends to besides its own tokens.
+
+    The past occupies the first S = len(positions) slots of the buffers. When the
+    buffers have room for the new tokens too (C >= S + Q), the pass writes their
+    keys/values into slots S..S+Q in place: no copy of the past per call.
+    """
+
+    keys: torch.Tensor       # [L, H_kv, C, D_k]
+    values: torch.Tensor     # [L, H_kv, C, D_v]
+    positions: torch.Tensor  # [S] int64: layout position of each past key
+
+
+class Step(NamedTuple):
+    logits: torch.Tensor     # [R, V] for the requested rows (R may be 0)
+    keys: torch.Tensor       # [L, H_kv, Q, D_k]  (views into the buffer when it had room)
+    values: torch.Tensor     # [L, H_kv, Q, D_v]
+
+
+class _BufferLayer(DynamicLayer):
+    """One layer's cache in a caller-owned buffer: past at [:, :, :length], new keys
+    written after it (in place when the buffer has room, else by concatenation)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        # keys: [1, H_kv, C, D]
+        super().__init__()
+        self._kbuf, self._vbuf, self._length = keys, values, length
+        self.device = keys.device
+        self.keys = keys[:, :, :length]
+        self.values = values[:, :, :length]
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        end = self._length + key_states.shape[-2]
+        if end <= self._kbuf.shape[-2]:
+            self._kbuf[:, :, self._length:end] = key_states
+            self._vbuf[:, :, self._length:end] = value_states
+            self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+        self.new_keys = self.keys[:, :, self._length:end]
+        self.new_values = self.values[:, :, self._length:end]
+        self._length = end
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2]
+
+
+@dataclass(frozen=True)
+class KVShape:
+    layers: int
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+
+
+class ModelAdapter:
+    """A causal LM driven at explicit positions with explicit masks.
+
+    `forward` is the single entry point used by the encoder and the generator.
+    """
+
+    scheme: str = ""
+    chunk_size: int = 512     # longer inputs run as chunks (see _forward_chunked)
+
+    def __init__(self, hf_model: torch.nn.Module):
+        self.model = hf_model.eval()
+        self.config = hf_model.config
+        self.model_type = self.config.model_type
+        self.kv_shape = self._kv_shape()
+        self.dtype = next(hf_model.parameters()).dtype
+        self.device = next(hf_model.parameters()).device
+        self.sliding_window = self._sliding_window()
+        self.fingerprint = model_fingerprint(hf_model)
+        self.lock = _model_state(hf_model).lock   # one forward at a time per model
+
+    # --- what the rest of the runtime may ask -------------------------------------------
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    def kv_bytes_per_token(self) -> int:
+        s = self.kv_shape
+        return s.layers * s.kv_heads * (s.key_dim + s.value_dim) * self.dtype.itemsize
+
+    def empty_kv(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.kv_shape
+        shape = (s.layers, s.kv_heads, capacity)
+        keys = torch.empty(*shape, s.key_dim, dtype=self.dtype, device=self.device)
+        values = torch.empty(*shape, s.value_dim, dtype=self.dtype, device=self.device)
+        return keys, values
+
+    # --- the forward pass -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, past: Past | None,
+                allowed: torch.Tensor | None, logits_rows: torch.Tensor | None = None) -> Step:
+        """Run Q new tokens against `past`.
+
+        input_ids, positions: [Q] int64.
+        allowed: [Q, S + Q] bool, True where query i may attend key j (past keys first,
+            then the new tokens in input order); None means causal in input order with
+            every past key visible.
+        logits_rows: [R] indices into the Q new tokens whose logits are wanted (None: none).
+        """
+        q = int(input_ids.shape[0])
+        if past is None:
+            past = Past(*self.empty_kv(q), positions.new_empty(0))
+        s = int(past.positions.shape[0])
+        if q > self.chunk_size and s + q <= past.keys.shape[2] and \
+                (allowed is None or not bool(allowed[:, s:].triu(1).any())):
+            return self._forward_chunked(input_ids, positions, past, allowed, logits_rows)
+        key_positions = torch.cat([past.positions, positions])        # [S + Q]
+        if self.sliding_window is not None and allowed is None and q > 0:
+            span = int(positions.max()) - int(key_positions.min())
+            if span >= self.sliding_window:
+                allowed = causal_allowed(s, q, device=positions.device)
+        if self.sliding_window is not None and allowed is not None:
+            allowed = allowed & (key_positions[None, :] > positions[:, None] - self.sliding_window)
+        mask = None if allowed is None else float_mask(allowed, self.dtype)  # [1, 1, Q, S+Q]
+
+        layers = [_BufferLayer(past.keys[l].unsqueeze(0), past.values[l].unsqueeze(0), s)
+                  for l in range(self.kv_shape.layers)]
+        cache = Cache(layers=layers)
+        rows = logits_rows if logits_rows is not None else positions.new_empty(0)
+        with self.lock:
+            out = self._run(input_ids[None], positions, key_positions, mask, cache, rows)
+        if s + q <= past.keys.shape[2]:          # written in place
+            keys, values = past.keys[:, :, s:s + q], past.values[:, :, s:s + q]
+        else:
+            keys = torch.stack([layer.new_keys[0] for layer in layers])
+            values = torch.stack([layer.new_values[0] for layer in layers])
+        return Step(out.logits[0], keys, values)
+
+    def _forward_chunked(self, input_ids, positions, past: Past, allowed, logits_rows) -> Step:
+        """A long input as consecutive chunks, each attending to the past and the chunks
+        before it (exact when no token attends to a later one): with a mask, attention
+        then costs the causal half of Q x K instead of all of it, and masks stay small."""
+        q, s, c = int(input_ids.shape[0]), int(past.positions.shape[0]), self.chunk_size
+        rows = logits_rows if logits_rows is not None else positions.new_empty(0)
+        key_positions = torch.cat([past.positions, positions])
+        order = torch.argsort(rows)                 # rows are served in input order
+        rows_sorted = rows[order]
+        logits = []
+        for start in range(0, q, c):
+            end = min(q, start + c)
+            mine = rows_sorted[(rows_sorted >= start) & (rows_sorted < end)] - start
+            step = self.forward(input_ids[start:end], positions[start:end],
+                                Past(past.keys, past.values, key_positions[:s + start]),
+                                None if allowed is None else allowed[start:end, :s + end], mine)
+            logits.append(step.logits)
+        logits = torch.cat(logits)[torch.argsort(order)]
+        return Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
+
+    def _run(self, input_ids, positions, key_positions, mask, cache, rows):
+        # input_ids: [1, Q]; positions: [Q]; key_positions: [S+Q]; mask: [1,1,Q,S+Q] | None
+        return self.model(input_ids=input_ids, position_ids=positions[None], attention_mask=mask,
+                          cache=cache, use_cache=True, logits_to_keep=rows)
+
+    # --- per-architecture facts -------------------------------------------------------------
+
+    def _kv_shape(self) -> KVShape:
+        c = self.config
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        return KVShape(c.num_hidden_layers, kv_heads, head_dim, head_dim)
+
+    def _sliding_window(self) -> int | None:
+        window = getattr(self.config, "sliding_window", None)
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types and len(set(layer_types)) > 1:
+            raise ModelError(f"unsupported architecture: {self.model_type} with mixed "
+                             f"attention layer types {sorted(set(layer_types))}")
+        if layer_types and layer_types[0] == "full_attention":
+            return None
+        if getattr(self.config, "use_sliding_window", True) is False:
+            return None
+        return int(window) if window else None
+
+
+class RopeAdapter(ModelAdapter):
+    scheme = "rope"
+
+    def __init__(self, hf_model):
+        super().__init__(hf_model)
+        groups = self.config.num_attention_heads // self.kv_shape.kv_heads
+        if groups > 1 and self.config._attn_implementation == "sdpa":
+            _register_packed_gqa()
+            hf_model.set_attn_implementation(PACKED_GQA)
+
+
+class LearnedPositionAdapter(ModelAdapter):
+    scheme = "learned"
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "n_positions", None) or super().max_positions
+
+    def _kv_shape(self) -> KVShape:
+        c = self.config
+        return KVShape(c.n_layer, c.n_head, c.n_embd // c.n_head, c.n_embd // c.n_head)
+
+
+class AlibiAdapter(ModelAdapter):
+    """BLOOM: biases from real key positions, substituted by a pre-hook on each attention."""
+
+    scheme = "alibi"
+
+    def __init__(self, hf_model):
+        super().__init__(hf_model)
+        self._slopes = _alibi_slopes(self.config.n_head).to(self.device)   # [H]
+        self._state = _model_state(hf_model)
+        if not self._state.hooked:       # once per model, however many adapters wrap it
+            for block in hf_model.transformer.h:
+                block.self_attention.register_forward_pre_hook(self._state.substitute,
+                                                               with_kwargs=True)
+            self._state.hooked = True
+
+    @property
+    def max_positions(self) -> int | None:
+        return None     # ALiBi has no position table
+
+    def _kv_shape(self) -> KVShape:
+        c = self.config
+        return KVShape(c.n_layer, c.n_head, c.hidden_size // c.n_head, c.hidden_size // c.n_head)
+
+    def _run(self, input_ids, positions, key_positions, mask, cache, rows):
+        # softmax is shift-invariant per row, so slope * key_position equals -slope * distance
+        bias = self._slopes[:, None, None] * key_positions.to(torch.float32)   # [H, 1, K]
+        self._state.alibi, self._state.mask = bias.to(self.dtype), mask
+        try:
+            return self.model(input_ids=input_ids, attention_mask=None, cache=cache,
+                              use_cache=True, logits_to_keep=rows)
+        finally:
+            self._state.alibi = self._state.mask = None
+
+
+class _ModelState:
+    """Per model (shared by every adapter of it): the lock around its forward passes and,
+    for ALiBi, the biases and mask the attention pre-hooks substitute during a pass."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.hooked = False
+        self.alibi: torch.Tensor | None = None     # [H, 1, K]
+        self.mask: torch.Tensor | None = None      # [1, 1, Q, K]
+
+    def substitute(self, module, args, kwargs):
+        if self.alibi is not None:
+            kwargs["alibi"] = self.alibi
+            if self.mask is not None:
+                kwargs["attention_mask"] = self.mask
+        return args, kwargs
+
+
+def _model_state(hf_model: torch.nn.Module) -> _ModelState:
+    with _STATE_LOCK:
+        state = hf_model.__dict__.get("_promptlang_state")
+        if state is None:
+            state = _ModelState()
+            hf_model.__dict__["_promptlang_state"] = state
+        return state
+
+
+_STATE_LOCK = threading.Lock()
+
+
+# --- attention for grouped-query models ---------------------------------------------------------
+
+PACKED_GQA = "promptlang_packed_gqa_sdpa"
+_PACK_MAX_QUERIES = 512
+
+
+def _packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                          is_causal=None, **kwargs):
+    """SDPA for grouped-query attention with a mask and a few queries (a cached prefill).
+
+    transformers repeats the KV heads (`repeat_kv`) for such calls: a copy of every cached
+    key and value per layer. Instead, fold each KV head's query heads into its query rows
+    (query heads i*G..i*G+G-1 share KV head i) and repeat the small mask: same arithmetic,
+    no KV copy. Anything else goes to transformers' own SDPA attention.
+    """
+    # query: [B, H, Q, D]; key, value: [B, H_kv, K, D]; attention_mask: [B, 1, Q, K]
+    b, heads, q, _ = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    if (groups == 1 or q == 1 or q > _PACK_MAX_QUERIES or attention_mask is None
+            or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None or kwargs.get("output_attentions")):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    packed = query.reshape(b, kv_heads, groups * q, query.shape[-1])
+    mask = attention_mask.repeat(1, 1, groups, 1)                      # [B, 1, G*Q, K]
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout,
+                                         scale=scaling)
+    out = out.reshape(b, heads, q, value.shape[-1]).transpose(1, 2).contiguous()
+    return out, None                                                   # [B, Q, H, D]
+
+
+def _register_packed_gqa() -> None:
+    AttentionInterface.register(PACKED_GQA, _packed_gqa_attention)
+    AttentionMaskInterface.register(PACKED_GQA, sdpa_mask)
+
+
+_ADAPTERS = {"rope": RopeAdapter, "learned": LearnedPositionAdapter, "alibi": AlibiAdapter}
+
+
+def adapt(hf_model: torch.nn.Module) -> ModelAdapter:
+    """The adapter for `hf_model`'s position scheme; ModelError if it has none."""
+    model_type = getattr(getattr(hf_model, "config", None), "model_type", None)
+    scheme = SCHEMES.get(model_type)
+    if scheme is None:
+        raise ModelError(f"unsupported architecture: {model_type} "
+                         f"(supported: {', '.join(SCHEMES)})")
+    return _ADAPTERS[scheme](hf_model)
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+def float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[Q, K] bool -> [1, 1, Q, K] additive mask of 0 / -inf."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, float("-inf"))
+    return mask[None, None]
+
+
+def causal_allowed(past: int, new: int, device=None) -> torch.Tensor:
+    """[new, past + new]: every past key, and new keys up to the query in input order."""
+    allowed = torch.ones(new, past + new, dtype=torch.bool, device=device)
+    allowed[:, past:] = torch.ones(new, new, dtype=torch.bool, device=device).tril()
+    return allowed
+
+
+def _alibi_slopes(heads: int) -> torch.Tensor:
+    """ALiBi's geometric slopes (a head count that is no power of two adds a second series)."""
+    closest = 2 ** math.floor(math.log2(heads))
+    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != heads:
+        extra = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra ** (2 * i + 1) for i in range(min(closest, heads - closest))]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def model_fingerprint(hf_model: torch.nn.Module, sample: int = 4096) -> str:
+    """Identifies what determines the KV: config, dtype and weights (a strided sample)."""
+    h = hashlib.sha256()
+    config = {k: v for k, v in hf_model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, p in sorted(hf_model.named_parameters(), key=lambda kv: kv[0]):
+            flat = p.detach().reshape(-1)
+            stride = max(1, flat.numel() // sample)
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+            h.update(flat[::stride][:sample].to("cpu", torch.float32).numpy().tobytes())
+    return h.hexdigest()[:32]
