@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from promptlang.errors import (ArgumentTooLongError, ContextLengthError, MissingArgumentError,
-                               PromptLangError, RoleError, Span, TextNotAllowedError,
+                               PromptLangError, RoleError, Span, TokenizerMismatchError,
                                UnionConflictError, UnknownModuleError, UnknownParameterError,
                                UnknownSchemaError)
 from promptlang.pml import nodes
@@ -74,7 +74,7 @@ def bind(prompt: nodes.PromptDoc, layout: SchemaLayout, tokenizer: Tokenizer) ->
 class _Binder:
     def __init__(self, layout: SchemaLayout, tokenizer: Tokenizer):
         if tokenizer.fingerprint != layout.tokenizer_fingerprint:
-            raise PromptLangError(
+            raise TokenizerMismatchError(
                 f"schema {layout.schema.name!r} was laid out for another tokenizer "
                 f"({layout.tokenizer_fingerprint[:16]}), not {tokenizer.fingerprint[:16]}")
         self.layout = layout
