@@ -138,3 +138,25 @@ def test_layout_is_memoised_per_schema_and_tokenizer(tok):
     schema = n.Schema("s", (T("a"),))
     assert lay_out(schema, tok) is lay_out(n.Schema("s", (T("a"),)), tok)
     assert lay_out(schema, WordTokenizer(bos=True)) is not lay_out(schema, tok)
+
+
+def test_travel_example_layout_with_the_default_models_tokenizer(default_tokenizer):
+    """Numbers worked out once with SmolLM2's tokenizer (ChatML roles: '<|im_start|>system\\n'
+    is 3 tokens, '<|im_end|>\\n' is 2), so a change in tokenization or layout shows up here."""
+    from pathlib import Path
+
+    from promptlang.pml.parser import parse_file
+
+    schema = parse_file(Path(__file__).parents[2] / "examples" / "pml" / "travel.pml")
+    layout = lay_out(schema, default_tokenizer)
+    root = layout.modules[()]
+    assert [(s.kind, s.start, len(s.token_ids)) for s in root.segments] == [
+        ("role", 0, 3), ("text", 3, 14), ("role", 17, 2)]
+    assert extent(layout, "trip-plan") == (19, 109)
+    trip = layout.modules[("trip-plan",)]
+    assert [(s.kind, s.start, len(s.token_ids)) for s in trip.segments] == [
+        ("text", 19, 5), ("param", 24, 6), ("text", 30, 13)]
+    assert extent(layout, "trip-plan", "tokyo") == (43, 109)      # the longer member
+    assert extent(layout, "trip-plan", "paris") == (43, 98)
+    assert extent(layout, "budget") == (109, 127)
+    assert layout.end == 127
