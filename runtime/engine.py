@@ -79,6 +79,20 @@ class Prefilled:
     timings: Timings
 
 
+@dataclass
+class Opened:
+    """A prefilled request whose KV buffer the caller keeps (what a Session starts from).
+    The caller gives the buffer back with `llm.assembler.release(buffer)`."""
+
+    buffer: KVBuffer
+    logits: torch.Tensor         # [V]: the prediction for position `position`
+    position: int                # the first position after the request
+    bound: BoundPrompt
+    timings: Timings
+    prefill_tokens: int
+    cached_tokens: int
+
+
 class TextStream:
     """An iterator of text deltas; `result` is set once it is exhausted."""
 
@@ -190,8 +204,9 @@ class LLM:
 
     # --- requests ---------------------------------------------------------------------------
 
-    def bind(self, prompt, *, schema=None) -> BoundPrompt:
-        """Parse (if needed) and bind `prompt` to its registered schema."""
+    def bind(self, prompt, *, schema=None, add_generation_prompt: bool = True) -> BoundPrompt:
+        """Parse (if needed) and bind `prompt` to its registered schema. A prompt that uses
+        chat roles and leaves none open gets the assistant's prefix appended."""
         doc = self._prompt_doc(prompt, schema)
         with self._lock:
             entry = self._schemas.get(doc.schema)
@@ -199,7 +214,8 @@ class LLM:
             raise UnknownSchemaError(
                 f"unknown schema {doc.schema!r} (registered: "
                 f"{', '.join(sorted(self._schemas)) or 'none'})", doc.span)
-        bound = bind(doc, self.layout(doc.schema), self.tokenizer)
+        bound = bind(doc, self.layout(doc.schema), self.tokenizer,
+                     add_generation_prompt=add_generation_prompt)
         if bound.cached_token_count + bound.uncached_token_count == 0:
             raise PromptLangError("the prompt is empty: nothing to compute", doc.span)
         self._check_fits(bound.end, "the prompt", doc.span)
@@ -239,6 +255,29 @@ class LLM:
                              buffer.token_ids[:n].clone(), request.cached_length, request.timings)
         finally:
             self.assembler.release(buffer)
+
+    def open(self, prompt, *, schema=None, baseline: bool = False, room: int = 256,
+             add_generation_prompt: bool = False) -> Opened:
+        """Bind, retrieve, assemble and prefill `prompt` like `generate`, and hand the request's
+        KV buffer to the caller instead of decoding: the start of a Session. `room`: tokens
+        the buffer holds after the prompt before it grows."""
+        started = time.perf_counter()
+        bound = self.bind(prompt, schema=schema, add_generation_prompt=add_generation_prompt)
+        request = _Request(bound, SamplingParams(max_new_tokens=max(1, room)), baseline,
+                           started=started)
+        request.timings.bind = time.perf_counter() - started
+        buffer, logits, position = self._prefill(request, all_logits=False)
+        request.timings.total = time.perf_counter() - started
+        return Opened(buffer, logits[-1], position, bound, request.timings,
+                      request.prefill_tokens, request.cached_length)
+
+    def session(self, prompt, *, schema=None, baseline: bool = False,
+                add_generation_prompt: bool = False):
+        """A multi-turn Session on `prompt` that keeps its KV across turns
+        (runtime/session.py)."""
+        from promptlang.runtime.session import Session
+        return Session(self, prompt, schema=schema, baseline=baseline,
+                       add_generation_prompt=add_generation_prompt)
 
     # --- the phases ---------------------------------------------------------------------------
 

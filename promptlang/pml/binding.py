@@ -66,9 +66,14 @@ class BoundPrompt:
         return "".join(seg.text for seg, _ in self.segments())
 
 
-def bind(prompt: nodes.PromptDoc, layout: SchemaLayout, tokenizer: Tokenizer) -> BoundPrompt:
-    """Validate `prompt` against `layout` and compute the request's pieces."""
-    return _Binder(layout, tokenizer).run(prompt)
+def bind(prompt: nodes.PromptDoc, layout: SchemaLayout, tokenizer: Tokenizer, *,
+         add_generation_prompt: bool = False) -> BoundPrompt:
+    """Validate `prompt` against `layout` and compute the request's pieces.
+
+    With `add_generation_prompt`, a request that uses chat roles and leaves none open at
+    its end gets the assistant's prefix appended (as `apply_chat_template` does), so the
+    model answers as the assistant instead of opening a turn of its own."""
+    return _Binder(layout, tokenizer).run(prompt, add_generation_prompt)
 
 
 class _Binder:
@@ -83,7 +88,7 @@ class _Binder:
         self.union_choice: dict[int, tuple[ModulePath, Span | None]] = {}
         self.uncached: list[Segment] = []
 
-    def run(self, prompt: nodes.PromptDoc) -> BoundPrompt:
+    def run(self, prompt: nodes.PromptDoc, add_generation_prompt: bool = False) -> BoundPrompt:
         layout = self.layout
         if prompt.schema != layout.schema.name:
             raise UnknownSchemaError(
@@ -126,13 +131,17 @@ class _Binder:
         uncached = tuple(sorted((s for s in self.uncached if s.token_ids),
                                 key=lambda s: s.start))
         bound = BoundPrompt(layout, prompt, modules, units, uncached, 0)
+        used_roles, open_role = _check_roles(bound.segments(), prompt.span)
+        if add_generation_prompt and used_roles and open_role is None:
+            opening = role_segment(self.tok, nodes.RoleOpen("assistant"), pos, kind="prompt")
+            uncached += (opening,) if opening.token_ids else ()
+            bound = BoundPrompt(layout, prompt, modules, units, uncached, 0)
         sequence = bound.sequence()
         end = sequence[-1][1] + 1 if sequence else 0
         limit = self.tok.max_positions
         if limit is not None and end > limit:
             raise ContextLengthError(
                 f"the prompt needs {end} positions; the model has {limit}", prompt.span)
-        _check_roles(bound.segments(), prompt.span)
         return BoundPrompt(layout, prompt, modules, units, uncached, end)
 
     def _import(self, ref: nodes.ModuleRef, parent: ModulePath) -> None:
@@ -216,12 +225,16 @@ class _Binder:
         return tuple(units)
 
 
-def _check_roles(segments: list[tuple[Segment, str]], where: Span | None) -> None:
-    """Role markers of one request must pair up; the last role may stay open."""
+def _check_roles(segments: list[tuple[Segment, str]],
+                 where: Span | None) -> tuple[bool, Segment | None]:
+    """Role markers of one request must pair up; the last role may stay open.
+    Returns whether any role marker was seen, and the role left open at the end."""
     open_role: Segment | None = None
+    used = False
     for seg, _ in segments:
         if seg.role is None:
             continue
+        used = True
         if not seg.role.startswith("/"):
             if open_role is not None:
                 raise RoleError(f"<{seg.role}> opens while <{open_role.role}> is still open",
@@ -233,3 +246,4 @@ def _check_roles(segments: list[tuple[Segment, str]], where: Span | None) -> Non
                             seg.span or where)
         else:
             open_role = None
+    return used, open_role

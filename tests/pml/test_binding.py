@@ -164,3 +164,15 @@ def test_empty_prompt_is_an_error(layout, tok):
 def test_layout_for_another_tokenizer_is_refused(layout):
     with pytest.raises(PromptLangError, match="laid out for another tokenizer"):
         bind_text('<prompt schema="travel">Q</prompt>', layout, WordTokenizer(bos=True))
+
+
+def test_generation_prompt_opens_the_assistant_after_closed_roles(layout, tok):
+    text = '<prompt schema="travel">What first?</user></prompt>'
+    plain = bind_text(text, layout, tok)
+    assert plain.render().endswith("What first?[/user]")
+    bound = bind(parse_prompt(text), layout, tok, add_generation_prompt=True)
+    assert bound.render().endswith("What first?[/user][assistant]")
+    assert bound.end == plain.end + 1
+    still_open = '<prompt schema="travel">What first?</user><assistant>Sure,</prompt>'
+    assert bind(parse_prompt(still_open), layout, tok,
+                add_generation_prompt=True).render().endswith("[assistant]Sure,")

@@ -90,7 +90,8 @@ def test_requests_encode_only_the_units_they_use(model, tmp_path):
     result = llm.generate(PROMPTS[0], max_new_tokens=2)
     assert llm.encoder_calls == 2                 # the root and intro, nothing else
     bound = llm.bind(PROMPTS[0])
-    assert result.prefill_tokens == bound.uncached_token_count == 4   # What is this?[/user]
+    # "What is this?[/user]" and the generation prompt "[assistant]"
+    assert result.prefill_tokens == bound.uncached_token_count == 5
     assert result.cached_tokens == bound.cached_token_count
     llm.generate(PROMPTS[0], max_new_tokens=2)
     assert llm.encoder_calls == 2

@@ -58,7 +58,7 @@ def snapshot(llm):
     ('<prompt schema="shop"><catalog item="red and blue shoes"/>Hi</user></prompt>',
      ArgumentTooLongError, "parameter 'item' is 4 tokens long; the parameter allows 3"),
     ('<prompt schema="shop"><catalog item="hats"/>' + "word " * 60 + '</user></prompt>',
-     ContextLengthError, f"the prompt needs 85 positions; the model has {CONTEXT}"),
+     ContextLengthError, f"the prompt needs 86 positions; the model has {CONTEXT}"),
     ('<prompt schema="shop"></prompt>', PromptLangError, "the prompt is empty"),
     ('<prompt schema="shops"><returns/>Hi</user></prompt>', UnknownSchemaError,
      "unknown schema 'shops' (registered: shop)"),
