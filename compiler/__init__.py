@@ -5,14 +5,16 @@
     trace.py       one call -> its PML prompt              diagnostics.py  codes, CompileError
     decorator.py   @prompt, PromptFunction                 prompt.py     Prompt
     markers.py     MaxTokens, system/user/assistant        cli.py        compile / check
+    generation.py  gen(), select()                         program.py    running a program
 
 No torch here: `promptlang compile` works without it.
 """
 
 from promptlang.compiler.decorator import PromptFunction, prompt
 from promptlang.compiler.diagnostics import CODES, CompileError, Diagnostic
+from promptlang.compiler.generation import gen, select
 from promptlang.compiler.markers import MaxTokens, assistant, system, user
 from promptlang.compiler.prompt import Prompt
 
 __all__ = ["prompt", "Prompt", "PromptFunction", "MaxTokens", "system", "user", "assistant",
-           "CompileError", "Diagnostic", "CODES"]
+           "gen", "select", "CompileError", "Diagnostic", "CODES"]

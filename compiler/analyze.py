@@ -32,6 +32,7 @@ from promptlang.compiler.source import FunctionSource, function_source
 from promptlang.errors import Span
 from promptlang.pml.nodes import ROLES
 
+GENERATOR_NAMES = ("gen", "select")   # what `x = name(...)` may call to be a generation
 _HOLE = "\ue000"     # stands for a hole while the literal parts around it are dedented
 
 
@@ -231,6 +232,24 @@ class _Analyzer:
                                   self.span(node))
         self.places[self.place("expr", node)] = item.id
         return [item]
+
+    def assignment(self, node, value) -> list[ir.Item]:
+        """`x = gen(...)`: an item when the call may be a generation (decided in lower.py);
+        any other assignment is ordinary code."""
+        path = _dotted(value.func) if isinstance(value, cst.Call) else None
+        if path is None or path[-1] not in GENERATOR_NAMES:
+            return []
+        self.statement_calls.add(value)
+        return [ir.AssignCallItem(self.new_id(), path, self.code(value.func), self.span(value))]
+
+    def visit_Assign(self, node: cst.Assign) -> list[ir.Item]:
+        return self.assignment(node, node.value)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> list[ir.Item]:
+        return self.assignment(node, node.value)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> list[ir.Item]:
+        return self.assignment(node, node.value)
 
     def visit_Return(self, node: cst.Return) -> list[ir.Item]:
         if node.value is not None:

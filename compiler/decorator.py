@@ -11,6 +11,10 @@ is wrong in the function alone. The first call (or `.schema`) lowers it
 (`lower.py`: names resolved, bounds read, cached part chosen) and builds its
 instrumented twin (`instrument.py`); errors that need other functions surface
 then. Calling it runs the twin with the real arguments and returns a `Prompt`.
+
+A function that calls gen()/select() is also a program: `fn.run(llm, ...)` runs
+it with a model (`program.py`); `fn(...)` still returns the Prompt of its static
+part (everything before the first generation).
 """
 
 from __future__ import annotations
@@ -118,6 +122,25 @@ class PromptFunction:
         bound.apply_defaults()
         doc = Trace().run(self, args, kwargs)
         return Prompt(self.__qualname__, self.schema, doc, MappingProxyType(dict(bound.arguments)))
+
+    @property
+    def generates(self) -> bool:
+        """Whether a call may run gen()/select(): the function is a program."""
+        return self.plan().generates
+
+    def run(self, llm, /, *args, **kwargs):
+        """Run the function with `llm`: the static part is served from cached modules,
+        the body after the first gen()/select() runs live on a session. Returns a
+        `ProgramRun` (`run["answer"]`, `run.ttft`, `run.text`, `run.session`)."""
+        return self.runner(llm)(*args, **kwargs)
+
+    def runner(self, llm, *, baseline: bool = False, seed: int | None = None):
+        """A callable that runs this function with `llm` and these options:
+        `fn.runner(llm, baseline=True)(*args)` serves the static part with no reuse."""
+        from promptlang.compiler.program import Program
+
+        self.plan()
+        return Program(self, llm, baseline=baseline, seed=seed)
 
     def __get__(self, instance, owner=None):
         return self if instance is None else types.MethodType(self, instance)

@@ -61,6 +61,9 @@ CODES: dict[str, Code] = {c.code: c for c in (
          "uncached tail"),
     Code("PL109", "error", "a statement that cannot be text",
          "emit str values: decode bytes first"),
+    Code("PL110", "error", "gen() or select() called inside an expression",
+         "call it as a statement (`gen(\"x\")`) or assign its result (`x = gen(\"x\")`), "
+         "so that the compiler sees where generation starts"),
     # -- text that cannot be cached because of where it is
     Code("PL201", "error", "text emitted in a `for` loop before cached text",
          "move the loop after the last cached text, or give each item its own @prompt call "

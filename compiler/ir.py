@@ -12,6 +12,10 @@ when it runs. Items are in source order; ids are unique within a function.
     BranchItem   if/elif/else, match        alternatives (Arm), one runs
     BlockItem    for, while, try, with      a block that runs its text 0..n times
     ReturnItem   return                     the end of the prompt
+    AssignCallItem  x = gen(...)            an assignment from a call that may be gen/select
+
+A `gen(...)` / `select(...)` statement is a CallItem; `lower.py` tells generations
+apart from other calls when it resolves the callee.
 """
 
 from __future__ import annotations
@@ -103,13 +107,24 @@ class BlockItem:
 
 
 @dataclass(frozen=True)
+class AssignCallItem:
+    """`x = f(...)` (or `x: T = f(...)`, `x += f(...)`) where `f` is named `gen` or
+    `select`: a generation when it resolves to promptlang's, else ordinary code."""
+
+    id: int
+    path: tuple[str, ...]
+    code: str                      # the callee expression's source
+    span: Span
+
+
+@dataclass(frozen=True)
 class ReturnItem:
     id: int
     span: Span
 
 
 Item = Union[TextItem, ValueItem, FStringItem, CallItem, RoleItem, BranchItem, BlockItem,
-             ReturnItem]
+             ReturnItem, AssignCallItem]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,10 @@ walks the body in source order to split it in two:
   the prompt's uncached text. A separate literal text statement in the tail is an
   error located at what started the tail: it looks cached but cannot be.
 
+A call to `gen()` / `select()` (`generation.py`) also starts the tail, and lifts
+that rule: text after a generation is live text of a program run, which could
+never be cached, so it is no error (`program.py` runs it against a session).
+
 Names are derived from the source: a function's module is its name; an arm is
 named after its condition or pattern (`city == "paris"` -> `city-paris`, `else`,
 `case _` -> `default`); a call after its callee; `-2`, `-3` make siblings unique.
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 
 from promptlang.compiler import ir
 from promptlang.compiler.diagnostics import CompileError, Diagnostic, errors
+from promptlang.compiler.generation import GENERATORS
 from promptlang.compiler.markers import MaxTokens, RoleHelper
 from promptlang.errors import Span
 from promptlang.pml import nodes
@@ -63,6 +68,8 @@ class FunctionPlan:
     first_text: Span | None                    # its first cached literal text
     spans: dict[int, Span]                     # item id -> where it is
     diagnostics: tuple[Diagnostic, ...] = ()   # warnings (errors raise)
+    generations: frozenset[int] = frozenset()  # ids of gen()/select() calls
+    generates: bool = False                    # some call may generate (a program)
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,7 @@ class _Source:
     code: str
     what: str
     span: Span
+    generation: bool = False       # a gen()/select(): what follows is live program text
 
 
 @dataclass
@@ -116,6 +124,7 @@ class _Planner:
         self.first_text: Span | None = None
         self.spans: dict[int, Span] = {}
         self.declared: set[str] = set()      # the keys of params=
+        self.generations: set[int] = set()   # gen()/select() call ids
 
     def report(self, code: str, message: str, span: Span | None, suggestion: str | None = None):
         self.diagnostics.append(Diagnostic(code, message, span, suggestion))
@@ -145,7 +154,9 @@ class _Planner:
             fstrings=self.fstrings, roles=self.roles,
             expected={k: tuple(v) for k, v in self.expected.items()}, callees=self.callees,
             has_tail=bool(flow.sources), first_text=self.first_text, spans=self.spans,
-            diagnostics=tuple(d for d in self.diagnostics if d.severity != "error"))
+            diagnostics=tuple(d for d in self.diagnostics if d.severity != "error"),
+            generations=frozenset(self.generations),
+            generates=any(source.generation for source in flow.sources))
 
     # -- bounds ---------------------------------------------------------------------------
 
@@ -204,6 +215,9 @@ class _Planner:
         for item in self.ir.walk():
             if isinstance(item, ir.CallItem):
                 self.resolve_call(item)
+            elif isinstance(item, ir.AssignCallItem):
+                if is_generator(self.resolve(item.path)):
+                    self.generations.add(item.id)
             elif isinstance(item, ir.RoleItem):
                 helper = self.resolve(item.path)
                 if not (isinstance(helper, RoleHelper) and helper.role == item.role):
@@ -211,13 +225,19 @@ class _Planner:
                                          f"{item.role} role helper", item.span,
                                 f"import it: from promptlang import {item.role}")
         for call in self.ir.expression_calls:
-            target = prompt_function_of(self.resolve(call.path))
+            resolved = self.resolve(call.path)
+            if is_generator(resolved):
+                self.report("PL110", f"`{call.code}(...)` generates inside an expression; the "
+                                     "compiler must see where generation starts", call.span)
+            target = prompt_function_of(resolved)
             if target is not None:
                 self.report("PL107", f"`{call.code}` is a @prompt function called inside an "
                                      "expression; its text would be lost", call.span)
 
     def resolve_call(self, item: ir.CallItem) -> None:
         self.resolved[item.id] = self.resolve(item.path)
+        if is_generator(self.resolved[item.id]):
+            self.generations.add(item.id)
         target = prompt_function_of(self.resolved[item.id])
         self.callees[item.id] = target
         if target is None:
@@ -303,6 +323,8 @@ class _Planner:
 
     def source_of(self, item) -> _Source | None:
         """What `item` starts the uncached tail with, if it does."""
+        if getattr(item, "id", None) in self.generations:
+            return _Source("PL204", f"`{item.code}(...)` generates", item.span, generation=True)
         if isinstance(item, ir.ValueItem) and self.bound(item.hole) is None:
             return _Source("PL203", f"`{item.hole.code}` has no length bound", item.hole.span)
         if isinstance(item, ir.FStringItem):
@@ -310,12 +332,14 @@ class _Planner:
             if unbounded:
                 return _Source("PL203", f"the f-string hole `{{{unbounded[0].code}}}` has no "
                                         "length bound", unbounded[0].span)
-        if isinstance(item, ir.BlockItem) and item.emits:
+        if isinstance(item, ir.BlockItem) and self.emits(item.body):
             code = {"for": "PL201", "while": "PL202", "try": "PL205", "with": "PL206"}[item.kind]
             what = {"for": "this `for` loop", "while": "this `while` loop",
                     "try": "this `try` statement",
                     "with": "this `with` block (not a role block)"}[item.kind]
-            return _Source(code, what + " emits text", item.span)
+            return _Source(code, what + " emits text", item.span,
+                           generation=any(i.id in self.generations for i in ir.walk_items(
+                               item.body) if isinstance(i, (ir.CallItem, ir.AssignCallItem))))
         if isinstance(item, ir.CallItem) and item.id not in self.broken:
             if self.resolved.get(item.id) is builtins.print:
                 return None       # print() returns None: it emits nothing
@@ -324,7 +348,8 @@ class _Planner:
                                         "resolved before the call), so its result is text "
                                         "without a bound", item.span)
             if self.callee_plans[item.id].has_tail:
-                return _Source("PL208", f"`{item.code}` ends in uncached text", item.span)
+                return _Source("PL208", f"`{item.code}` ends in uncached text", item.span,
+                               generation=self.callee_plans[item.id].generates)
         return None
 
     def cached_item(self, item, key, out: list, flow: _Flow) -> _Flow:
@@ -359,7 +384,7 @@ class _Planner:
             flow = self.cached_branch(item, key, out, flow)
         elif isinstance(item, ir.CallItem) and item.id in self.callee_plans:
             self.cached_call(item, key, out, flow)
-        elif isinstance(item, ir.BlockItem) and not item.emits:
+        elif isinstance(item, ir.BlockItem) and not self.emits(item.body):
             flow = _Flow(flow.sources, flow.cuts + tuple(
                 r for r in ir.walk_items(item.body) if isinstance(r, ir.ReturnItem)))
         elif isinstance(item, ir.ReturnItem):
@@ -432,7 +457,16 @@ class _Planner:
                                   f"the text of `{item.code}` called at line {item.span.line}")
         return sources if source is None else sources + (source,)
 
+    def emits(self, items) -> bool:
+        """Whether a block emits text (or generates): any item but a `return` and an
+        assignment from a call that is not a generation."""
+        return any(not isinstance(item, ir.ReturnItem) and not (
+            isinstance(item, ir.AssignCallItem) and item.id not in self.generations)
+            for item in ir.walk_items(items))
+
     def cached_after(self, sources, span: Span, what: str | None = None) -> None:
+        if any(source.generation for source in sources):
+            return       # after a generation, text is live program text: never cacheable
         for source in sources:
             if source in self.reported:
                 continue
@@ -476,6 +510,11 @@ def _owner_class(fn):
     for part in parts[1:]:
         value = getattr(value, part, None)
     return value if inspect.isclass(value) else None
+
+
+def is_generator(value) -> bool:
+    """Whether `value` is promptlang's gen() or select()."""
+    return any(value is g for g in GENERATORS)
 
 
 def prompt_function_of(value):

@@ -9,6 +9,13 @@ plan did not cache, after which every piece of text becomes uncached prompt text
 
 When a frame closes, the cached items it emitted must be exactly the module's own
 items of the schema: the prompt must render to what the Python code emitted.
+
+Programs. The first `gen()` / `select()` that runs (`generation.py`) ends the static
+part: every open frame is closed (the plan puts every cached item before it), and
+the prompt so far becomes the call's `PromptDoc`. Without a program (a plain call,
+`fn(...)`), the call stops there and returns that prompt. With one (`fn.run(llm,
+...)`, `program.py`), the program opens a live session on that prompt, and from then
+on every text, role marker and generation goes to the session as it runs.
 """
 
 from __future__ import annotations
@@ -22,6 +29,17 @@ from promptlang.errors import PromptLangError
 from promptlang.pml import nodes
 
 _CURRENT: ContextVar["Trace | None"] = ContextVar("promptlang_trace", default=None)
+
+
+def current_trace() -> "Trace | None":
+    """The trace of the @prompt call running in this context, if any."""
+    return _CURRENT.get()
+
+
+class _StaticPartDone(BaseException):
+    """Raised at the first generation of a call that has no program to run it: the
+    static part is complete. A BaseException, so that user code's `except Exception`
+    does not swallow it (like GeneratorExit)."""
 
 
 class Hooks:
@@ -67,24 +85,42 @@ class _Frame:
 
 
 class Trace:
-    def __init__(self):
+    def __init__(self, program=None):
         self.tail = False
         self.forced = 0                   # callees running inside the tail, all uncached
         self.frames: list[_Frame] = []
         self.uncached: list = []          # Text / RoleOpen / RoleClose after the modules
+        self.program = program            # opens a live run at the first generation
+        self.live = None                  # that run, once open: receives text and roles
+        self.doc: nodes.PromptDoc | None = None    # the static part, once complete
+        self.schema_name = ""
 
     # -- running a call -------------------------------------------------------------------
 
     def run(self, function, args, kwargs) -> nodes.PromptDoc:
+        """Run one call; returns its prompt (the static part, for a program)."""
         plan = function.plan()
+        self.schema_name = function.schema_name
         token = _CURRENT.set(self)
         try:
             self.frames.append(_Frame(plan, None, plan.module_name))
-            function.instrumented()(*args, **kwargs)
-            root = self.close(self.frames.pop())
+            try:
+                function.instrumented()(*args, **kwargs)
+            except _StaticPartDone:
+                return self.doc
+            if self.doc is None:
+                self.finish_static()
         finally:
             _CURRENT.reset(token)
-        return nodes.PromptDoc(function.schema_name, (root, *merge_text(self.uncached)))
+        return self.doc
+
+    def finish_static(self) -> None:
+        """Close every open frame, innermost first: the prompt so far is the call's."""
+        while len(self.frames) > 1:
+            frame = self.frames.pop()
+            self.frames[-1].children.append(self.close(frame))
+        root = self.close(self.frames.pop())
+        self.doc = nodes.PromptDoc(self.schema_name, (root, *merge_text(self.uncached)))
 
     def close(self, frame: _Frame) -> nodes.ModuleRef:
         expected = frame.plan.expected.get(frame.key, ())
@@ -103,10 +139,28 @@ class Trace:
             self.tail = True
         elif self.tail and not self.forced and item in plan.cached:
             # the plan puts every item that can run after uncached text in the tail
+            if self.doc is not None:
+                raise PromptLangError(
+                    f"cached text of {plan.ir.qualname} ran after a generation: gen() or "
+                    "select() was called where the compiler did not see it (from a helper "
+                    "function?); call them directly in the @prompt function's body",
+                    plan.spans.get(item))
             raise PromptLangError(f"internal error: cached item {item} of "
                                   f"{plan.ir.qualname} ran after uncached text",
                                   plan.spans.get(item))
         return self.tail
+
+    def generation(self, spec) -> str:
+        """A gen()/select() ran: open the live run at the first one, then let it generate."""
+        self.tail = True
+        if self.doc is None:
+            self.finish_static()
+            if self.program is None:
+                raise _StaticPartDone()
+            self.live = self.program.open(self.doc)
+        if self.live is None:
+            raise PromptLangError("gen()/select() ran after the @prompt call finished")
+        return self.live.generate(spec)
 
     def run_uncached(self, function, args, kwargs) -> None:
         self.forced += 1
@@ -118,8 +172,18 @@ class Trace:
     # -- events ---------------------------------------------------------------------------
 
     def _emit(self, text: str) -> None:
-        if text:
+        if not text:
+            return
+        if self.live is not None:
+            self.live.text(text)
+        else:
             self.uncached.append(nodes.Text(text))
+
+    def _role(self, marker) -> None:
+        if self.live is not None:
+            self.live.role(marker)
+        else:
+            self.uncached.append(marker)
 
     def text(self, plan: FunctionPlan, item: int) -> None:
         text = plan.texts[item]
@@ -152,6 +216,9 @@ class Trace:
         static = plan.callees.get(item)
         target = prompt_function_of(func)
         span = plan.spans.get(item)
+        if item in plan.generations:        # gen()/select(): the live run keeps the text
+            func(*args, **kwargs)
+            return
         if static is None:        # compiled as a plain call: its text is uncached
             if target is not None:
                 self.is_tail(plan, item)
@@ -180,6 +247,8 @@ class Trace:
         frame = _Frame(static.plan(), None, plan.module_names[item])
         self.frames.append(frame)
         run(*args, **kwargs)
+        if self.doc is not None:         # it generated: finish_static closed the frame
+            return
         self.frames.pop()
         self.frames[-1].children.append(self.close(frame))
 
@@ -191,6 +260,8 @@ class Trace:
         frame = _Frame(plan, item, plan.module_names[item])
         self.frames.append(frame)
         yield
+        if self.doc is not None:         # it generated: finish_static closed the frame
+            return
         self.frames.pop()
         self.frames[-1].children.append(self.close(frame))
 
@@ -198,11 +269,11 @@ class Trace:
     def role(self, plan: FunctionPlan, open_item: int, close_item: int):
         role = plan.roles[open_item]
         if self.is_tail(plan, open_item):
-            self.uncached.append(nodes.RoleOpen(role))
+            self._role(nodes.RoleOpen(role))
         else:
             self.frames[-1].own.append(open_item)
         yield
         if self.is_tail(plan, close_item):
-            self.uncached.append(nodes.RoleClose(role))
+            self._role(nodes.RoleClose(role))
         else:
             self.frames[-1].own.append(close_item)

@@ -12,7 +12,8 @@ from promptlang.errors import (ArgumentTooLongError, PMLSyntaxError, PromptLangE
 
 __version__ = "0.1.0"
 
-__all__ = ["prompt", "Prompt", "MaxTokens", "system", "user", "assistant", "load", "parse",
+__all__ = ["prompt", "Prompt", "MaxTokens", "system", "user", "assistant", "gen", "select",
+           "load", "parse",
            "PromptLangError", "PMLSyntaxError", "UnknownModuleError", "UnknownParameterError",
            "ArgumentTooLongError", "UnionConflictError", "__version__"]
 
@@ -20,6 +21,7 @@ _LAZY = {
     "prompt": "promptlang.compiler", "Prompt": "promptlang.compiler",
     "MaxTokens": "promptlang.compiler", "system": "promptlang.compiler",
     "user": "promptlang.compiler", "assistant": "promptlang.compiler",
+    "gen": "promptlang.compiler", "select": "promptlang.compiler",
     "load": "promptlang.runtime", "parse": "promptlang.pml.parser",
 }
 

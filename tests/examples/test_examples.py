@@ -1,0 +1,145 @@
+"""Every example runs end to end on the default model in fast mode (a few tokens).
+
+The tests assert structure - which modules were served from the cache, that a tool was
+called, that a turn computed only its new tokens - never the model's wording. The model
+is loaded once; each example's `main(llm, fast=True)` is called in this process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    import promptlang
+
+    return promptlang.load()
+
+
+@pytest.fixture
+def example(monkeypatch):
+    """Import examples/NAME.py as a fresh module (its folder on sys.path for _shared)."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
+def n_tokens(llm, *texts: str) -> int:
+    """Tokens of pieces tokenized one by one, as a session tokenizes role affixes."""
+    return sum(len(llm.tokenizer.encode(t)) for t in texts)
+
+
+def affixes(llm, role: str) -> tuple[str, str]:
+    return llm.tokenizer.role_affixes(role)
+
+
+def assert_timed(out: dict) -> None:
+    assert out["cached_ttft"] > 0 and out["baseline_ttft"] > 0
+
+
+def test_code_generation_serves_every_source_file_from_the_cache(llm, example):
+    out = example("code_generation").main(llm, fast=True)
+    assert {"map_py", "unit_py", "player_py", "game_py"} <= set(out["modules"])
+    assert isinstance(out["answer"], str) and out["generated_tokens"] <= 4
+    # the files are cached; the baseline computes every token of the same prompt
+    assert out["cached_tokens"] > 10 * max(1, out["prefill_tokens"])
+    assert out["baseline_prefill_tokens"] == out["cached_tokens"] + out["prefill_tokens"]
+    assert_timed(out)
+
+
+def test_personalization_assembles_the_profile_from_one_member_per_union(llm, example):
+    out = example("personalization").main(llm, fast=True)
+    assert out["modules"] == ["tutor", "middle", "beginner", "visual", "quiz"]
+    assert 1 <= out["generated_tokens"] <= 4
+    assert out["baseline_prefill_tokens"] == out["cached_tokens"] + out["prefill_tokens"]
+    assert_timed(out)
+
+
+def test_trip_planning_fills_the_duration_and_selects_exactly(llm, example):
+    module = example("trip_planning")
+    out = module.main(llm, fast=True)
+    assert out["modules"] == ["trip", "paris"]
+    assert out["budget"] in ("yes", "no")
+    choice = out["choice"]
+    assert choice.options == ("yes", "no") and out["budget"] == choice.options[
+        max(range(2), key=lambda i: choice.scores[i])]
+    # the select computed only what came after the plan: nothing of the prompt again
+    (_, plan_prefill), (_, select_prefill) = out["steps"]
+    assert plan_prefill == 0
+    question = "Can this trip be done on a small budget? Answer yes or no."
+    assert select_prefill == n_tokens(llm, affixes(llm, "assistant")[1],
+                                      affixes(llm, "user")[0], question,
+                                      affixes(llm, "user")[1], affixes(llm, "assistant")[0])
+    assert_timed(out)
+
+
+def test_document_qa_retrieves_one_union_member_and_serves_it_cached(llm, example):
+    out = example("document_qa").main(llm, fast=True)
+    assert out["document"] == "tides" and out["modules"] == ["answer", "tides"]
+    assert out["cached_tokens"] > 5 * out["prefill_tokens"]
+    assert_timed(out)
+
+
+def test_react_agent_calls_the_tool_and_never_recomputes_a_step(llm, example):
+    module = example("react_agent")
+    out = module.main(llm, fast=True, question="What is 37*48+12?",
+                      first_action=("calculator", "37*48+12"))
+    assert out["tool_calls"][0] == ("calculator", "37*48+12")
+    assert out["steps"][0].observation == "1788" and not out["steps"][0].error
+    assert out["finish"] in ("answer", "no_action", "max_steps")
+    opening = out["opening"]
+    assert opening.cached_tokens > 0 and out["baseline_cached_tokens"] == 0
+    # every token in the session's KV was computed once: the opening, then each turn's new
+    # text and its own generated tokens
+    assert out["length"] == opening.cached_tokens + opening.prefill_tokens + sum(
+        t.prefill_tokens + t.generated_tokens for t in out["turns"])
+    assert_timed(out)
+    assert module.calculate("2^10 - 3x4") == 1012
+    with pytest.raises(ValueError):
+        module.calculate("__import__('os')")
+    assert module.search("eiffel tower height").startswith("Eiffel Tower:")
+
+
+def test_chat_agent_turns_compute_only_their_new_tokens(llm, example):
+    module = example("chat_agent")
+    out = module.main(llm, fast=True)
+    user_open, user_close = affixes(llm, "user")
+    asst_open, asst_close = affixes(llm, "assistant")
+    turns = out["turns"]
+    assert len(turns) == len(module.MESSAGES)
+    assert turns[0].prefill_tokens == n_tokens(llm, user_open, module.MESSAGES[0], user_close,
+                                               asst_open)
+    for turn, message in zip(turns[1:], module.MESSAGES[1:]):
+        assert turn.prefill_tokens == n_tokens(llm, asst_close, user_open, message, user_close,
+                                               asst_open)
+        assert 1 <= turn.generated_tokens <= 4
+    opening = out["opening"]
+    assert opening.cached_tokens > 0
+    assert out["length"] == opening.cached_tokens + opening.prefill_tokens + sum(
+        t.prefill_tokens + t.generated_tokens for t in turns)
+    # from scratch, the last turn would compute the persona and every earlier turn again
+    assert out["scratch_tokens"] == out["length"] - turns[-1].generated_tokens
+    assert_timed(out)
+
+
+def test_an_example_runs_as_a_script_in_fast_mode():
+    env = dict(os.environ, PROMPTLANG_FAST="1")
+    done = subprocess.run([sys.executable, str(EXAMPLES / "code_generation.py")], env=env,
+                          capture_output=True, text=True, cwd=EXAMPLES.parent)
+    assert done.returncode == 0, done.stderr
+    assert "main.py:" in done.stdout and "time to first token: cached" in done.stdout
