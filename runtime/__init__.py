@@ -14,11 +14,15 @@ The public names are imported lazily, so `import promptlang.runtime` stays cheap
 
 from __future__ import annotations
 
-__all__ = ["load", "LLM", "Result", "Timings"]
+__all__ = ["load", "LLM", "Result", "Timings", "Session", "Agent", "Tool", "tool"]
+
+_HOME = {"load": "engine", "LLM": "engine", "Result": "engine", "Timings": "engine",
+         "Session": "session", "Agent": "agent", "Tool": "agent", "tool": "agent"}
 
 
 def __getattr__(name: str):
-    if name in __all__:
-        from promptlang.runtime import engine
-        return getattr(engine, name)
-    raise AttributeError(f"module 'promptlang.runtime' has no attribute {name!r}")
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'promptlang.runtime' has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f"promptlang.runtime.{home}"), name)
