@@ -13,6 +13,8 @@ so measure under the same `torch.set_num_threads` as the benchmark.
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -94,3 +96,39 @@ def prefill_flops(config: ModelShape | Any, n_new: int, n_context: int,
 def module_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's parameters (shared tensors, e.g. tied embeddings, once)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def cpu_name() -> str:
+    """The CPU's model name as the OS reports it ("" when it does not)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def machine_facts(machine: Machine) -> dict[str, Any]:
+    """What a reader needs to compare a run with their own: the hardware this process
+    may use, the measured rates, and the software versions."""
+    import sys
+
+    import transformers
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:           # not on Linux
+        usable = os.cpu_count()
+    return {
+        "cpu": cpu_name(),
+        "logical_cores": os.cpu_count(),
+        "usable_cores": usable,
+        "torch_threads": machine.threads,
+        "matmul_gflops": round(machine.matmul_flops_per_s / 1e9, 1),
+        "copy_gb_per_s": round(machine.copy_bytes_per_s / 1e9, 2),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }

@@ -1,4 +1,4 @@
-"""Reporting helpers for the benchmarks: tables, raw numbers, plots, fits, progress."""
+"""Reporting helpers for the benchmarks: tables, raw numbers, plots, fits, goals, progress."""
 
 from __future__ import annotations
 
@@ -44,6 +44,73 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | Non
 
     return "\n".join([line(columns), line(["-" * w for w in widths])] +
                      [line(values) for values in cells])
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None,
+                   float_format: str = "{:.3g}") -> str:
+    """The same cells as `format_table`, as a GitHub-flavoured Markdown table
+    (numeric columns right-aligned)."""
+    if not rows:
+        return ""
+    columns = list(columns or rows[0].keys())
+    numeric = [all(isinstance(row.get(c), (int, float)) or row.get(c) is None for row in rows)
+               for c in columns]
+    escape = lambda text: text.replace("|", "\\|")  # noqa: E731
+    lines = ["| " + " | ".join(escape(c) for c in columns) + " |",
+             "|" + "|".join("---:" if num else ":---" for num in numeric) + "|"]
+    lines += ["| " + " | ".join(escape(_cell(row.get(c), float_format)) for c in columns) + " |"
+              for row in rows]
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Goal:
+    """A target the benchmarks check and print, met or not: `PASS  name: detail`."""
+
+    name: str
+    passed: bool | None      # None: could not be measured in this run (detail says why)
+    detail: str
+
+    @property
+    def verdict(self) -> str:
+        return {True: "PASS", False: "FAIL", None: "N/A"}[self.passed]
+
+    def __str__(self) -> str:
+        return f"{self.verdict}  {self.name}: {self.detail}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """A titled part of a benchmark's report: a table and/or lines of text."""
+
+    title: str
+    rows: Sequence[Mapping[str, Any]] = ()
+    lines: Sequence[str] = ()
+    float_format: str = "{:.3g}"
+
+
+def render_text(sections: Iterable[Section]) -> str:
+    """Sections for a terminal: the title, its table, its lines."""
+    parts = []
+    for section in sections:
+        body = [section.title, "=" * len(section.title)]
+        if section.rows:
+            body.append(format_table(section.rows, float_format=section.float_format))
+        body += list(section.lines)
+        parts.append("\n".join(body))
+    return "\n\n".join(parts) + "\n"
+
+
+def render_markdown(sections: Iterable[Section], level: int = 3) -> str:
+    """Sections as Markdown: a heading, the table, the lines as a list."""
+    parts = []
+    for section in sections:
+        body = ["#" * level + " " + section.title, ""]
+        if section.rows:
+            body += [markdown_table(section.rows, float_format=section.float_format), ""]
+        body += [f"- {line}" for line in section.lines]
+        parts.append("\n".join(body).rstrip())
+    return "\n\n".join(parts) + "\n"
 
 
 def _plain(value: Any) -> Any:
@@ -95,9 +162,10 @@ def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float
 
 def plot_ttft(path: str | Path, series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
               title: str = "Time to first token", xlabel: str = "prompt length (tokens)",
-              ylabel: str = "TTFT (s)") -> Path:
+              ylabel: str = "TTFT (s)", dashed: Sequence[str] = ()) -> Path:
     """A log-log plot of TTFT against prompt length, one line per series (like Fig. 5 of
-    the Prompt Cache paper), each labelled with its fitted exponent; written as PNG."""
+    the Prompt Cache paper), each labelled with its fitted exponent; written as PNG.
+    Series named in `dashed` (e.g. a floor) are drawn as dashed lines without markers."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -110,7 +178,10 @@ def plot_ttft(path: str | Path, series: Mapping[str, tuple[Sequence[float], Sequ
             label = name
             if len(set(lengths)) >= 2:
                 label += f" (slope {fit_exponent(lengths, seconds)[0]:.2f})"
-            ax.plot(lengths, seconds, marker="o", label=label)
+            if name in dashed:
+                ax.plot(lengths, seconds, linestyle="--", color="grey", label=label)
+            else:
+                ax.plot(lengths, seconds, marker="o", label=label)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel(xlabel)

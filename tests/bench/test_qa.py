@@ -237,9 +237,10 @@ def test_schema_and_prompt_survive_write_then_parse(items, mode, docs_role):
     assert parser.parse_prompt(writer.write(prompt)) == prompt
 
 
-def test_qa_memory_and_report_import_without_torch():
+def test_bench_modules_that_run_no_model_import_without_torch():
     code = ("import sys; import promptlang.runtime.bench.qa, promptlang.runtime.bench.memory, "
-            "promptlang.runtime.bench.report; print('torch' in sys.modules)")
+            "promptlang.runtime.bench.report, promptlang.runtime.bench.accuracy, "
+            "promptlang.runtime.bench.cli; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"

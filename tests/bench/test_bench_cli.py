@@ -1,0 +1,155 @@
+"""`promptlang bench ...` end to end in --quick mode on the default model: each command
+runs, prints its tables and goal lines, and writes the files it promises."""
+
+import csv
+import json
+import re
+
+import pytest
+
+from promptlang.cli import main
+
+GOAL_LINE = re.compile(r"^(PASS|FAIL|N/A)  (.+?): ", re.M)
+LATENCY_GOALS = {"cached TTFT <= 2x floor", "cached >= 100x faster than baseline",
+                 "cached TTFT exponent <= 1.2", "cached beats baseline at 512 cached tokens",
+                 "decode per token <= 1.5x transformers generate"}
+MEMORY_GOAL = "a 16-bit store halves KV bytes per token"
+
+
+def bench(capsys, *argv):
+    # one thread: these only check that everything runs, and the test machine is shared
+    # (two threads fighting other processes for two cores run several times slower)
+    code = main(["bench", *argv, "--quick", "--no-progress", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return out
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def goals(out):
+    return {name: verdict for verdict, name in GOAL_LINE.findall(out)}
+
+
+def test_latency_quick_writes_every_tier_and_prints_the_goals(tmp_path, capsys):
+    out = bench(capsys, "latency", "--out", str(tmp_path))
+    rows = read_csv(tmp_path / "latency.csv")
+    assert [int(r["target_tokens"]) for r in rows] == [64, 128, 256]
+    for row in rows:
+        for column in ("baseline_s", "cold_s", "encode_s", "device_s", "held_s", "host_s",
+                       "disk_s", "floor_s", "device_x_floor", "speedup"):
+            assert float(row[column]) > 0, column
+        assert int(row["cached_tokens"]) >= int(row["target_tokens"])
+        assert int(row["prompt_tokens"]) == int(row["cached_tokens"]) + int(row["uncached_tokens"])
+        assert row["break_even_requests"] == "" or int(row["break_even_requests"]) >= 1
+    assert (tmp_path / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(goals(out)) == LATENCY_GOALS
+    data = json.loads((tmp_path / "latency.json").read_text())
+    assert data["machine"]["matmul_gflops"] > 0 and data["machine"]["copy_gb_per_s"] > 0
+    for point in data["points"]:
+        checks = point["checks"]
+        # each tier measured what its name says, by the engine's own counters
+        assert checks["held_copied_tokens"] == 0
+        assert checks["device_copied_tokens"] >= point["target_tokens"]
+        assert checks["host_hits"] >= 1 and checks["disk_hits"] >= 2
+        assert len(point["device"]) == len(point["disk"]) == 2
+    assert data["decode"]["tokens"] >= 2 and data["decode"]["hf_per_token"] > 0
+    assert not list(tmp_path.glob(".kv-*"))          # the disk tier's files are gone
+
+
+def test_memory_quick_measures_both_stores_and_the_table(tmp_path, capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    out = bench(capsys, "memory", "--out", str(tmp_path))
+    assert torch.get_num_threads() == threads          # --threads 1 was undone
+    rows = read_csv(tmp_path / "memory.csv")
+    assert {"model", "bytes/token fp16", "bytes/token fp32", "paper Table 2"} <= set(rows[0])
+    assert {r["model"] for r in rows} >= {"SmolLM2-135M", "Llama-2-7B", "Llama-3-8B",
+                                          "Qwen2.5-0.5B", "Falcon-7B"}
+    data = json.loads((tmp_path / "memory.json").read_text())
+    assert data["bytes_per_token"] == {"fp16": 23_040, "fp32": 46_080}
+    assert [s["kv"] for s in data["stores"]] == [46_080, 23_040]
+    assert goals(out) == {MEMORY_GOAL: "PASS"}
+
+
+def test_accuracy_quick_scores_every_setting_and_kind(tmp_path, capsys):
+    out = bench(capsys, "accuracy", "--out", str(tmp_path))
+    rows = read_csv(tmp_path / "accuracy.csv")
+    assert {(r["setting"], r["kind"]) for r in rows} == {
+        (s, k) for s in ("baseline", "cached", "isolate", "scaffold")
+        for k in ("single", "cross", "dependent", "needle", "all")}
+    assert {"accuracy", "found_rate", "agreement", "ci95_low", "mean_ttft_s"} <= set(rows[0])
+    baseline_all = next(r for r in rows if r["setting"] == "baseline" and r["kind"] == "all")
+    assert baseline_all["items"] == "4" and baseline_all["agreement"] == "1.0"
+    items = json.loads((tmp_path / "accuracy-items.json").read_text())
+    assert [item["kind"] for item in items] == ["single", "cross", "dependent", "needle"]
+    for item in items:
+        assert set(item["settings"]) == {"baseline", "cached", "isolate", "scaffold"}
+        assert item["prompt_tokens"] > 0
+    assert "Exact match by question kind" in out and "Same greedy output" in out
+
+
+def test_all_quick_writes_one_folder_with_a_report_and_every_goal(tmp_path, capsys):
+    out = bench(capsys, "all", "--out", str(tmp_path / "run"), "--kinds", "single",
+                "--lengths", "64,128")
+    folder = tmp_path / "run"
+    for name in ("memory.csv", "latency.csv", "latency.png", "accuracy.csv",
+                 "accuracy-items.json", "goals.json", "report.md"):
+        assert (folder / name).is_file(), name
+    report = (folder / "report.md").read_text()
+    for heading in ("## Memory", "## Latency", "## Accuracy", "## All goals"):
+        assert heading in report
+    assert "promptlang bench all --kinds single --lengths 64,128 --no-progress --out" in report
+    assert "torch threads 1" in report
+    verdicts = {g["name"]: g["verdict"] for g in json.loads((folder / "goals.json").read_text())}
+    assert set(verdicts) == LATENCY_GOALS | {MEMORY_GOAL}
+    assert set(goals(out)) == LATENCY_GOALS | {MEMORY_GOAL}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["latency", "--lengths", "0,64"], "positive token counts"),
+    (["accuracy", "--kinds", "trivia"], "unknown kind"),
+    (["latency", "--decode-tokens", "1"], "at least 2"),
+])
+def test_bad_options_are_usage_errors(argv, message, capsys):
+    # rejected while parsing: nothing is loaded or measured
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    """A randomly initialised 2-layer Llama with the default model's tokenizer, saved as
+    a local transformers folder: what `--model PATH` takes."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from promptlang import default_model
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=1024)
+    folder = tmp_path / "tiny"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    for path in default_model.default_tokenizer_dir().iterdir():
+        if path.is_file() and path.name != "config.json":     # keep the tiny config
+            shutil.copy(path, folder / path.name)
+    return folder
+
+
+def test_all_quick_runs_on_another_local_model(tmp_path, capsys, tiny_model_dir):
+    out = bench(capsys, "all", "--out", str(tmp_path / "run"), "--model", str(tiny_model_dir))
+    data = json.loads((tmp_path / "run" / "memory.json").read_text())
+    # 2 layers x 2 (K, V) x 2 KV heads x head dim 8 x 4 bytes
+    assert data["bytes_per_token"]["fp32"] == 2 * 2 * 2 * 8 * 4
+    assert [s["kv"] for s in data["stores"]] == [256, 128]
+    assert any(row["model"].endswith("(this run)") for row in data["table"])
+    assert len(read_csv(tmp_path / "run" / "latency.csv")) == 3
+    assert set(goals(out)) == LATENCY_GOALS | {MEMORY_GOAL}
