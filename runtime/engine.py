@@ -403,8 +403,18 @@ def _read_prompt(source) -> nodes.PromptDoc:
 
 
 def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
-         dtype: torch.dtype = torch.float32, isolate: bool = False, store=None) -> LLM:
-    """Load a causal LM (None: the embedded default, SmolLM2-135M-Instruct) ready to serve."""
+         dtype: torch.dtype = torch.float32, isolate: bool = False, store=None,
+         store_dtype: torch.dtype | None = None) -> LLM:
+    """Load a causal LM (None: the embedded default, SmolLM2-135M-Instruct) ready to serve.
+
+    store_dtype (e.g. torch.bfloat16): keep cached KV at that precision (half the bytes);
+    it goes back to `dtype` only when copied into a request's buffer. Ignored if `store`
+    is given."""
     from promptlang.runtime.loading import load_hf_model
     hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)
-    return LLM(adapt(hf_model), tokenizer, store, isolate=isolate)
+    adapter = adapt(hf_model)
+    if store is None and store_dtype is not None:
+        from promptlang.runtime.store import ModuleStore
+        # get() hands out the stored tensors as they are: no per-request conversion copy
+        store = ModuleStore(device=adapter.device, dtype=store_dtype, compute_dtype=store_dtype)
+    return LLM(adapter, tokenizer, store, isolate=isolate)

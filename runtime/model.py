@@ -1,11 +1,15 @@
 """Model adapters: the only code that knows transformers' cache classes.
 
 A forward pass is driven through public inputs only: explicit `position_ids`,
-a 4-D float attention mask `[1, 1, Q, K]` of 0 / -inf (K = past + new tokens),
+a 4-D float attention mask `[1, 1, Q, K]` of 0 / -inf (K = past + new tokens) where
+visibility is not simply "all past, causal among the new",
 and a `Cache` whose layers hold the past keys/values in a caller-owned buffer.
 The position scheme decides what else is needed:
 
-- rope (Llama family): position ids rotate queries and keys; nothing else.
+- rope (Llama family): position ids rotate queries and keys; nothing else. Their
+  attention is `_attention` (registered with transformers' AttentionInterface): the
+  common case -- every past key visible, the new tokens causal -- needs no mask at
+  all, and grouped-query heads are never repeated.
 - learned (GPT-2): position ids index the position embedding table.
 - alibi (BLOOM): the model builds its biases from the cache index and takes no
   position ids, so a forward pre-hook on every attention module substitutes
@@ -30,7 +34,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import (AttentionMaskInterface, causal_mask_function,
+                                         sdpa_mask)
 
 from promptlang.errors import ModelError
 
@@ -138,6 +143,11 @@ class ModelAdapter:
         s = self.kv_shape
         return s.layers * s.kv_heads * (s.key_dim + s.value_dim) * self.dtype.itemsize
 
+    def unmasked_in_one_pass(self, past: int) -> bool:
+        """Whether a causal pass after `past` keys runs without any Q x K mask (see
+        `_attention`), so that a long one (a baseline prefill, a long unit) needs no chunks."""
+        return False
+
     def empty_kv(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.kv_shape
         shape = (s.layers, s.kv_heads, capacity)
@@ -162,7 +172,8 @@ class ModelAdapter:
         if past is None:
             past = Past(*self.empty_kv(q), positions.new_empty(0))
         s = int(past.positions.shape[0])
-        if q > self.chunk_size and s + q <= past.keys.shape[2] and \
+        unmasked = allowed is None and self.sliding_window is None and self.unmasked_in_one_pass(s)
+        if q > self.chunk_size and s + q <= past.keys.shape[2] and not unmasked and \
                 (allowed is None or not bool(allowed[:, s:].triu(1).any())):
             return self._forward_chunked(input_ids, positions, past, allowed, logits_rows)
         key_positions = torch.cat([past.positions, positions])        # [S + Q]
@@ -239,10 +250,19 @@ class RopeAdapter(ModelAdapter):
 
     def __init__(self, hf_model):
         super().__init__(hf_model)
-        groups = self.config.num_attention_heads // self.kv_shape.kv_heads
-        if groups > 1 and self.config._attn_implementation == "sdpa":
-            _register_packed_gqa()
-            hf_model.set_attn_implementation(PACKED_GQA)
+        if self.config._attn_implementation in ("sdpa", ATTENTION):
+            _register_attention()
+            hf_model.set_attn_implementation(ATTENTION)
+
+    def unmasked_in_one_pass(self, past: int) -> bool:
+        return self.config._attn_implementation == ATTENTION and \
+            (past == 0 or self.device.type == "cpu" and _FLASH_WITH_LSE is not None)
+
+    def _run(self, input_ids, positions, key_positions, mask, cache, rows):
+        if self.config._attn_implementation != ATTENTION:
+            return super()._run(input_ids, positions, key_positions, mask, cache, rows)
+        return self.model(input_ids=input_ids, position_ids=positions[None], attention_mask=mask,
+                          cache=cache, use_cache=True, logits_to_keep=rows, promptlang_masks={})
 
 
 class LearnedPositionAdapter(ModelAdapter):
@@ -321,41 +341,141 @@ def _model_state(hf_model: torch.nn.Module) -> _ModelState:
 _STATE_LOCK = threading.Lock()
 
 
-# --- attention for grouped-query models ---------------------------------------------------------
+# --- attention for RoPE models -------------------------------------------------------------------
 
-PACKED_GQA = "promptlang_packed_gqa_sdpa"
+ATTENTION = "promptlang_sdpa"
 _PACK_MAX_QUERIES = 512
 
 
-def _packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                          is_causal=None, **kwargs):
-    """SDPA for grouped-query attention with a mask and a few queries (a cached prefill).
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+               is_causal=None, **kwargs):
+    """SDPA for new tokens against a long cache, registered for RoPE models.
 
-    transformers repeats the KV heads (`repeat_kv`) for such calls: a copy of every cached
-    key and value per layer. Instead, fold each KV head's query heads into its query rows
-    (query heads i*G..i*G+G-1 share KV head i) and repeat the small mask: same arithmetic,
-    no KV copy. Anything else goes to transformers' own SDPA attention.
+    A mask of None means: every past key visible, the new tokens causal among themselves
+    (they are the last Q keys) -- the common cached prefill, every decode step and every
+    plain causal pass -- and is served without any Q x K mask: no past runs SDPA's causal
+    kernel; otherwise (CPU) the past keys and the new ones are attended apart and the two
+    results merged by their log-sum-exp. A 4-D mask is applied as given.
+
+    Grouped-query heads are folded into the query rows (query heads i*G..i*G+G-1 share
+    KV head i) instead of transformers' `repeat_kv` copy of every cached key and value.
+    Masks are built or packed once per forward pass, in the `promptlang_masks` dict the
+    adapter passes down, and reused by every layer.
     """
-    # query: [B, H, Q, D]; key, value: [B, H_kv, K, D]; attention_mask: [B, 1, Q, K]
-    b, heads, q, _ = query.shape
-    kv_heads = key.shape[1]
-    groups = heads // kv_heads
-    if (groups == 1 or q == 1 or q > _PACK_MAX_QUERIES or attention_mask is None
-            or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None
-            or kwargs.get("softcap") is not None or kwargs.get("output_attentions")):
+    # query: [B, H, Q, D]; key, value: [B, H_kv, K, D] (past first, new last); mask: [B|1, 1, Q, K]
+    if (kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+            or kwargs.get("output_attentions")):
+        if attention_mask is None and query.shape[2] != key.shape[2]:
+            attention_mask = _memo(kwargs, ("causal", 1, query.shape[2], key.shape[2]),
+                                   lambda: _causal_mask(1, query.shape[2], key.shape[2],
+                                                        query.dtype, query.device))
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
-    packed = query.reshape(b, kv_heads, groups * q, query.shape[-1])
-    mask = attention_mask.repeat(1, 1, groups, 1)                      # [B, 1, G*Q, K]
-    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout,
-                                         scale=scaling)
+                                      scaling=scaling, is_causal=True, **kwargs)
+    b, heads, q, d = query.shape
+    kv_heads, k = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    if attention_mask is None and q == k:        # no past: SDPA's own causal kernel
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling,
+                                             is_causal=q > 1, enable_gqa=groups > 1)
+    elif attention_mask is None and q > 1 and _splits_past(query, dropout):
+        out = _past_and_new(query, key, value, scaling, kwargs)
+    elif q > _PACK_MAX_QUERIES:                  # enough rows to keep every core busy unpacked
+        mask = _memo(kwargs, ("mask", id(attention_mask), 1, q, k),
+                     lambda: _additive(attention_mask, 1, q, k, query.dtype, query.device))
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                             scale=scaling, enable_gqa=groups > 1)
+    else:
+        mask = None
+        if attention_mask is not None or q > 1:
+            mask = _memo(kwargs, ("mask", id(attention_mask), groups, q, k),
+                         lambda: _additive(attention_mask, groups, q, k, query.dtype,
+                                           query.device))
+        rows = query.reshape(b, kv_heads, groups * q, d)              # grouped heads packed
+        out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, dropout_p=dropout,
+                                             scale=scaling)
     out = out.reshape(b, heads, q, value.shape[-1]).transpose(1, 2).contiguous()
     return out, None                                                   # [B, Q, H, D]
 
 
-def _register_packed_gqa() -> None:
-    AttentionInterface.register(PACKED_GQA, _packed_gqa_attention)
-    AttentionMaskInterface.register(PACKED_GQA, sdpa_mask)
+# The CPU flash kernel behind F.scaled_dot_product_attention, called directly because it also
+# returns each row's log-sum-exp; where a torch build lacks it, masks are used instead.
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _splits_past(query: torch.Tensor, dropout: float) -> bool:
+    return _FLASH_WITH_LSE is not None and query.device.type == "cpu" and not dropout
+
+
+def _past_and_new(query, key, value, scaling, kwargs) -> torch.Tensor:
+    """Attention of Q new tokens to every past key and causally to each other, as two
+    unmasked (or tiny-masked) flash passes merged by log-sum-exp; [B, H_kv, G*Q, D]."""
+    # query: [B, H, Q, D]; key, value: [B, H_kv, S + Q, D]
+    b, heads, q, d = query.shape
+    kv_heads, past = key.shape[1], key.shape[2] - q
+    groups = heads // kv_heads
+    rows = query.reshape(b, kv_heads, groups * q, d)                  # grouped heads packed
+    out_past, lse_past = _FLASH_WITH_LSE(rows, key[:, :, :past], value[:, :, :past],
+                                         scale=scaling)
+    new_keys, new_values = key[:, :, past:], value[:, :, past:]
+    if q <= _PACK_MAX_QUERIES:                   # packed rows need a [G*Q, Q] causal block
+        block = _memo(kwargs, ("causal", groups, q, q),
+                      lambda: _causal_mask(groups, q, q, query.dtype, query.device))
+        out_new, lse_new = _FLASH_WITH_LSE(rows, new_keys, new_values, attn_mask=block,
+                                           scale=scaling)
+    else:                                        # square and causal: the kernel's own mask
+        out_new, lse_new = _FLASH_WITH_LSE(query, new_keys, new_values, is_causal=True,
+                                           scale=scaling)
+        out_new = out_new.reshape(out_past.shape)
+        lse_new = lse_new.reshape(lse_past.shape)
+    share = torch.sigmoid(lse_past - lse_new).unsqueeze(-1)          # weight of the past keys
+    return torch.lerp(out_new, out_past, share.to(out_past.dtype))
+
+
+def _memo(kwargs, key, build):
+    """`build()`, kept for the rest of this forward pass when the adapter passed a memo."""
+    memo = kwargs.get("promptlang_masks")
+    if memo is None:
+        return build()
+    hit = memo.get(key)
+    if hit is None:
+        hit = memo[key] = build()
+    return hit
+
+
+def _additive(mask, groups: int, q: int, k: int, dtype, device) -> torch.Tensor:
+    """[B|1, 1, groups*Q, K] additive mask for query rows packed `groups` at a time; a mask
+    of None is the causal block over the last Q keys with every earlier key visible."""
+    if mask is None:
+        return _causal_mask(groups, q, k, dtype, device)
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask,
+                                                                                float("-inf"))
+    return mask if groups == 1 else mask.repeat(1, 1, groups, 1)
+
+
+def _causal_mask(groups: int, q: int, k: int, dtype, device) -> torch.Tensor:
+    mask = torch.zeros(groups, q, k, dtype=dtype, device=device)
+    later = torch.ones(q, q, dtype=torch.bool, device=device).triu(1)
+    mask[:, :, k - q:].masked_fill_(later, float("-inf"))
+    return mask.view(1, 1, groups * q, k)
+
+
+def _attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+                    mask_function=causal_mask_function, attention_mask=None, local_size=None,
+                    allow_is_causal_skip=True, **kwargs):
+    """transformers' mask hook for `_attention`: None where `_attention` reads None right
+    (plain causal, the new tokens last, no padding), else SDPA's boolean mask."""
+    if (allow_is_causal_skip and mask_function is causal_mask_function and local_size is None
+            and kv_offset == 0 and int(q_offset) == kv_length - q_length
+            and (attention_mask is None or bool(attention_mask.all()))):
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                     attention_mask, local_size=local_size, allow_is_causal_skip=False, **kwargs)
+
+
+def _register_attention() -> None:
+    AttentionInterface.register(ATTENTION, _attention)
+    AttentionMaskInterface.register(ATTENTION, _attention_mask)
 
 
 _ADAPTERS = {"rope": RopeAdapter, "learned": LearnedPositionAdapter, "alibi": AlibiAdapter}
