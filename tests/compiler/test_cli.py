@@ -129,3 +129,16 @@ def test_a_call_that_raises_exits_1_with_its_location(tmp_path, capsys):
         """)
     assert run("compile", path, "--call", "f(x=1)") == 1
     assert f"{path}:5:" in capsys.readouterr().err
+
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(EXAMPLES)
+                                        if f.endswith(".py") and not f.startswith("_")))
+def test_every_example_compiles_and_its_schemas_parse(name, capsys):
+    assert run("compile", os.path.join(EXAMPLES, name)) == 0
+    out = capsys.readouterr().out
+    for chunk in out.split("<schema ")[1:]:
+        schema = "<schema " + chunk[:chunk.index("</schema>") + len("</schema>")]
+        parse_schema(schema)
