@@ -10,6 +10,12 @@ a request never reallocates the whole cache.
 A buffer remembers which units (by store key) sit at its front. A request whose
 leading units are already there at the same offsets does not copy them again:
 a repeated document costs no assembly at all.
+
+Long units are not copied at all when the adapter can read them in place
+(`ModelAdapter.reads_shared`): their slots come after the copied units and are
+served from the store's own tensors (`SharedKV`), which nothing ever writes. Code
+that reads a buffer's `keys`/`values` directly gets every slot filled: shared slots
+are copied in on first access (`materialize`).
 """
 
 from __future__ import annotations
@@ -20,31 +26,58 @@ from dataclasses import dataclass, field
 import torch
 
 from promptlang.runtime.kv import ModuleKV
-from promptlang.runtime.model import ModelAdapter, Past
+from promptlang.runtime.model import ModelAdapter, Past, SharedKV
+
+SHARE_MIN_TOKENS = 256     # shorter units are copied: cheaper than one more attention piece
 
 
 @dataclass(eq=False)          # identity, not tensor comparison
 class KVBuffer:
-    keys: torch.Tensor        # [L, H_kv, C, D_k]
-    values: torch.Tensor      # [L, H_kv, C, D_v]
-    positions: torch.Tensor   # [C] int64
-    token_ids: torch.Tensor   # [C] int64
-    length: int = 0           # tokens in use
+    slot_keys: torch.Tensor    # [L, H_kv, C, D_k]; slots in `shared` are stale here
+    slot_values: torch.Tensor  # [L, H_kv, C, D_v]
+    positions: torch.Tensor    # [C] int64
+    token_ids: torch.Tensor    # [C] int64
+    length: int = 0            # tokens in use
     held: list[tuple[str, int]] = field(default_factory=list)   # (unit key, end) at the front
+    shared: list[SharedKV] = field(default_factory=list)        # slots read in place
+    shared_keys: list[str] = field(default_factory=list)        # their units' store keys
 
     @property
     def capacity(self) -> int:
         return int(self.positions.shape[0])
 
+    @property
+    def keys(self) -> torch.Tensor:
+        """[L, H_kv, C, D_k], every slot in use filled (shared slots copied in first)."""
+        self.materialize()
+        return self.slot_keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        """[L, H_kv, C, D_v], every slot in use filled (shared slots copied in first)."""
+        self.materialize()
+        return self.slot_values
+
     def past(self) -> Past:
         """The tokens in use, as the adapter's past (new tokens go right after them)."""
-        return Past(self.keys, self.values, self.positions[:self.length])
+        return Past(self.slot_keys, self.slot_values, self.positions[:self.length],
+                    tuple(self.shared))
+
+    def materialize(self) -> None:
+        """Copy the shared slots into the buffer; they stop being shared (and a unit that
+        continues the held prefix is held from now on)."""
+        for seg, key in zip(self.shared, self.shared_keys):
+            self.slot_keys[:, :, seg.start:seg.end] = seg.keys
+            self.slot_values[:, :, seg.start:seg.end] = seg.values
+            if (self.held[-1][1] if self.held else 0) == seg.start:
+                self.held.append((key, seg.end))
+        self.shared, self.shared_keys = [], []
 
     def reserve(self, capacity: int) -> None:
         """Make room for `capacity` tokens, keeping the content (a decode that outgrew it)."""
         if capacity <= self.capacity:
             return
-        for name in ("keys", "values", "positions", "token_ids"):
+        for name in ("slot_keys", "slot_values", "positions", "token_ids"):
             old = getattr(self, name)
             new = old.new_empty(*old.shape[:-2], capacity, old.shape[-1]) if old.dim() == 4 \
                 else old.new_zeros(capacity)
@@ -55,8 +88,15 @@ class KVBuffer:
             setattr(self, name, new)
 
     def forget_from(self, index: int) -> None:
-        """Slots from `index` on are about to change: drop the units that overlap them."""
+        """Slots from `index` on are about to change: drop the units that overlap them
+        (the part of a shared unit before `index` is copied in, it stays in use)."""
         self.held = [(key, end) for key, end in self.held if end <= index]
+        for seg in self.shared:
+            if seg.start < index < seg.end:
+                self.slot_keys[:, :, seg.start:index] = seg.keys[:, :, :index - seg.start]
+                self.slot_values[:, :, seg.start:index] = seg.values[:, :, :index - seg.start]
+        kept = [(seg, key) for seg, key in zip(self.shared, self.shared_keys) if seg.end <= index]
+        self.shared, self.shared_keys = [seg for seg, _ in kept], [key for _, key in kept]
 
     def append(self, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Record ids/positions of tokens whose KV the adapter just wrote after `length`."""
@@ -68,12 +108,14 @@ class KVBuffer:
 
 @dataclass(eq=False)
 class Assembler:
-    """Hands out pooled KV buffers and writes units into them."""
+    """Hands out pooled KV buffers and writes units into them (or shares long ones)."""
 
     adapter: ModelAdapter
     growth: float = 1.5
+    share_min_tokens: int | None = SHARE_MIN_TOKENS   # None: copy every unit
     allocations: int = 0                       # buffers allocated so far (tests read it)
     copied_tokens: int = 0                     # tokens written by assemble() so far
+    shared_tokens: int = 0                     # tokens assemble() served in place so far
     _free: list[KVBuffer] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -86,6 +128,7 @@ class Assembler:
                 buffer = max(fitting, key=lambda b: (_common_prefix(b.held, keys), -b.capacity))
                 self._free.remove(buffer)
                 buffer.length = 0
+                buffer.shared, buffer.shared_keys = [], []
                 return buffer
             if self._free:        # replace the largest free buffer by a bigger one
                 largest = max(self._free, key=lambda b: b.capacity)
@@ -103,32 +146,53 @@ class Assembler:
 
     @torch.inference_mode()
     def assemble(self, buffer: KVBuffer, units: list[tuple[str, ModuleKV]]) -> int:
-        """Write `units` ((store key, KV) pairs; placeholders left out) at the front of
-        `buffer`, skipping the leading ones it already holds; returns tokens written."""
-        reuse = _common_prefix(buffer.held, [key for key, kv in units if kv.length])
+        """Put `units` ((store key, KV) pairs; placeholders left out) at the front of
+        `buffer`: the copied ones first, skipping the leading ones it already holds, then
+        the shared ones; returns the tokens in use."""
+        units = [(key, kv) for key, kv in units if kv.length]
+        reuse = _common_prefix(buffer.held, [key for key, _ in units])
         held = buffer.held[:reuse]
         at = held[-1][1] if held else 0
-        for key, kv in [(k, kv) for k, kv in units if kv.length][reuse:]:
+        shares = [self._shares(buffer, kv) for _, kv in units[reuse:]]
+        shared = [unit for unit, share in zip(units[reuse:], shares) if share]
+        copied = [unit for unit, share in zip(units[reuse:], shares) if not share]
+        buffer.shared, buffer.shared_keys = [], []
+        for key, kv in copied:
             # kv.keys: [L, H_kv, S, D]
             if bool(kv.placeholder.any()):
                 keep = ~kv.placeholder
                 n = int(keep.sum())
-                buffer.keys[:, :, at:at + n] = kv.keys[:, :, keep]
-                buffer.values[:, :, at:at + n] = kv.values[:, :, keep]
+                buffer.slot_keys[:, :, at:at + n] = kv.keys[:, :, keep]
+                buffer.slot_values[:, :, at:at + n] = kv.values[:, :, keep]
                 buffer.positions[at:at + n] = kv.positions[keep]
                 buffer.token_ids[at:at + n] = kv.token_ids[keep]
             else:
                 n = kv.length
-                buffer.keys[:, :, at:at + n] = kv.keys
-                buffer.values[:, :, at:at + n] = kv.values
+                buffer.slot_keys[:, :, at:at + n] = kv.keys
+                buffer.slot_values[:, :, at:at + n] = kv.values
                 buffer.positions[at:at + n] = kv.positions
                 buffer.token_ids[at:at + n] = kv.token_ids
             at += n
             held.append((key, at))
             self.copied_tokens += n
         buffer.held = held
+        for key, kv in shared:
+            n = kv.length
+            buffer.positions[at:at + n] = kv.positions
+            buffer.token_ids[at:at + n] = kv.token_ids
+            buffer.shared.append(SharedKV(at, at + n, kv.keys, kv.values))
+            buffer.shared_keys.append(key)
+            at += n
+            self.shared_tokens += n
         buffer.length = at
         return at
+
+    def _shares(self, buffer: KVBuffer, kv: ModuleKV) -> bool:
+        """Whether `kv` is served in place: long, no placeholders, the buffer's dtype."""
+        return (self.share_min_tokens is not None and kv.length >= self.share_min_tokens
+                and self.adapter.reads_shared and kv.keys.dtype == buffer.slot_keys.dtype
+                and kv.keys.device == buffer.slot_keys.device
+                and not bool(kv.placeholder.any()))
 
 
 def _common_prefix(held: list[tuple[str, int]], keys) -> int:

@@ -10,7 +10,9 @@ from the cache: the next-token distribution needs that token's output.
 
 Decode. Generated tokens take positions `end, end + 1, ...` and attend to
 everything before them. Sampling, stop strings, max tokens and EOS come from
-`sampling.Decoding`; `decode` yields `(token_id, text_delta, finished)`.
+`sampling.Decoding`; `decode` yields `(token_id, text_delta, finished)`. Units the
+prefill read in place (see assembler.py) are copied into the buffer after the
+first token: once, instead of reading them in pieces at every step.
 
 Baseline. The same token ids at contiguous positions 0..N-1, causal, no reuse:
 what the model computes without promptlang, for A/B comparisons.
@@ -40,6 +42,7 @@ def take_last(buffer: KVBuffer) -> tuple[int, int]:
     """Remove the highest-positioned token from the buffer (it will be recomputed);
     returns its (token id, position). Its slot is filled by the buffer's last token."""
     n = buffer.length
+    buffer.materialize()           # slot n - 1 may be a shared one: its KV moves below
     last = int(torch.argmax(buffer.positions[:n]))
     buffer.forget_from(last)
     token, position = int(buffer.token_ids[last]), int(buffer.positions[last])
@@ -104,6 +107,9 @@ def decode(adapter: ModelAdapter, buffer: KVBuffer, logits: torch.Tensor, positi
             yield None, decoding.finish("length"), True
             return
         yield token, delta, False
+        # every step reads all of the KV: one contiguous piece is cheaper than reading
+        # shared units in place, so they are copied in once, after the first token
+        buffer.materialize()
         if buffer.length >= buffer.capacity:
             buffer.reserve(int(buffer.capacity * 1.5) + 1)
         ids = torch.tensor([token], dtype=torch.int64, device=device)

@@ -51,17 +51,29 @@ _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "_commit_hash"
                          "torch_dtype", "dtype", "_attn_implementation_autoset"}
 
 
+class SharedKV(NamedTuple):
+    """Past slots [start, end) whose keys/values are read in place from another tensor (a
+    stored unit's) instead of the buffer, whose own copy of those slots is left stale."""
+
+    start: int
+    end: int
+    keys: torch.Tensor       # [L, H_kv, end - start, D_k]
+    values: torch.Tensor     # [L, H_kv, end - start, D_v]
+
+
 class Past(NamedTuple):
     """Keys/values a forward pass attends to besides its own tokens.
 
     The past occupies the first S = len(positions) slots of the buffers. When the
     buffers have room for the new tokens too (C >= S + Q), the pass writes their
-    keys/values into slots S..S+Q in place: no copy of the past per call.
+    keys/values into slots S..S+Q in place: no copy of the past per call. Slots covered
+    by `shared` are read from those tensors instead (adapters with `reads_shared` only).
     """
 
     keys: torch.Tensor       # [L, H_kv, C, D_k]
     values: torch.Tensor     # [L, H_kv, C, D_v]
     positions: torch.Tensor  # [S] int64: layout position of each past key
+    shared: tuple[SharedKV, ...] = ()
 
 
 class Step(NamedTuple):
@@ -148,6 +160,11 @@ class ModelAdapter:
         `_attention`), so that a long one (a baseline prefill, a long unit) needs no chunks."""
         return False
 
+    @property
+    def reads_shared(self) -> bool:
+        """Whether `forward` accepts a Past with `shared` slots (read in place)."""
+        return False
+
     def empty_kv(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.kv_shape
         shape = (s.layers, s.kv_heads, capacity)
@@ -171,6 +188,8 @@ class ModelAdapter:
         q = int(input_ids.shape[0])
         if past is None:
             past = Past(*self.empty_kv(q), positions.new_empty(0))
+        if past.shared and not self.reads_shared:
+            raise ValueError(f"{type(self).__name__} cannot read shared KV slots")
         s = int(past.positions.shape[0])
         unmasked = allowed is None and self.sliding_window is None and self.unmasked_in_one_pass(s)
         if q > self.chunk_size and s + q <= past.keys.shape[2] and not unmasked and \
@@ -190,7 +209,8 @@ class ModelAdapter:
         cache = Cache(layers=layers)
         rows = logits_rows if logits_rows is not None else positions.new_empty(0)
         with self.lock:
-            out = self._run(input_ids[None], positions, key_positions, mask, cache, rows)
+            out = self._run(input_ids[None], positions, key_positions, mask, cache, rows,
+                            past.shared)
         if s + q <= past.keys.shape[2]:          # written in place
             keys, values = past.keys[:, :, s:s + q], past.values[:, :, s:s + q]
         else:
@@ -211,14 +231,14 @@ class ModelAdapter:
         for start in range(0, q, c):
             end = min(q, start + c)
             mine = rows_sorted[(rows_sorted >= start) & (rows_sorted < end)] - start
-            step = self.forward(input_ids[start:end], positions[start:end],
-                                Past(past.keys, past.values, key_positions[:s + start]),
+            before = Past(past.keys, past.values, key_positions[:s + start], past.shared)
+            step = self.forward(input_ids[start:end], positions[start:end], before,
                                 None if allowed is None else allowed[start:end, :s + end], mine)
             logits.append(step.logits)
         logits = torch.cat(logits)[torch.argsort(order)]
         return Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
 
-    def _run(self, input_ids, positions, key_positions, mask, cache, rows):
+    def _run(self, input_ids, positions, key_positions, mask, cache, rows, shared=()):
         # input_ids: [1, Q]; positions: [Q]; key_positions: [S+Q]; mask: [1,1,Q,S+Q] | None
         return self.model(input_ids=input_ids, position_ids=positions[None], attention_mask=mask,
                           cache=cache, use_cache=True, logits_to_keep=rows)
@@ -255,14 +275,23 @@ class RopeAdapter(ModelAdapter):
             hf_model.set_attn_implementation(ATTENTION)
 
     def unmasked_in_one_pass(self, past: int) -> bool:
-        return self.config._attn_implementation == ATTENTION and \
-            (past == 0 or self.device.type == "cpu" and _FLASH_WITH_LSE is not None)
+        return self.config._attn_implementation == ATTENTION and (past == 0 or self._splits)
 
-    def _run(self, input_ids, positions, key_positions, mask, cache, rows):
+    @property
+    def reads_shared(self) -> bool:
+        return self.config._attn_implementation == ATTENTION and self._splits
+
+    @property
+    def _splits(self) -> bool:        # pieces of keys attended apart, merged (CPU only)
+        return self.device.type == "cpu" and _FLASH_WITH_LSE is not None
+
+    def _run(self, input_ids, positions, key_positions, mask, cache, rows, shared=()):
         if self.config._attn_implementation != ATTENTION:
             return super()._run(input_ids, positions, key_positions, mask, cache, rows)
+        extra = {"promptlang_shared": shared} if shared else {}
         return self.model(input_ids=input_ids, position_ids=positions[None], attention_mask=mask,
-                          cache=cache, use_cache=True, logits_to_keep=rows, promptlang_masks={})
+                          cache=cache, use_cache=True, logits_to_keep=rows, promptlang_masks={},
+                          **extra)
 
 
 class LearnedPositionAdapter(ModelAdapter):
@@ -300,7 +329,7 @@ class AlibiAdapter(ModelAdapter):
         c = self.config
         return KVShape(c.n_layer, c.n_head, c.hidden_size // c.n_head, c.hidden_size // c.n_head)
 
-    def _run(self, input_ids, positions, key_positions, mask, cache, rows):
+    def _run(self, input_ids, positions, key_positions, mask, cache, rows, shared=()):
         # softmax is shift-invariant per row, so slope * key_position equals -slope * distance
         bias = self._slopes[:, None, None] * key_positions.to(torch.float32)   # [H, 1, K]
         self._state.alibi, self._state.mask = bias.to(self.dtype), mask
@@ -363,8 +392,9 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     adapter passes down, and reused by every layer.
     """
     # query: [B, H, Q, D]; key, value: [B, H_kv, K, D] (past first, new last); mask: [B|1, 1, Q, K]
-    if (kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-            or kwargs.get("output_attentions")):
+    shared = kwargs.get("promptlang_shared")
+    if not shared and (kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+                       or kwargs.get("output_attentions")):
         if attention_mask is None and query.shape[2] != key.shape[2]:
             attention_mask = _memo(kwargs, ("causal", 1, query.shape[2], key.shape[2]),
                                    lambda: _causal_mask(1, query.shape[2], key.shape[2],
@@ -374,7 +404,10 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     b, heads, q, d = query.shape
     kv_heads, k = key.shape[1], key.shape[2]
     groups = heads // kv_heads
-    if attention_mask is None and q == k:        # no past: SDPA's own causal kernel
+    if shared:                                   # past slots read in place from stored units
+        out = _with_shared(module.layer_idx, shared, query, key, value, attention_mask,
+                           scaling, kwargs)
+    elif attention_mask is None and q == k:      # no past: SDPA's own causal kernel
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling,
                                              is_causal=q > 1, enable_gqa=groups > 1)
     elif attention_mask is None and q > 1 and _splits_past(query, dropout):
@@ -410,25 +443,82 @@ def _past_and_new(query, key, value, scaling, kwargs) -> torch.Tensor:
     """Attention of Q new tokens to every past key and causally to each other, as two
     unmasked (or tiny-masked) flash passes merged by log-sum-exp; [B, H_kv, G*Q, D]."""
     # query: [B, H, Q, D]; key, value: [B, H_kv, S + Q, D]
+    past = key.shape[2] - query.shape[2]
+    rows = _rows(query, key.shape[1])
+    return _merge([_FLASH_WITH_LSE(rows, key[:, :, :past], value[:, :, :past], scale=scaling),
+                   _new_block(query, key[:, :, past:], value[:, :, past:], scaling, kwargs)])
+
+
+def _with_shared(layer: int, shared, query, key, value, mask, scaling, kwargs) -> torch.Tensor:
+    """Attention when some past slots are read from stored units' tensors (SharedKV) rather
+    than from `key`/`value`: each piece of keys attended apart, the results merged by
+    log-sum-exp; [B, H_kv, G*Q, D]. `mask` None or [B|1, 1, Q, K] as in `_attention`."""
+    # query: [B, H, Q, D]; key, value: [B, H_kv, K, D] over every slot, shared ones stale
+    q, k = query.shape[2], key.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    rows = _rows(query, key.shape[1])
+    pieces, at = [], 0                           # (first slot, end slot, keys, values)
+    for seg in sorted(shared):
+        if seg.start > at:
+            pieces.append((at, seg.start, key[:, :, at:seg.start], value[:, :, at:seg.start]))
+        pieces.append((seg.start, seg.end, seg.keys[layer][None], seg.values[layer][None]))
+        at = seg.end
+    if mask is None:                             # every past key visible, the new ones causal
+        if k - q > at:
+            pieces.append((at, k - q, key[:, :, at:k - q], value[:, :, at:k - q]))
+        parts = [_FLASH_WITH_LSE(rows, keys, values, scale=scaling)
+                 for _, _, keys, values in pieces]
+        parts.append(_new_block(query, key[:, :, k - q:], value[:, :, k - q:], scaling, kwargs))
+        return _merge(parts)
+    if k > at:
+        pieces.append((at, k, key[:, :, at:], value[:, :, at:]))
+    parts = []
+    for start, end, keys, values in pieces:
+        piece_mask = _memo(kwargs, ("piece", id(mask), start, end, groups),
+                           lambda: _additive(mask[..., start:end], groups, q, end - start,
+                                             query.dtype, query.device))
+        out, lse = _FLASH_WITH_LSE(rows, keys, values, attn_mask=piece_mask, scale=scaling)
+        # the kernel reports a log-sum-exp of 0 for a row that sees no key of the piece
+        seen = (piece_mask > float("-inf")).any(-1)                  # [B|1, 1, G*Q]
+        parts.append((out, lse.masked_fill(~seen, float("-inf"))))
+    return _merge(parts)
+
+
+def _rows(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, Q, D] -> [B, H_kv, G*Q, D]: the query heads sharing a KV head as its rows."""
     b, heads, q, d = query.shape
-    kv_heads, past = key.shape[1], key.shape[2] - q
+    return query.reshape(b, kv_heads, heads // kv_heads * q, d)
+
+
+def _new_block(query, new_keys, new_values, scaling, kwargs):
+    """(out, lse) of the Q new tokens attending causally to each other, in packed rows."""
+    # query: [B, H, Q, D]; new_keys, new_values: [B, H_kv, Q, D]
+    b, heads, q, d = query.shape
+    kv_heads = new_keys.shape[1]
     groups = heads // kv_heads
-    rows = query.reshape(b, kv_heads, groups * q, d)                  # grouped heads packed
-    out_past, lse_past = _FLASH_WITH_LSE(rows, key[:, :, :past], value[:, :, :past],
-                                         scale=scaling)
-    new_keys, new_values = key[:, :, past:], value[:, :, past:]
+    rows = _rows(query, kv_heads)
+    if q == 1:
+        return _FLASH_WITH_LSE(rows, new_keys, new_values, scale=scaling)
     if q <= _PACK_MAX_QUERIES:                   # packed rows need a [G*Q, Q] causal block
         block = _memo(kwargs, ("causal", groups, q, q),
                       lambda: _causal_mask(groups, q, q, query.dtype, query.device))
-        out_new, lse_new = _FLASH_WITH_LSE(rows, new_keys, new_values, attn_mask=block,
-                                           scale=scaling)
-    else:                                        # square and causal: the kernel's own mask
-        out_new, lse_new = _FLASH_WITH_LSE(query, new_keys, new_values, is_causal=True,
-                                           scale=scaling)
-        out_new = out_new.reshape(out_past.shape)
-        lse_new = lse_new.reshape(lse_past.shape)
-    share = torch.sigmoid(lse_past - lse_new).unsqueeze(-1)          # weight of the past keys
-    return torch.lerp(out_new, out_past, share.to(out_past.dtype))
+        return _FLASH_WITH_LSE(rows, new_keys, new_values, attn_mask=block, scale=scaling)
+    out, lse = _FLASH_WITH_LSE(query, new_keys, new_values, is_causal=True, scale=scaling)
+    return out.reshape(b, kv_heads, groups * q, d), lse.reshape(b, kv_heads, groups * q)
+
+
+def _merge(parts) -> torch.Tensor:
+    """Attention over the union of disjoint key sets, from each set's (out, log-sum-exp)."""
+    # out: [B, H_kv, R, D]; lse: [B, H_kv, R] float32
+    if len(parts) == 2:
+        (out_a, lse_a), (out_b, lse_b) = parts
+        share = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)           # weight of the first set
+        return torch.lerp(out_b, out_a, share.to(out_a.dtype))
+    weights = torch.softmax(torch.stack([lse for _, lse in parts]), 0).unsqueeze(-1)
+    out = parts[0][0] * weights[0].to(parts[0][0].dtype)
+    for (part, _), weight in zip(parts[1:], weights[1:]):
+        out.add_(part * weight.to(part.dtype))
+    return out
 
 
 def _memo(kwargs, key, build):

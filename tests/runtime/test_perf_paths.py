@@ -216,3 +216,77 @@ def test_load_exposes_the_store_dtype(monkeypatch, tmp_path):
     assert llm.store.dtype == torch.float16
     llm.add_schema(SCHEMA)
     assert llm.generate(PROMPT, max_new_tokens=2).token_ids
+
+
+# --- long units served in place (assembler.share_min_tokens) -------------------------------
+
+@pytest.fixture(scope="module")
+def oracle_llama():
+    from .test_oracle import tiny_model
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("isolate", [False, True], ids=["guaranteed", "isolate"])
+@pytest.mark.parametrize("chunk_size", [512, 3], ids=["one pass", "chunks"])
+@pytest.mark.parametrize("case", ["two modules with a gap", "nested modules", "union",
+                                  "scaffold", "cache false", "no uncached tokens"])
+def test_units_read_in_place_match_the_oracle(oracle_llama, tmp_path, case, chunk_size,
+                                              isolate):
+    """Units the request reads from the store's tensors instead of copying them into its
+    buffer (every unit without placeholders, here) give the oracle's logits and KV."""
+    from .test_oracle import PROMPTS, assert_matches_oracle, make_llm
+
+    llm = make_llm(oracle_llama, tmp_path, isolate=isolate)
+    llm.assembler.share_min_tokens = 1
+    llm.adapter.chunk_size = chunk_size
+    try:
+        assert_matches_oracle(llm, PROMPTS[case], isolate)
+    finally:
+        llm.adapter.chunk_size = type(llm.adapter).chunk_size
+    assert llm.assembler.shared_tokens > 0
+
+
+def pair(tmp_path, model):
+    """Two engines on one model: one copies every unit, one reads them in place."""
+    engines = []
+    for name, share in (("copy", None), ("share", 1)):
+        llm = LLM.from_model(model, WordTokenizer(VOCAB, bos=True),
+                             store=ModuleStore(disk_dir=tmp_path / name))
+        llm.assembler.share_min_tokens = share
+        llm.add_schema(SCHEMA)
+        engines.append(llm)
+    return engines
+
+
+def test_generation_reads_long_units_in_place_and_equals_copying(tmp_path):
+    copy, share = pair(tmp_path, llama())
+    other = '<prompt schema="s">Nothing cached here.</user></prompt>'
+    for prompt in (PROMPT, other, PROMPT):   # the buffer is reused in between
+        expected = copy.generate(prompt, max_new_tokens=6)
+        got = share.generate(prompt, max_new_tokens=6)
+        assert got.token_ids == expected.token_ids
+    assert share.assembler.shared_tokens > 0
+    assert share.assembler.copied_tokens < copy.assembler.copied_tokens
+    # decoding copied the shared unit into the buffer, which now holds it for the next request
+    counts = share.assembler.copied_tokens, share.assembler.shared_tokens
+    assert share.generate(PROMPT, max_new_tokens=6).token_ids == expected.token_ids
+    assert (share.assembler.copied_tokens, share.assembler.shared_tokens) == counts
+
+
+def test_a_session_over_units_read_in_place_equals_one_over_copies(tmp_path):
+    def run(llm):
+        session = llm.session(PROMPT)
+        first = session.generate(max_new_tokens=4)
+        branch = session.fork()
+        branch.append(" and then")
+        second = branch.generate(max_new_tokens=4)
+        session.append(" or else")
+        third = session.generate(max_new_tokens=3)
+        return ([t.text for t in (first, second, third)], session.tokens(), branch.tokens(),
+                session.logits)
+
+    copy, share = pair(tmp_path, llama())
+    expected, got = run(copy), run(share)
+    assert got[:3] == expected[:3]
+    assert (got[3] - expected[3]).abs().max() < TOL
+    assert share.assembler.shared_tokens > 0
