@@ -8,6 +8,7 @@ import re
 import pytest
 
 from promptlang.cli import main
+from promptlang.runtime.assembler import SHARE_MIN_TOKENS
 
 GOAL_LINE = re.compile(r"^(PASS|FAIL|N/A)  (.+?): ", re.M)
 LATENCY_GOALS = {"cached TTFT <= 2x floor", "cached >= 100x faster than baseline",
@@ -53,7 +54,10 @@ def test_latency_quick_writes_every_tier_and_prints_the_goals(tmp_path, capsys):
         checks = point["checks"]
         # each tier measured what its name says, by the engine's own counters
         assert checks["held_copied_tokens"] == 0
-        assert checks["device_copied_tokens"] >= point["target_tokens"]
+        if point["target_tokens"] < SHARE_MIN_TOKENS:   # short units are copied in
+            assert checks["device_copied_tokens"] >= point["target_tokens"]
+        else:                                          # long ones are read in place
+            assert checks["device_copied_tokens"] < point["target_tokens"]
         assert checks["host_hits"] >= 1 and checks["disk_hits"] >= 2
         assert len(point["device"]) == len(point["disk"]) == 2
     assert data["decode"]["tokens"] >= 2 and data["decode"]["hf_per_token"] > 0
