@@ -5,6 +5,10 @@ It counts K and V at `kv_heads`, as the store keeps them (never after repeat_kv)
 (transformers' Falcon with the new decoder architecture broadcasts K/V to every head
 before caching; the figure here is the architecture's, which our store achieves.)
 
+The table of published models prints ours in MiB per token at 16 bits beside the
+Prompt Cache paper's Table 2 (PAPER_TABLE2), and says for each paper figure whether it
+agrees with ours or counts K/V for every attention head of a model that shares them.
+
 `run_memory` also measures what the module store really holds: it encodes one module
 into a float32 store and into a bfloat16 one (`ModuleStore(dtype=torch.bfloat16)`) and
 reads the entries' sizes back, in memory and on disk. Only that part imports torch.
@@ -12,6 +16,8 @@ reads the entries' sizes back, in memory and on disk. Only that part imports tor
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,10 +25,30 @@ from typing import Any
 from promptlang.runtime.bench.report import Goal, Section, format_table
 from promptlang.runtime.bench.shapes import PUBLISHED, ModelShape, shape_from_config
 
-# Per-token KV sizes from Table 2 of the Prompt Cache paper (Gim et al., arXiv 2311.04934),
-# in bytes, keyed like PUBLISHED. Empty: the figures must be filled in from the paper
-# itself; until then the table prints "n/a" rather than a number nobody checked.
-PAPER_TABLE2: dict[str, int] = {}
+# Table 2, "Memory overhead of caching a single token", row "MB/token", of the Prompt
+# Cache paper (Gim et al., arXiv 2311.04934v2, MLSys 2024), as printed; Section 5.5 says
+# it assumes 16-bit floats. Its "MB" is MiB (Llama 7B: 32 x 2 x 4096 x 2 B = 524,288 B =
+# 0.50 MiB), cut, not rounded, to two decimals (BERT 0.035 -> 0.03, Falcon 1B 0.1875 ->
+# 0.18, Falcon 40B 1.875 -> 1.87). Keyed by our PUBLISHED rows; the paper's names:
+# BERT (-base, from its size), Falcon 1B (falcon-rw-1b), Llama 7B/13B/70B, MPT 30B,
+# Falcon 40B, Falcon 180B. Llama 7B and 13B map to our Llama-2 rows: Llama-1 and
+# Llama-2 share those shapes. Llama 70B exists only as Llama-2 (with GQA). The paper
+# counts K/V for every attention head, also for models that share them (GQA/MQA:
+# Llama-2-70B, Falcon-40B, Falcon-180B), which real caches, ours included, do not.
+PAPER_TABLE2: dict[str, str] = {
+    "BERT-base": "0.03",
+    "Falcon-RW-1B": "0.18",
+    "Llama-2-7B": "0.50",
+    "Llama-2-13B": "0.78",
+    "MPT-30B": "1.31",
+    "Falcon-40B": "1.87",
+    "Llama-2-70B": "2.5",
+    "Falcon-180B": "4.53",
+}
+PAPER_COLUMN = "paper Table 2"                        # the rows' (and CSV's) key
+PAPER_HEADER = "paper Table 2 MiB/token fp16"         # its header in printed tables
+OURS_MIB = "ours MiB/token fp16"
+MIB = 2**20
 
 DEFAULT_MODEL = "SmolLM2-135M"
 
@@ -34,27 +60,100 @@ def kv_bytes_per_token(config: ModelShape | Any, bytes_per_value: int = 4) -> in
     return shape.layers * 2 * shape.kv_heads * shape.head_dim * bytes_per_value
 
 
+class _Decimals(float):
+    """A float that tables print with its own number of decimals (a Section has one
+    float format for every column); CSV and JSON still get the plain number."""
+
+    def __new__(cls, value: float, decimals: int):
+        number = super().__new__(cls, value)
+        number.decimals = decimals
+        return number
+
+    def __format__(self, spec: str) -> str:
+        return f"{float(self):,.{self.decimals}f}"
+
+
+def _decimals(printed: str) -> int:
+    return len(printed.partition(".")[2])
+
+
+def reads_as(mib: float, printed: str) -> bool:
+    """Whether `mib` cut (not rounded) to the decimals of `printed` is `printed`, the
+    way the paper's Table 2 prints its figures."""
+    scale = 10 ** _decimals(printed)
+    return math.floor(mib * scale + 1e-9) == round(float(printed) * scale)
+
+
+def all_heads(shape: ModelShape) -> ModelShape:
+    """`shape` with K and V kept for every attention head (no GQA/MQA sharing)."""
+    return dataclasses.replace(shape, kv_heads=shape.heads)
+
+
+def paper_note(shape: ModelShape, printed: str | None) -> str:
+    """How the paper's figure (as printed) relates to ours for `shape`."""
+    if printed is None:
+        return ""
+    ours = kv_bytes_per_token(shape, 2) / MIB
+    every = kv_bytes_per_token(all_heads(shape), 2) / MIB
+    if reads_as(ours, printed):
+        return "agrees"
+    if shape.kv_heads < shape.heads and reads_as(every, printed):
+        kind = "MQA" if shape.kv_heads == 1 else "GQA"
+        return f"all {shape.heads} heads: {every:.4f} ({kind}, {shape.kv_heads} cached)"
+    return f"differs (all {shape.heads} heads: {every:.4f})"
+
+
 def memory_rows(shapes: dict[str, ModelShape] | None = None) -> list[dict[str, Any]]:
-    """One row per model: its shape, KV bytes per token in 16 and 32 bits, the
-    paper's figure (None where unknown), and the float32 cache of 1k tokens in MiB."""
+    """One row per model: its shape, KV bytes per token in 16 and 32 bits, the float32
+    cache of 1k tokens in MiB, and ours in MiB per token at 16 bits beside the paper's
+    Table 2 figure as printed (MiB per token at 16 bits; None where the paper lists no
+    such model) and how the two relate ("paper vs ours", see `paper_note`)."""
     rows = []
     for name, shape in (shapes or PUBLISHED).items():
-        fp32 = kv_bytes_per_token(shape, 4)
+        fp16, fp32 = kv_bytes_per_token(shape, 2), kv_bytes_per_token(shape, 4)
+        printed = PAPER_TABLE2.get(name)
         rows.append({
             "model": name,
             "layers": shape.layers,
+            "heads": shape.heads,
             "kv_heads": shape.kv_heads,
             "head_dim": shape.head_dim,
-            "bytes/token fp16": kv_bytes_per_token(shape, 2),
+            "bytes/token fp16": fp16,
             "bytes/token fp32": fp32,
-            "paper Table 2": PAPER_TABLE2.get(name),
-            "MiB/1k tokens fp32": round(fp32 * 1000 / 2**20, 1),
+            "MiB/1k tokens fp32": round(fp32 * 1000 / MIB, 1),
+            OURS_MIB: _Decimals(fp16 / MIB, 4),
+            PAPER_COLUMN: None if printed is None else _Decimals(float(printed),
+                                                                 _decimals(printed)),
+            "paper vs ours": paper_note(shape, printed),
         })
     return rows
 
 
+def _printed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows as tables print them: the paper's column headed with its unit."""
+    return [{(PAPER_HEADER if key == PAPER_COLUMN else key): value
+             for key, value in row.items()} for row in rows]
+
+
 def memory_table(shapes: dict[str, ModelShape] | None = None) -> str:
-    return format_table(memory_rows(shapes), float_format="{:,.1f}")
+    return format_table(_printed(memory_rows(shapes)), float_format="{:,.1f}")
+
+
+def paper_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The notes under the table of published models."""
+    lines = [
+        "ours: layers x 2 x kv_heads x head_dim x 2 bytes, in MiB (2^20 bytes)",
+        "paper: Table 2 'MB/token' of Prompt Cache (Gim et al., arXiv 2311.04934v2), "
+        "16-bit (its Section 5.5), as printed: MiB cut to two decimals; n/a: not in the paper",
+        "the paper's Llama 7B/13B/70B are our Llama-2 rows (Llama-1 7B/13B share the "
+        "shapes; 70B is Llama-2 only), its BERT BERT-base, its Falcon 1B Falcon-RW-1B"]
+    shared = [r for r in rows if r["paper vs ours"].startswith("all ")]
+    if shared:
+        lines.append(
+            "GQA/MQA: the paper counts K/V for all attention heads; the model shares them "
+            "and real caches (ours too) keep kv_heads: " + ", ".join(
+                f"{r['model']} {r['heads'] / r['kv_heads']:g}x" for r in shared) + " smaller")
+    return lines
 
 
 # A stored unit keeps, besides K and V, its positions (int64), token ids (int64) and
@@ -77,7 +176,7 @@ class StoreBytes:
         return {"store dtype": self.dtype, "tokens": self.tokens,
                 "K/V bytes/token": _whole(self.kv), "stored bytes/token": _whole(self.stored),
                 "file bytes/token": _whole(self.file),
-                "MiB/1k tokens (K/V)": round(self.kv * 1000 / 2**20, 1)}
+                "MiB/1k tokens (K/V)": round(self.kv * 1000 / MIB, 1)}
 
 
 def _whole(value: float) -> int | float:
@@ -151,9 +250,8 @@ def sections(report: MemoryReport) -> list[Section]:
             f"measured: one {report.stores[0].tokens}-token module encoded into each store; "
             f"stored bytes add {UNIT_META_BYTES_PER_TOKEN} bytes/token of positions, ids and "
             f"flags"], float_format="{:,.1f}"),
-        Section("KV bytes per token of published models (from their config.json)", report.rows,
-                ["paper Table 2: n/a where the paper's figure is not transcribed here"],
-                float_format="{:,.1f}"),
+        Section("KV bytes per token of published models (from their config.json)",
+                _printed(report.rows), paper_lines(report.rows), float_format="{:,.1f}"),
         Section("Goals (issue 7)", (), [str(g) for g in report.goals]),
     ]
 

@@ -47,6 +47,38 @@ PUBLISHED: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("Mistral-7B", 32, 4096, 32, 8, 128, 14336, 32000),
     ModelShape("Falcon-7B", 32, 4544, 71, 1, 64, 4 * 4544, 65024, gated_mlp=False,
                tied_embeddings=True),
+    # The rest are the models of the Prompt Cache paper's Table 2 we had no row for
+    # (memory.PAPER_TABLE2). Where the numbers were checked is said per row. Their
+    # tied_embeddings follows transformers' default (the configs leave
+    # tie_word_embeddings unset), not checked against the checkpoints: it changes the
+    # parameter count by one vocab x hidden matrix, never KV bytes.
+    # bert-base-uncased: 12 layers, hidden 768, 12 heads, MLP 3072, vocab 30522 (its
+    # config.json, as duplicated from google-bert/bert-base-uncased on the Hub). An
+    # encoder: it caches nothing in practice, but the paper lists it.
+    ModelShape("BERT-base", 12, 768, 12, 12, 64, 3072, 30522, gated_mlp=False,
+               tied_embeddings=True),
+    # tiiuae/falcon-rw-1b: 24 layers, hidden 2048, 32 heads, num_kv_heads 32,
+    # multi_query false (multi-head), vocab 50304 (config.json of the converted
+    # checkpoint); MLP 4 x hidden, Falcon's default (ffn_hidden_size unset).
+    ModelShape("Falcon-RW-1B", 24, 2048, 32, 32, 64, 4 * 2048, 50304, gated_mlp=False,
+               tied_embeddings=True),
+    # mosaicml/mpt-30b: d_model 7168, 64 heads, 48 layers, expansion_ratio 4,
+    # vocab 50432, attn_type multihead_attention. Checked in mosaicml/mpt-30b-chat's
+    # config.json (fine-tuned from mpt-30b, same shapes); the base repo's file not seen.
+    ModelShape("MPT-30B", 48, 7168, 64, 64, 112, 4 * 7168, 50432, gated_mlp=False,
+               tied_embeddings=True),
+    # tiiuae/falcon-40b: hidden 8192, 128 heads, new_decoder_architecture with
+    # num_kv_heads (n_head_kv) 8, 60 layers, vocab 65024. Checked in falcon-40b-instruct's
+    # config.json (same shapes) and in a GGML loader's log of falcon-40b (n_ff 32768).
+    ModelShape("Falcon-40B", 60, 8192, 128, 8, 64, 4 * 8192, 65024, gated_mlp=False,
+               tied_embeddings=True),
+    # tiiuae/falcon-180B: 80 layers, hidden 14848, 232 heads, 8 KV heads (new decoder
+    # architecture), vocab 65024. The repository is gated: checked in the config that
+    # NVIDIA TensorRT-LLM's benchmarking guide gives for tiiuae/falcon-180B, not in
+    # tiiuae's config.json itself. MLP 4 x hidden is Falcon's default, NOT verified
+    # (it changes parameter counts, not KV bytes).
+    ModelShape("Falcon-180B", 80, 14848, 232, 8, 64, 4 * 14848, 65024, gated_mlp=False,
+               tied_embeddings=True),
 )}
 
 

@@ -45,15 +45,94 @@ def test_published_shapes_add_up_to_the_advertised_parameter_counts():
     assert billions["Mistral-7B"] == pytest.approx(7.24, rel=0.01)
 
 
-def test_memory_table_has_every_model_and_says_na_for_missing_paper_figures():
+def test_memory_table_has_every_model_and_prints_every_paper_figure_beside_ours():
     rows = memory.memory_rows()
     assert [r["model"] for r in rows] == list(PUBLISHED)
     smol = rows[0]
     assert (smol["bytes/token fp16"], smol["bytes/token fp32"]) == (23_040, 46_080)
+    assert set(memory.PAPER_TABLE2) <= set(PUBLISHED)
     table = memory.memory_table()
     assert "46,080" in table and "524,288" in table
-    if not memory.PAPER_TABLE2:
-        assert all(line.split()[-2] == "n/a" for line in table.splitlines()[2:])
+    lines = table.splitlines()
+    ours_at = lines[0].index(memory.OURS_MIB)
+    paper_end = lines[0].index(memory.PAPER_HEADER) + len(memory.PAPER_HEADER)
+    for line in lines[2:]:
+        model = line.split()[0]
+        paper_cell = line[ours_at:paper_end].split()       # ours, then the paper's
+        mib = memory.kv_bytes_per_token(PUBLISHED[model], 2) / 2**20
+        assert paper_cell[0] == f"{mib:.4f}"
+        # the paper's figure as printed ("2.5" stays "2.5"), n/a where it has none
+        assert paper_cell[1] == memory.PAPER_TABLE2.get(model, "n/a")
+
+
+PAPER = {name: float(printed) for name, printed in memory.PAPER_TABLE2.items()}
+
+
+def _mib_fp16(shape: ModelShape) -> float:
+    return memory.kv_bytes_per_token(shape, 2) / 2**20
+
+
+@pytest.mark.parametrize("name", ["BERT-base", "Falcon-RW-1B", "Llama-2-7B", "Llama-2-13B",
+                                  "MPT-30B"])
+def test_paper_figures_of_multi_head_models_are_our_fp16_size(name):
+    shape = PUBLISHED[name]
+    assert shape.kv_heads == shape.heads
+    # the paper prints MiB cut to two decimals: 0.0352 -> 0.03, 0.1875 -> 0.18
+    assert PAPER[name] <= _mib_fp16(shape) < PAPER[name] + 0.01
+    assert memory.memory_rows({name: shape})[0]["paper vs ours"] == "agrees"
+
+
+@pytest.mark.parametrize("name, every_heads", [("Llama-2-70B", 64), ("Falcon-40B", 128),
+                                               ("Falcon-180B", 232)])
+def test_paper_figures_of_gqa_models_count_k_v_for_all_heads(name, every_heads):
+    shape = PUBLISHED[name]
+    assert shape.kv_heads == 8 and shape.heads == every_heads
+    all_heads = ModelShape(name, shape.layers, shape.hidden, shape.heads, shape.heads,
+                           shape.head_dim, shape.intermediate, shape.vocab)
+    assert PAPER[name] <= _mib_fp16(all_heads) < PAPER[name] + 0.01
+    assert _mib_fp16(shape) * every_heads / 8 == _mib_fp16(all_heads)   # ours is smaller
+    assert not PAPER[name] <= _mib_fp16(shape) < PAPER[name] + 0.01
+    note = memory.memory_rows({name: shape})[0]["paper vs ours"]
+    assert note.startswith(f"all {every_heads} heads: ") and "GQA" in note
+
+
+def test_paper_figures_are_cut_not_rounded_and_keyed_by_paper_rows():
+    assert memory.reads_as(0.03515625, "0.03") and not memory.reads_as(0.03515625, "0.04")
+    assert memory.reads_as(1.875, "1.87") and memory.reads_as(2.5, "2.5")
+    assert memory.reads_as(0.5, "0.50") and not memory.reads_as(0.4999, "0.50")
+    assert memory.PAPER_TABLE2 == {"BERT-base": "0.03", "Falcon-RW-1B": "0.18",
+                                   "Llama-2-7B": "0.50", "Llama-2-13B": "0.78",
+                                   "MPT-30B": "1.31", "Falcon-40B": "1.87",
+                                   "Llama-2-70B": "2.5", "Falcon-180B": "4.53"}
+    lines = memory.paper_lines(memory.memory_rows())
+    assert any("2311.04934v2" in line and "16-bit" in line for line in lines)
+    assert any("Llama-2-70B 8x, Falcon-40B 16x, Falcon-180B 29x" in line for line in lines)
+
+
+def test_paper_models_shapes_follow_their_configs():
+    bert, falcon_1b, mpt, falcon_40b, falcon_180b = (
+        PUBLISHED[n] for n in ("BERT-base", "Falcon-RW-1B", "MPT-30B", "Falcon-40B",
+                               "Falcon-180B"))
+    # head_dim = hidden / heads everywhere; MPT's 7168 / 64 = 112
+    for shape in (bert, falcon_1b, mpt, falcon_40b, falcon_180b):
+        assert shape.head_dim * shape.heads == shape.hidden
+    # falcon-rw-1b: no multi-query, no new decoder architecture -> num_kv_heads (32);
+    # Falcon-40B/180B: new decoder architecture, num_kv_heads 8
+    assert shape_from_config(FalconConfig(
+        hidden_size=2048, num_attention_heads=32, num_hidden_layers=24, num_kv_heads=32,
+        multi_query=False, new_decoder_architecture=False)).kv_heads == falcon_1b.kv_heads
+    assert shape_from_config(FalconConfig(
+        hidden_size=14848, num_attention_heads=232, num_hidden_layers=80, num_kv_heads=8,
+        new_decoder_architecture=True)).kv_heads == falcon_180b.kv_heads == 8
+    # roughly their nominal sizes (a typo in layers or hidden would be far off; tied or
+    # untied embeddings, norms and biases are within the tolerance)
+    billions = {n: PUBLISHED[n].parameter_count() / 1e9
+                for n in ("BERT-base", "Falcon-RW-1B", "MPT-30B", "Falcon-40B", "Falcon-180B")}
+    assert billions["BERT-base"] == pytest.approx(0.110, rel=0.05)
+    assert billions["Falcon-RW-1B"] == pytest.approx(1.3, rel=0.05)
+    assert billions["MPT-30B"] == pytest.approx(30, rel=0.05)
+    assert billions["Falcon-40B"] == pytest.approx(40, rel=0.05)
+    assert billions["Falcon-180B"] == pytest.approx(180, rel=0.05)
 
 
 def test_floor_is_compute_or_memory_whichever_takes_longer():
