@@ -20,6 +20,7 @@ are copied in on first access (`materialize`).
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from promptlang.runtime.kv import ModuleKV
 from promptlang.runtime.model import ModelAdapter, Past, SharedKV
 
 SHARE_MIN_TOKENS = 256     # shorter units are copied: cheaper than one more attention piece
+MAX_SHARED_RUNS = 4        # a unit with more holes (recomputed tokens) is copied instead
 
 
 @dataclass(eq=False)          # identity, not tensor comparison
@@ -40,7 +42,7 @@ class KVBuffer:
     length: int = 0            # tokens in use
     held: list[tuple[str, int]] = field(default_factory=list)   # (unit key, end) at the front
     shared: list[SharedKV] = field(default_factory=list)        # slots read in place
-    shared_keys: list[str] = field(default_factory=list)        # their units' store keys
+    shared_keys: list[str | None] = field(default_factory=list)  # unit key on a unit's last run
 
     @property
     def capacity(self) -> int:
@@ -66,11 +68,14 @@ class KVBuffer:
     def materialize(self) -> None:
         """Copy the shared slots into the buffer; they stop being shared (and a unit that
         continues the held prefix is held from now on)."""
+        end = self.held[-1][1] if self.held else 0     # how far the held prefix reaches
         for seg, key in zip(self.shared, self.shared_keys):
             self.slot_keys[:, :, seg.start:seg.end] = seg.keys
             self.slot_values[:, :, seg.start:seg.end] = seg.values
-            if (self.held[-1][1] if self.held else 0) == seg.start:
-                self.held.append((key, seg.end))
+            if end == seg.start:
+                end = seg.end
+                if key is not None:               # the unit's last run: the whole unit is in
+                    self.held.append((key, end))
         self.shared, self.shared_keys = [], []
 
     def reserve(self, capacity: int) -> None:
@@ -145,54 +150,106 @@ class Assembler:
             self._free.append(buffer)
 
     @torch.inference_mode()
-    def assemble(self, buffer: KVBuffer, units: list[tuple[str, ModuleKV]]) -> int:
-        """Put `units` ((store key, KV) pairs; placeholders left out) at the front of
-        `buffer`: the copied ones first, skipping the leading ones it already holds, then
-        the shared ones; returns the tokens in use."""
-        units = [(key, kv) for key, kv in units if kv.length]
-        reuse = _common_prefix(buffer.held, [key for key, _ in units])
+    def assemble(self, buffer: KVBuffer, units: list[tuple[str, ModuleKV]],
+                 exclude: frozenset[int] = frozenset()) -> int:
+        """Put `units` ((store key, KV) pairs) at the front of `buffer`, leaving out their
+        placeholders and the tokens at positions in `exclude` (recomputed per request):
+        the copied ones first, skipping the leading ones it already holds, then the shared
+        ones; returns the tokens in use."""
+        pieces = [_Piece.of(key, kv, exclude) for key, kv in units if kv.length]
+        pieces = [p for p in pieces if p.count]
+        reuse = _common_prefix(buffer.held, [p.key for p in pieces])
         held = buffer.held[:reuse]
         at = held[-1][1] if held else 0
-        shares = [self._shares(buffer, kv) for _, kv in units[reuse:]]
-        shared = [unit for unit, share in zip(units[reuse:], shares) if share]
-        copied = [unit for unit, share in zip(units[reuse:], shares) if not share]
+        shares = [self._shares(buffer, p) for p in pieces[reuse:]]
+        shared = [p for p, share in zip(pieces[reuse:], shares) if share]
+        copied = [p for p, share in zip(pieces[reuse:], shares) if not share]
         buffer.shared, buffer.shared_keys = [], []
-        for key, kv in copied:
+        for piece in copied:
+            kv, n = piece.kv, piece.count
             # kv.keys: [L, H_kv, S, D]
-            if bool(kv.placeholder.any()):
-                keep = ~kv.placeholder
-                n = int(keep.sum())
-                buffer.slot_keys[:, :, at:at + n] = kv.keys[:, :, keep]
-                buffer.slot_values[:, :, at:at + n] = kv.values[:, :, keep]
-                buffer.positions[at:at + n] = kv.positions[keep]
-                buffer.token_ids[at:at + n] = kv.token_ids[keep]
+            if piece.keep is not None:
+                buffer.slot_keys[:, :, at:at + n] = kv.keys[:, :, piece.keep]
+                buffer.slot_values[:, :, at:at + n] = kv.values[:, :, piece.keep]
+                buffer.positions[at:at + n] = kv.positions[piece.keep]
+                buffer.token_ids[at:at + n] = kv.token_ids[piece.keep]
             else:
-                n = kv.length
                 buffer.slot_keys[:, :, at:at + n] = kv.keys
                 buffer.slot_values[:, :, at:at + n] = kv.values
                 buffer.positions[at:at + n] = kv.positions
                 buffer.token_ids[at:at + n] = kv.token_ids
             at += n
-            held.append((key, at))
+            held.append((piece.key, at))
             self.copied_tokens += n
         buffer.held = held
-        for key, kv in shared:
-            n = kv.length
-            buffer.positions[at:at + n] = kv.positions
-            buffer.token_ids[at:at + n] = kv.token_ids
-            buffer.shared.append(SharedKV(at, at + n, kv.keys, kv.values))
-            buffer.shared_keys.append(key)
-            at += n
-            self.shared_tokens += n
+        for piece in shared:
+            kv = piece.kv
+            for i, (start, end) in enumerate(piece.runs):
+                n = end - start
+                buffer.positions[at:at + n] = kv.positions[start:end]
+                buffer.token_ids[at:at + n] = kv.token_ids[start:end]
+                buffer.shared.append(SharedKV(at, at + n, kv.keys[:, :, start:end],
+                                              kv.values[:, :, start:end]))
+                # a unit counts as held once its last run is in place (materialize)
+                buffer.shared_keys.append(piece.key if i == len(piece.runs) - 1 else None)
+                at += n
+                self.shared_tokens += n
         buffer.length = at
         return at
 
-    def _shares(self, buffer: KVBuffer, kv: ModuleKV) -> bool:
-        """Whether `kv` is served in place: long, no placeholders, the buffer's dtype."""
-        return (self.share_min_tokens is not None and kv.length >= self.share_min_tokens
+    def _shares(self, buffer: KVBuffer, piece: "_Piece") -> bool:
+        """Whether a unit is served in place: long, without placeholders, in a few runs
+        (each run is one more attention piece), and in the buffer's dtype and device."""
+        kv = piece.kv
+        return (self.share_min_tokens is not None and piece.count >= self.share_min_tokens
                 and self.adapter.reads_shared and kv.keys.dtype == buffer.slot_keys.dtype
                 and kv.keys.device == buffer.slot_keys.device
-                and not bool(kv.placeholder.any()))
+                and not bool(kv.placeholder.any()) and len(piece.runs) <= MAX_SHARED_RUNS)
+
+
+@dataclass
+class _Piece:
+    """One unit as a request uses it: `keep` (None: every token) and its runs of
+    consecutive kept tokens. A unit missing recomputed tokens is held under another key."""
+
+    key: str
+    kv: ModuleKV
+    keep: torch.Tensor | None       # [S] bool
+    count: int
+    runs: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, key: str, kv: ModuleKV, exclude: frozenset[int]) -> "_Piece":
+        keep = ~kv.placeholder
+        if exclude:
+            dropped = torch.isin(kv.positions, torch.tensor(sorted(exclude),
+                                                            device=kv.positions.device))
+            if bool(dropped.any()):
+                keep = keep & ~dropped
+                gone = kv.positions[dropped].tolist()
+                key = f"{key}~" + hashlib.sha1(repr(gone).encode()).hexdigest()[:16]
+        if bool(keep.all()):
+            return cls(key, kv, None, kv.length, [(0, kv.length)])
+        return cls(key, kv, keep, int(keep.sum()), _runs(keep.tolist()))
+
+
+def request_keys(units: list[tuple[str, ModuleKV]], exclude: frozenset[int] = frozenset()
+                 ) -> list[str]:
+    """The keys `assemble` holds `units` under (a unit missing recomputed tokens gets its
+    own), for `Assembler.acquire` to pick the buffer that already holds them."""
+    return [_Piece.of(key, kv, exclude).key for key, kv in units if kv.length]
+
+
+def _runs(keep: list[bool]) -> list[tuple[int, int]]:
+    """[start, end) of each run of True in `keep`."""
+    runs, start = [], None
+    for i, flag in enumerate(keep + [False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
 
 
 def _common_prefix(held: list[tuple[str, int]], keys) -> int:

@@ -27,19 +27,22 @@ from promptlang.errors import (ContextLengthError, PromptLangError, TokenizerMis
 from promptlang.pml import nodes
 from promptlang.pml.binding import BoundPrompt, bind
 from promptlang.pml.layout import SchemaLayout, lay_out
-from promptlang.runtime.assembler import Assembler, KVBuffer
+from promptlang.pml.recompute import Recompute, RecomputeSpecError
+from promptlang.runtime.assembler import Assembler, KVBuffer, request_keys
 from promptlang.runtime.encoder import EncodeStats, UnitEncoder
 from promptlang.runtime.generate import (baseline_prefill, decode, prefill, take_last,
                                          uncached_tokens)
 from promptlang.runtime.model import ModelAdapter, adapt
+from promptlang.runtime.recompute import select
 from promptlang.runtime.sampling import Decoding, SamplingParams
 
 
 @dataclass
 class Timings:
     """Seconds spent in each phase of one request. `encode` is the part of `retrieve`
-    spent encoding units the store lacked; `first_token` runs from the call to the
-    first picked token; `total` to the end."""
+    spent encoding units the store lacked; `select` is choosing the tokens to recompute
+    (a deviation policy's pass); `first_token` runs from the call to the first picked
+    token; `total` to the end."""
 
     bind: float = 0.0
     retrieve: float = 0.0
@@ -48,10 +51,12 @@ class Timings:
     first_token: float = 0.0
     total: float = 0.0
     encode: float = 0.0
+    select: float = 0.0
 
     def __str__(self) -> str:
         parts = [f"{name} {getattr(self, name) * 1000:.1f} ms" for name in
-                 ("bind", "retrieve", "encode", "assemble", "prefill", "first_token", "total")]
+                 ("bind", "retrieve", "encode", "select", "assemble", "prefill", "first_token",
+                  "total")]
         return " | ".join(parts)
 
 
@@ -63,6 +68,7 @@ class Result:
     timings: Timings
     prefill_tokens: int          # tokens computed by the prefill pass
     cached_tokens: int           # tokens served from cached units
+    recomputed_tokens: int = 0   # cached tokens computed again (the recompute policy)
 
 
 @dataclass
@@ -77,6 +83,7 @@ class Prefilled:
     token_ids: torch.Tensor      # [N]
     cached_length: int           # the first cached_length tokens came from the store
     timings: Timings
+    bound: BoundPrompt | None = None   # what was computed (recomputed positions included)
 
 
 @dataclass
@@ -91,6 +98,7 @@ class Opened:
     timings: Timings
     prefill_tokens: int
     cached_tokens: int
+    recomputed_tokens: int = 0
 
 
 class TextStream:
@@ -121,6 +129,7 @@ class _Request:
     bound: BoundPrompt
     params: SamplingParams
     baseline: bool
+    recompute: Recompute = Recompute()
     timings: Timings = field(default_factory=Timings)
     started: float = field(default_factory=time.perf_counter)
     cached_length: int = 0
@@ -133,7 +142,8 @@ class LLM:
 
     decode_room = 1024     # generated tokens a request buffer holds before it grows
 
-    def __init__(self, adapter: ModelAdapter, tokenizer, store=None, *, isolate: bool = False):
+    def __init__(self, adapter: ModelAdapter, tokenizer, store=None, *, isolate: bool = False,
+                 recompute: "str | Recompute" = "none"):
         if store is None:
             from promptlang.runtime.store import ModuleStore
             store = ModuleStore(device=adapter.device)
@@ -141,6 +151,7 @@ class LLM:
         self.tokenizer = tokenizer
         self.store = store
         self.isolate = isolate
+        self.recompute = _policy(recompute)      # used when neither request nor schema says
         self.encoder = UnitEncoder(adapter, store, tokenizer.fingerprint, isolate=isolate)
         self.assembler = Assembler(adapter)
         self._schemas: dict[str, tuple[nodes.Schema, SchemaLayout | None]] = {}
@@ -148,9 +159,9 @@ class LLM:
 
     @classmethod
     def from_model(cls, hf_model: torch.nn.Module, tokenizer, *, store=None,
-                   isolate: bool = False) -> "LLM":
+                   isolate: bool = False, recompute: "str | Recompute" = "none") -> "LLM":
         """Wrap an already loaded transformers causal LM (e.g. a tiny test model)."""
-        return cls(adapt(hf_model), tokenizer, store, isolate=isolate)
+        return cls(adapt(hf_model), tokenizer, store, isolate=isolate, recompute=recompute)
 
     @property
     def max_positions(self) -> int | None:
@@ -223,13 +234,18 @@ class LLM:
 
     def generate(self, prompt, *, schema=None, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=(),
-                 stream: bool = False, baseline: bool = False):
+                 stream: bool = False, baseline: bool = False, recompute=None):
         """Answer `prompt` (PML text, a nodes.PromptDoc, or an object with `.schema` and
-        `.doc`). Returns a Result, or with stream=True a TextStream of text deltas."""
+        `.doc`). Returns a Result, or with stream=True a TextStream of text deltas.
+        recompute: a policy ("none", "first:K", "deviation:F" or a Recompute; see
+        docs/RECOMPUTE.md); None: the schema's `recompute` attribute, else the LLM's."""
         started = time.perf_counter()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                 top_p=top_p, top_k=top_k, seed=seed, stop=stop)
-        request = _Request(self.bind(prompt, schema=schema), params, baseline, started=started)
+        policy = _policy(recompute) if recompute is not None else None
+        bound = self.bind(prompt, schema=schema)
+        request = _Request(bound, params, baseline, self._recompute_for(bound, policy),
+                           started=started)
         request.timings.bind = time.perf_counter() - started
         buffer, logits, position = self._prefill(request, all_logits=False)
         deltas = self._decode(request, buffer, logits[-1], position)
@@ -240,11 +256,13 @@ class LLM:
         return request.result
 
     def prefill(self, prompt, *, schema=None, baseline: bool = False,
-                all_logits: bool = True) -> Prefilled:
+                all_logits: bool = True, recompute=None) -> Prefilled:
         """Run a request's prefill only and return its logits and KV (copies)."""
         started = time.perf_counter()
-        request = _Request(self.bind(prompt, schema=schema), SamplingParams(max_new_tokens=1),
-                           baseline, started=started)
+        policy = _policy(recompute) if recompute is not None else None
+        bound = self.bind(prompt, schema=schema)
+        request = _Request(bound, SamplingParams(max_new_tokens=1), baseline,
+                           self._recompute_for(bound, policy), started=started)
         request.timings.bind = time.perf_counter() - started
         buffer, logits, _ = self._prefill(request, all_logits=all_logits)
         try:
@@ -252,24 +270,27 @@ class LLM:
             request.timings.total = time.perf_counter() - started
             return Prefilled(logits.clone(), buffer.keys[:, :, :n].clone(),
                              buffer.values[:, :, :n].clone(), buffer.positions[:n].clone(),
-                             buffer.token_ids[:n].clone(), request.cached_length, request.timings)
+                             buffer.token_ids[:n].clone(), request.cached_length, request.timings,
+                             request.bound)
         finally:
             self.assembler.release(buffer)
 
     def open(self, prompt, *, schema=None, baseline: bool = False, room: int = 256,
-             add_generation_prompt: bool = False) -> Opened:
+             add_generation_prompt: bool = False, recompute=None) -> Opened:
         """Bind, retrieve, assemble and prefill `prompt` like `generate`, and hand the request's
         KV buffer to the caller instead of decoding: the start of a Session. `room`: tokens
         the buffer holds after the prompt before it grows."""
         started = time.perf_counter()
+        policy = _policy(recompute) if recompute is not None else None
         bound = self.bind(prompt, schema=schema, add_generation_prompt=add_generation_prompt)
         request = _Request(bound, SamplingParams(max_new_tokens=max(1, room)), baseline,
-                           started=started)
+                           self._recompute_for(bound, policy), started=started)
         request.timings.bind = time.perf_counter() - started
         buffer, logits, position = self._prefill(request, all_logits=False)
         request.timings.total = time.perf_counter() - started
-        return Opened(buffer, logits[-1], position, bound, request.timings,
-                      request.prefill_tokens, request.cached_length)
+        return Opened(buffer, logits[-1], position, request.bound, request.timings,
+                      request.prefill_tokens, request.cached_length,
+                      len(request.bound.recomputed))
 
     def session(self, prompt, *, schema=None, baseline: bool = False,
                 add_generation_prompt: bool = False):
@@ -301,20 +322,32 @@ class LLM:
 
         mark = time.perf_counter()
         stats = EncodeStats()
-        units = [(self.encoder.key(bound.layout, unit_id),
-                  self.encoder.get(bound.layout, unit_id, stats)) for unit_id in bound.units]
-        units = [(key, kv) for key, kv in units if kv.length]
+        by_unit = {unit_id: self.encoder.get(bound.layout, unit_id, stats)
+                   for unit_id in bound.units}
+        units = [(self.encoder.key(bound.layout, unit_id), kv) for unit_id, kv in by_unit.items()
+                 if kv.length]
         t.retrieve, t.encode = time.perf_counter() - mark, stats.seconds
+
+        if request.recompute:
+            mark = time.perf_counter()
+            chosen = select(self.adapter, bound, by_unit, request.recompute,
+                            lambda unit_id: self.encoder.context_of(bound.layout.units[unit_id]))
+            bound = request.bound = bound.with_recompute(chosen)
+            t.select = time.perf_counter() - mark
 
         mark = time.perf_counter()
         ids, positions = uncached_tokens(bound.uncached)
         cached = sum(int((~kv.placeholder).sum()) for _, kv in units)
-        buffer = self.assembler.acquire(cached + len(ids) + room, [key for key, _ in units])
+        buffer = self.assembler.acquire(cached + len(ids) + room,
+                                        request_keys(units, bound.recomputed))
         with self._released_on_error(buffer):
-            self.assembler.assemble(buffer, units)
-            if not ids:             # the last token's output is needed: recompute it
+            self.assembler.assemble(buffer, units, bound.recomputed)
+            if not ids or (buffer.length and
+                           int(buffer.positions[:buffer.length].max()) > positions[-1]):
+                # the last token's output is needed and it is a cached one: recompute it
                 token, position = take_last(buffer)
-                ids, positions = [token], [position]
+                at = sum(p < position for p in positions)
+                ids, positions = ids[:at] + [token], positions[:at] + [position]
             t.assemble = time.perf_counter() - mark
             request.cached_length, request.prefill_tokens = buffer.length, len(ids)
             mark = time.perf_counter()
@@ -350,9 +383,17 @@ class LLM:
         t.total = time.perf_counter() - request.started
         text, token_ids, reason = decoding.result()
         request.result = Result(text, token_ids, reason, t, request.prefill_tokens,
-                                request.cached_length)
+                                request.cached_length, len(request.bound.recomputed))
 
     # --- helpers ------------------------------------------------------------------------------
+
+    def _recompute_for(self, bound: BoundPrompt, policy: Recompute | None) -> Recompute:
+        """The request's policy, else its schema's, else this LLM's."""
+        if policy is not None:
+            return policy
+        if bound.layout.schema.recompute is not None:
+            return Recompute.parse(bound.layout.schema.recompute)
+        return self.recompute
 
     def _prompt_doc(self, prompt, schema) -> nodes.PromptDoc:
         if schema is not None:
@@ -382,6 +423,13 @@ class LLM:
             raise ContextLengthError(f"{what} needs {end} positions; the model has {limit}", span)
 
 
+def _policy(recompute) -> Recompute:
+    try:
+        return Recompute.parse(recompute)
+    except RecomputeSpecError as error:
+        raise PromptLangError(str(error)) from None
+
+
 def _read_schema(source) -> nodes.Schema:
     from promptlang.pml.parser import parse_file, parse_schema
     if isinstance(source, str) and source.lstrip().startswith("<"):
@@ -404,12 +452,13 @@ def _read_prompt(source) -> nodes.PromptDoc:
 
 def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
          dtype: torch.dtype = torch.float32, isolate: bool = False, store=None,
-         store_dtype: torch.dtype | None = None) -> LLM:
+         store_dtype: torch.dtype | None = None, recompute: "str | Recompute" = "none") -> LLM:
     """Load a causal LM (None: the embedded default, SmolLM2-135M-Instruct) ready to serve.
 
     store_dtype (e.g. torch.bfloat16): keep cached KV at that precision (half the bytes);
     it goes back to `dtype` only when copied into a request's buffer. Ignored if `store`
-    is given."""
+    is given. recompute: the default recompute policy of requests whose schema names
+    none (docs/RECOMPUTE.md)."""
     from promptlang.runtime.loading import load_hf_model
     hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)
     adapter = adapt(hf_model)
@@ -417,4 +466,4 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
         from promptlang.runtime.store import ModuleStore
         # get() hands out the stored tensors as they are: no per-request conversion copy
         store = ModuleStore(device=adapter.device, dtype=store_dtype, compute_dtype=store_dtype)
-    return LLM(adapter, tokenizer, store, isolate=isolate)
+    return LLM(adapter, tokenizer, store, isolate=isolate, recompute=recompute)

@@ -117,12 +117,14 @@ class Scaffold:
 @dataclass(frozen=True)
 class Schema:
     """`<schema name>`: everything that may be reused, in document order.
-    `base_dir` is where `src=` paths were resolved from (not compared)."""
+    `base_dir` is where `src=` paths were resolved from (not compared); `recompute` is
+    the schema's default recompute policy, normalized text (promptlang/pml/recompute.py)."""
 
     name: str
     children: tuple["SchemaChild", ...] = ()
     span: Span | None = _span()
     base_dir: str | None = field(default=None, compare=False, repr=False)
+    recompute: str | None = None
 
 
 @dataclass(frozen=True)

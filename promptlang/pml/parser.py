@@ -57,6 +57,7 @@ from typing import Callable, NoReturn
 from promptlang.errors import (PMLSyntaxError, PromptLangError, SchemaError, SourceFileError,
                                Span, TextNotAllowedError, span_in)
 from promptlang.pml import nodes
+from promptlang.pml.recompute import Recompute, RecomputeSpecError
 
 __all__ = ["parse", "parse_schema", "parse_prompt", "parse_file", "strip_formatting",
            "is_name", "MAX_DEPTH"]
@@ -356,10 +357,16 @@ class _Parser:
                 self.fail("text is not allowed outside the root element", at)
 
     def parse_schema(self, tag: _Tag) -> nodes.Schema:
-        attrs = self.attributes(tag, required=("name",))
+        attrs = self.attributes(tag, required=("name",), optional=("recompute",))
         name = attrs["name"]
         if not name.value:
             self.fail("the schema name may not be empty", name.value_offset, SchemaError)
+        recompute = None
+        if "recompute" in attrs:
+            try:
+                recompute = str(Recompute.parse(attrs["recompute"].value))
+            except RecomputeSpecError as error:
+                self.fail(str(error), attrs["recompute"].value_offset, SchemaError)
         modules: dict[str, int] = {}
         scaffolds: dict[str, int] = {}
 
@@ -377,7 +384,7 @@ class _Parser:
 
         children = () if tag.self_closing else self.content(tag, child, roles=True)
         return nodes.Schema(name.value, tuple(children), self.span(tag.offset),
-                            base_dir=self.base_dir)
+                            base_dir=self.base_dir, recompute=recompute)
 
     def parse_prompt(self, tag: _Tag) -> nodes.PromptDoc:
         attrs = self.attributes(tag, required=("schema",))

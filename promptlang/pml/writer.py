@@ -120,7 +120,8 @@ def _write_scaffold(node: nodes.Scaffold, out: list[str]) -> None:
 
 
 def _write_schema(node: nodes.Schema, out: list[str]) -> None:
-    _element("schema", [("name", node.name)], node.children, out)
+    attrs = [("name", node.name)] + ([("recompute", node.recompute)] if node.recompute else [])
+    _element("schema", attrs, node.children, out)
 
 
 def _write_argument(node: nodes.Argument, out: list[str]) -> None:

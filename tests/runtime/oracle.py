@@ -12,6 +12,10 @@ slot). The 4-D mask is the visibility rule written out directly:
 - an uncached token q attends u iff u is a non-placeholder token of a served unit or
   an uncached token, and pos(u) <= pos(q).
 
+Recomputed tokens (bound.recomputed, docs/RECOMPUTE.md) are uncached tokens like any
+other: their served-unit occurrence stays in the pass (the unit's later tokens were
+encoded against it) but leaves the request's tokens, replaced by the uncached copy.
+
 A request without uncached tokens computes its last (highest-positioned) token
 per request (generate.py): here that token becomes the one uncached query, and its
 served occurrence drops out of the request's tokens.
@@ -68,9 +72,10 @@ def oracle_prefill(adapter: ModelAdapter, bound: BoundPrompt,
             placeholder.append(False)
     served = {unit_id for unit_id in bound.units}
     request = [i for i in range(len(ids))
-               if (owner[i] in served and not placeholder[i]) or owner[i] == "uncached"]
-    if not bound.uncached:      # the last token is computed per request
-        last = max(request, key=lambda i: pos[i])
+               if (owner[i] in served and not placeholder[i] and pos[i] not in bound.recomputed)
+               or owner[i] == "uncached"]
+    last = max(request, key=lambda i: pos[i])
+    if owner[last] != "uncached":      # the last token is computed per request
         ids.append(ids[last])
         pos.append(pos[last])
         owner.append("uncached")

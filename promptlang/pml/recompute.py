@@ -1,0 +1,72 @@
+"""Recompute policies: which cached tokens a request computes again (docs/RECOMPUTE.md).
+
+Cached modules never saw each other. A policy names cached tokens of the request's
+non-root units to compute per request instead, attending to every request token at a
+position <= theirs (BoundPrompt.with_recompute); the cached tokens after them keep
+their stored KV. Written as text wherever a policy is given (a request's `recompute=`,
+`load(recompute=)`, a schema's `recompute` attribute):
+
+  none            serve every cached token as stored
+  first:K         the first K cached tokens of every non-root unit (EPIC, arXiv 2410.15332:
+                  a module's first tokens otherwise become spurious attention sinks)
+  deviation:F     the fraction F (0 < F <= 1) of the non-root units' cached tokens whose
+                  layer-1 keys and values differ most from a pass over the whole request
+                  (in the spirit of CacheBlend, arXiv 2405.16444); `F%` also works
+
+This module is pure (no torch): the parser validates the attribute with it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["none", "first", "deviation"]
+KINDS = ("none", "first", "deviation")
+
+
+class RecomputeSpecError(ValueError):
+    """A recompute policy's text is malformed (the message says what is expected)."""
+
+
+@dataclass(frozen=True)
+class Recompute:
+    kind: Kind = "none"
+    amount: float = 0          # tokens per unit (first) or a fraction (deviation)
+
+    @classmethod
+    def parse(cls, text: "str | Recompute") -> "Recompute":
+        if isinstance(text, Recompute):
+            return text
+        spec = str(text).strip().lower()
+        if spec in ("none", "off", "0", ""):
+            return cls()
+        kind, _, amount = spec.partition(":")
+        expected = "expected none, first:K (K tokens per module) or deviation:F (0 < F <= 1)"
+        if kind not in KINDS or not amount:
+            raise RecomputeSpecError(f"bad recompute policy {text!r}: {expected}")
+        if kind == "first":
+            if not amount.isdigit():
+                raise RecomputeSpecError(f"bad recompute policy {text!r}: K must be a "
+                                         "whole number of tokens")
+            return cls("first", int(amount)) if int(amount) else cls()
+        percent = amount.endswith("%")
+        try:
+            fraction = float(amount[:-1] if percent else amount) / (100 if percent else 1)
+        except ValueError:
+            raise RecomputeSpecError(f"bad recompute policy {text!r}: {expected}") from None
+        if not (0 <= fraction <= 1) or math.isnan(fraction):
+            raise RecomputeSpecError(f"bad recompute policy {text!r}: the fraction must be "
+                                     "between 0 and 1")
+        return cls("deviation", fraction) if fraction else cls()
+
+    def __bool__(self) -> bool:
+        return self.kind != "none"
+
+    def __str__(self) -> str:
+        if self.kind == "none":
+            return "none"
+        if self.kind == "first":
+            return f"first:{int(self.amount)}"
+        return f"deviation:{self.amount:g}"

@@ -1,0 +1,144 @@
+"""Which cached tokens a request recomputes (the policies: promptlang/pml/recompute.py).
+
+`select` turns a policy into positions for `BoundPrompt.with_recompute`:
+
+- first:K -- the first K cached tokens of every non-root unit (`first_tokens`).
+- deviation:F -- one pass over the whole request, every token at its position and
+  attending causally by position (what a full prefill computes), stopped once layer
+  DEVIATION_LAYER has written its keys and values. Each candidate's deviation is the
+  squared distance between those and its stored ones (keys and values each scaled by
+  their mean squared norm over the candidates); the ceil(F x candidates) largest are
+  chosen. Candidates are the cached tokens whose encoding missed a request token before
+  them: a token of unit U is one iff some request token at a lower position is neither
+  in U nor (guaranteed context) in U's context units -- another module, an argument,
+  or uncached text. The others computed exactly what a full prefill computes, up to
+  rounding. The pass costs about (DEVIATION_LAYER + 1) / layers of a full prefill.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from promptlang.pml.binding import BoundPrompt, first_tokens
+from promptlang.pml.recompute import Recompute, RecomputeSpecError
+from promptlang.runtime.kv import ModuleKV
+from promptlang.runtime.model import ModelAdapter, Past
+
+__all__ = ["Recompute", "RecomputeSpecError", "select", "candidates", "deviations",
+           "layer_kv", "DEVIATION_LAYER"]
+
+DEVIATION_LAYER = 1      # layer 0's KV depends on the token alone; layer 1's on its context
+
+
+def select(adapter: ModelAdapter, bound: BoundPrompt, units: dict[str, ModuleKV],
+           policy: Recompute, context_of: Callable[[str], Sequence[str]]) -> list[int]:
+    """Positions of the cached tokens `policy` recomputes for `bound`. `units`: the KV of
+    each of bound.units; `context_of(unit id)`: the units it was encoded against."""
+    if policy.kind == "first":
+        return first_tokens(bound, int(policy.amount))
+    if policy.kind == "deviation":
+        scores = deviations(adapter, bound, units, context_of)
+        count = math.ceil(policy.amount * len(scores))
+        ranked = sorted(scores, key=lambda p: (-scores[p], p))
+        return sorted(ranked[:count])
+    return []
+
+
+def candidates(bound: BoundPrompt, context_of: Callable[[str], Sequence[str]]
+               ) -> dict[str, list[int]]:
+    """Per served unit, the positions of its cached tokens whose encoding missed a request
+    token at a lower position (see the module docstring)."""
+    sequence = bound.sequence()
+    found = {}
+    for unit in bound.units:
+        seen = {unit, *context_of(unit)}
+        missed = [p for _, p, origin in sequence if origin not in seen]
+        if not missed:
+            continue
+        first_missed = min(missed)
+        mine = [p for _, p, origin in sequence if origin == unit and p > first_missed]
+        if mine:
+            found[unit] = mine
+    return found
+
+
+def deviations(adapter: ModelAdapter, bound: BoundPrompt, units: dict[str, ModuleKV],
+               context_of: Callable[[str], Sequence[str]]) -> dict[int, float]:
+    """Each candidate's deviation (position -> score) at layer DEVIATION_LAYER."""
+    chosen = candidates(bound, context_of)
+    if not chosen:
+        return {}
+    sequence = bound.sequence()
+    positions = torch.tensor([p for _, p, _ in sequence], device=adapter.device)
+    layer = min(DEVIATION_LAYER, adapter.kv_shape.layers - 1)
+    full_keys, full_values = layer_kv(adapter, [t for t, _, _ in sequence], positions, layer)
+    dk, dv, nk, nv, where = [], [], [], [], []
+    for unit, wanted in chosen.items():
+        kv = units[unit]
+        wanted_t = torch.tensor(wanted, device=kv.positions.device)
+        index = torch.nonzero(torch.isin(kv.positions, wanted_t)).flatten()    # in the unit
+        at = torch.searchsorted(positions, kv.positions[index].to(positions.device))
+        # [H_kv, n, D] each
+        stored_k = kv.keys[layer][:, index].to(full_keys.dtype)
+        stored_v = kv.values[layer][:, index].to(full_values.dtype)
+        fresh_k, fresh_v = full_keys[:, at], full_values[:, at]
+        dk.append((fresh_k - stored_k).pow(2).sum((0, 2)))
+        dv.append((fresh_v - stored_v).pow(2).sum((0, 2)))
+        nk.append(stored_k.pow(2).sum((0, 2)))
+        nv.append(stored_v.pow(2).sum((0, 2)))
+        where += kv.positions[index].tolist()
+    dk, dv = torch.cat(dk), torch.cat(dv)
+    scale_k = float(torch.cat(nk).mean()) or 1.0
+    scale_v = float(torch.cat(nv).mean()) or 1.0
+    score = dk / scale_k + dv / scale_v
+    return dict(zip(where, score.tolist()))
+
+
+class _Stop(Exception):
+    """Raised by a forward hook once the wanted layer's KV is written."""
+
+
+@torch.inference_mode()
+def layer_kv(adapter: ModelAdapter, token_ids: Sequence[int], positions: torch.Tensor,
+             layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ([H_kv, N, D] each) of `layer` for `token_ids` at `positions`
+    (sorted), each token attending to those at positions <= its own: a full prefill
+    stopped after that layer's attention."""
+    n = len(token_ids)
+    keys, values = adapter.empty_kv(n)
+    past = Past(keys, values, positions.new_empty(0))
+
+    def stop(*_):
+        raise _Stop
+
+    hook = _attention_module(adapter, layer).register_forward_hook(stop)
+    chunk_size, adapter.chunk_size = adapter.chunk_size, 1 << 30     # one pass: stop once
+    try:
+        adapter.forward(torch.tensor(list(token_ids), device=adapter.device), positions,
+                        past, None, None)
+    except _Stop:
+        pass
+    else:
+        raise RuntimeError("the forward pass never reached the layer's attention")
+    finally:
+        hook.remove()
+        adapter.chunk_size = chunk_size
+    return keys[layer], values[layer]
+
+
+def _attention_module(adapter: ModelAdapter, layer: int) -> torch.nn.Module:
+    """The attention block of decoder layer `layer` (where its KV is written)."""
+    count = adapter.kv_shape.layers
+    blocks = next((m for m in adapter.model.modules()
+                   if isinstance(m, torch.nn.ModuleList) and len(m) == count), None)
+    if blocks is None:
+        raise RuntimeError(f"cannot find the decoder layers of {adapter.model_type}")
+    block = blocks[layer]
+    for name in ("self_attn", "self_attention", "attn", "attention"):
+        child = getattr(block, name, None)
+        if isinstance(child, torch.nn.Module):
+            return child
+    return block

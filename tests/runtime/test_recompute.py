@@ -1,0 +1,202 @@
+"""Selective recompute (docs/RECOMPUTE.md) keeps the cache honest.
+
+Recomputed tokens are uncached tokens: with them, a cached prefill must still equal the
+DESIGN.md oracle (one masked forward pass in which they attend to every request token
+at a position <= theirs and their stored copies leave the request), for every position
+scheme, both encoding rules, units copied or read in place, and tokens taken from the
+start, the middle or the end of a unit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from promptlang.errors import PromptLangError
+from promptlang.pml.binding import first_tokens
+from promptlang.pml.parser import parse_schema
+from promptlang.pml.recompute import Recompute, RecomputeSpecError
+from promptlang.runtime import engine as engine_module
+from promptlang.runtime import recompute
+from promptlang.runtime.engine import LLM
+from promptlang.runtime.store import ModuleStore
+from promptlang.tokenizer import WordTokenizer
+
+from .oracle import oracle_prefill
+from .test_oracle import ARCHITECTURES, PROMPTS, SCHEMA, TOL, VOCAB, make_llm, tiny_model
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {kind: tiny_model(kind) for kind in ARCHITECTURES}
+
+
+def assert_matches_oracle(llm: LLM, prompt: str, isolate: bool, **options):
+    cached = llm.prefill(prompt, all_logits=True, **options)
+    expected = oracle_prefill(llm.adapter, cached.bound, isolate=isolate)
+    order = torch.argsort(cached.positions)
+    assert torch.equal(cached.positions[order], expected.positions)
+    assert cached.logits.shape == expected.logits.shape
+    assert (cached.logits - expected.logits).abs().max() < TOL
+    assert (cached.keys[:, :, order] - expected.keys).abs().max() < TOL
+    assert (cached.values[:, :, order] - expected.values).abs().max() < TOL
+    return cached
+
+
+# --- policies as text -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, parsed", [
+    ("none", Recompute()), ("first:8", Recompute("first", 8)), ("first:0", Recompute()),
+    ("deviation:0.15", Recompute("deviation", 0.15)), ("deviation:15%", Recompute("deviation", 0.15)),
+    (" Deviation:1 ", Recompute("deviation", 1.0)),
+])
+def test_policies_parse_and_print_back(text, parsed):
+    assert Recompute.parse(text) == parsed
+    assert Recompute.parse(str(parsed)) == parsed
+
+
+@pytest.mark.parametrize("text", ["first", "first:-1", "first:2.5", "deviation:2", "deviation:x",
+                                  "blend:0.1", "deviation:nan"])
+def test_malformed_policies_are_rejected_with_what_is_expected(text):
+    with pytest.raises(RecomputeSpecError, match="recompute policy"):
+        Recompute.parse(text)
+
+
+def test_a_schema_attribute_with_a_bad_policy_is_a_located_error():
+    with pytest.raises(PromptLangError) as caught:
+        parse_schema('<schema name="s" recompute="first:two"></schema>', file="app.pml")
+    assert str(caught.value).startswith("app.pml:1:29: bad recompute policy 'first:two'")
+
+
+# --- the oracle -----------------------------------------------------------------------------
+
+CASES = ["two modules with a gap", "nested modules", "union", "shorter argument", "scaffold",
+         "cache false", "no uncached tokens"]
+
+
+@pytest.mark.parametrize("policy", ["first:2", "deviation:0.3", "deviation:1"])
+@pytest.mark.parametrize("isolate", [False, True], ids=["guaranteed", "isolate"])
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_recomputed_prefill_equals_one_masked_pass(models, tmp_path, kind, isolate, policy):
+    llm = make_llm(models[kind], tmp_path, isolate=isolate)
+    for case in CASES:
+        cached = assert_matches_oracle(llm, PROMPTS[case], isolate, recompute=policy)
+        assert cached.bound.recomputed, f"{case}: {policy} recomputed nothing"
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["copied", "read in place"])
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_any_recomputed_positions_match_the_oracle(models, tmp_path, monkeypatch, kind, shared):
+    """Tokens from the start, middle and end of units -- holes that split a unit read in
+    place into several runs -- and the request's last token."""
+    llm = make_llm(models[kind], tmp_path)
+    if shared:
+        llm.assembler.share_min_tokens = 1
+    def every_third(adapter, bound, units, policy, context_of):
+        cached = [p for _, p, origin in bound.sequence() if origin != "uncached"]
+        return cached[1::3] + [cached[-1]]
+    monkeypatch.setattr(engine_module, "select", every_third)
+    for case in CASES:
+        assert_matches_oracle(llm, PROMPTS[case], False, recompute="first:1")
+        assert_matches_oracle(llm, PROMPTS[case], False, recompute="first:1")   # buffer reused
+    if shared and llm.adapter.reads_shared:
+        assert llm.assembler.shared_tokens > 0
+
+
+def test_recomputing_every_token_that_missed_something_gives_the_full_prefill(models, tmp_path):
+    """deviation:1 recomputes every candidate; the rest saw exactly what a full prefill
+    sees, so the request equals one causal pass over its tokens at their positions."""
+    llm = make_llm(models["llama"], tmp_path)
+    prompt = PROMPTS["two modules with a gap"]
+    sequence = llm.bind(prompt).sequence()
+    full = llm.adapter.forward(torch.tensor([t for t, _, _ in sequence]),
+                               torch.tensor([p for _, p, _ in sequence]), None, None,
+                               torch.tensor([len(sequence) - 1]))
+    cached = llm.prefill(prompt, recompute="deviation:1")
+    assert cached.bound.recomputed
+    assert (cached.logits[-1] - full.logits[-1]).abs().max() < TOL
+    none = llm.prefill(prompt, recompute="none")
+    assert (none.logits[-1] - full.logits[-1]).abs().max() > 1e-3   # the test can fail
+
+
+# --- selection ------------------------------------------------------------------------------
+
+def test_first_k_takes_the_first_tokens_of_every_module_but_the_root(models, tmp_path):
+    llm = make_llm(models["llama"], tmp_path)
+    bound = llm.bind(PROMPTS["nested modules"])
+    result = llm.prefill(PROMPTS["nested modules"], recompute="first:2")
+    assert sorted(result.bound.recomputed) == sorted(first_tokens(bound, 2))
+    non_root = [u for u in bound.units if bound.layout.units[u].modules[0]]
+    assert len(result.bound.recomputed) == 2 * len(non_root)
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_layer_kv_is_the_full_prefills_kv_at_that_layer(models, kind):
+    llm = LLM.from_model(models[kind], WordTokenizer(VOCAB, bos=True))
+    ids = torch.randint(3, VOCAB, (9,), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([0, 1, 2, 5, 6, 7, 8, 20, 21])
+    full = llm.adapter.forward(ids, positions, None, None, None)
+    keys, values = recompute.layer_kv(llm.adapter, ids.tolist(), positions, 1)
+    assert (keys - full.keys[1]).abs().max() < TOL
+    assert (values - full.values[1]).abs().max() < TOL
+
+
+@pytest.mark.parametrize("isolate", [False, True], ids=["guaranteed", "isolate"])
+def test_deviation_candidates_are_the_tokens_whose_kv_differs(models, tmp_path, isolate):
+    """Every cached token outside the candidates has the full prefill's KV already; the
+    chosen ones are those that deviate most."""
+    llm = make_llm(models["llama"], tmp_path, isolate=isolate)
+    bound = llm.bind(PROMPTS["nested modules"])
+    units = {u: llm.encoder.get(bound.layout, u) for u in bound.units}
+    context = lambda u: llm.encoder.context_of(bound.layout.units[u])   # noqa: E731
+    candidates = {p for ps in recompute.candidates(bound, context).values() for p in ps}
+    scores = recompute.deviations(llm.adapter, bound, units, context)
+    assert set(scores) == candidates and candidates
+    sequence = bound.sequence()
+    positions = torch.tensor([p for _, p, _ in sequence])
+    full = llm.adapter.forward(torch.tensor([t for t, _, _ in sequence]), positions, None, None)
+    for unit, kv in units.items():
+        for i, p in enumerate(kv.positions.tolist()):
+            if kv.placeholder[i] or p in bound.recomputed:
+                continue
+            at = int(torch.searchsorted(positions, p))
+            differs = float((full.keys[1][:, at] - kv.keys[1][:, i]).abs().max())
+            if p in candidates:
+                continue
+            assert differs < TOL, f"position {p} of {unit} is no candidate but deviates"
+    assert max(scores.values()) > 1e-6
+    chosen = recompute.select(llm.adapter, bound, units, Recompute("deviation", 0.25), context)
+    assert len(chosen) == -(-len(scores) // 4)
+    assert min(scores[p] for p in chosen) >= max(scores[p] for p in scores if p not in chosen)
+
+
+# --- where the policy comes from ------------------------------------------------------------
+
+def test_request_policy_overrides_schema_default_which_overrides_the_llms(models, tmp_path):
+    store = ModuleStore(disk_dir=tmp_path / "kv")
+    llm = LLM.from_model(models["llama"], WordTokenizer(VOCAB, bos=True), store=store,
+                         recompute="first:1")
+    llm.add_schema(SCHEMA)
+    prompt = PROMPTS["two modules with a gap"]
+    assert llm.generate(prompt, max_new_tokens=1).recomputed_tokens == 2     # the LLM's
+    assert llm.generate(prompt, max_new_tokens=1, recompute="none").recomputed_tokens == 0
+    llm.add_schema(SCHEMA.replace('<schema name="s">', '<schema name="s" recompute="first:3">'))
+    assert llm.generate(prompt, max_new_tokens=1).recomputed_tokens == 6     # the schema's
+    assert llm.generate(prompt, max_new_tokens=1, recompute="first:2").recomputed_tokens == 4
+    assert llm.generate(prompt, max_new_tokens=1, baseline=True).recomputed_tokens == 0
+
+
+def test_a_bad_policy_in_a_request_is_a_promptlang_error(models, tmp_path):
+    llm = make_llm(models["llama"], tmp_path)
+    with pytest.raises(PromptLangError, match="bad recompute policy 'first:x'"):
+        llm.generate(PROMPTS["union"], recompute="first:x")
+
+
+def test_recompute_keeps_decoding_equal_between_generate_and_prefill(models, tmp_path):
+    """generate() serves the same first token as prefill() under a policy."""
+    llm = make_llm(models["llama"], tmp_path)
+    prompt = PROMPTS["union"]
+    result = llm.generate(prompt, max_new_tokens=1, recompute="deviation:0.5")
+    logits = llm.prefill(prompt, recompute="deviation:0.5").logits[-1]
+    assert result.token_ids[0] == int(torch.argmax(logits))
+    assert result.recomputed_tokens > 0 and result.timings.select > 0
