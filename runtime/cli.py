@@ -1,7 +1,8 @@
 """`promptlang run` and `promptlang cache`: the runtime's commands.
 
     promptlang run SCHEMA.pml PROMPT.pml [--model PATH] [--max-new-tokens N] [--baseline]
-                   [--isolate] [--temperature T] [--seed S] [--stream]
+                   [--isolate] [--recompute POLICY] [--temperature T] [--seed S]
+                   [--stream]
     promptlang cache ls [--dir DIR]
     promptlang cache clear [--dir DIR]
 
@@ -32,6 +33,10 @@ def register(subparsers: Any) -> None:
                      help="no reuse: the same tokens at positions 0..N-1, for comparison")
     run.add_argument("--isolate", action="store_true",
                      help="each module attends only to itself (the paper's rule)")
+    run.add_argument("--recompute", metavar="POLICY", default=None,
+                     help="cached tokens to compute again: none, first:K or deviation:F "
+                          "(default: the schema's recompute attribute, else none; "
+                          "see docs/RECOMPUTE.md)")
     run.add_argument("--temperature", type=float, default=0.0, metavar="T",
                      help="0 (default) is greedy")
     run.add_argument("--seed", type=int, default=None, metavar="S")
@@ -58,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
     loaded = time.perf_counter() - started
     llm.add_schema(args.schema)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   seed=args.seed, baseline=args.baseline)
+                   seed=args.seed, baseline=args.baseline, recompute=args.recompute)
     if args.stream:
         stream = llm.generate(args.prompt, stream=True, **options)
         for delta in stream:
@@ -71,7 +76,8 @@ def _run(args: argparse.Namespace) -> int:
         print(result.text)
     mode = "baseline" if args.baseline else ("isolate" if args.isolate else "cached")
     print(f"[{mode}] {len(result.token_ids)} tokens, finish: {result.finish_reason}; "
-          f"prefill {result.prefill_tokens} tokens, cached {result.cached_tokens}; "
+          f"prefill {result.prefill_tokens} tokens ({result.recomputed_tokens} recomputed), "
+          f"cached {result.cached_tokens}; "
           f"model load {loaded:.1f} s", file=sys.stderr)
     print(f"[{mode}] {result.timings}", file=sys.stderr)
     return 0

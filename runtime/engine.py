@@ -293,12 +293,12 @@ class LLM:
                       len(request.bound.recomputed))
 
     def session(self, prompt, *, schema=None, baseline: bool = False,
-                add_generation_prompt: bool = False):
+                add_generation_prompt: bool = False, recompute=None):
         """A multi-turn Session on `prompt` that keeps its KV across turns
-        (runtime/session.py)."""
+        (runtime/session.py); `recompute` applies to the prompt's cached tokens."""
         from promptlang.runtime.session import Session
         return Session(self, prompt, schema=schema, baseline=baseline,
-                       add_generation_prompt=add_generation_prompt)
+                       add_generation_prompt=add_generation_prompt, recompute=recompute)
 
     # --- the phases ---------------------------------------------------------------------------
 

@@ -120,9 +120,9 @@ class Session:
     """A bound prompt's KV plus a growing tail of computed tokens (see the module doc)."""
 
     def __init__(self, llm, prompt, *, schema=None, baseline: bool = False,
-                 add_generation_prompt: bool = False, room: int = 256):
+                 add_generation_prompt: bool = False, room: int = 256, recompute=None):
         opened = llm.open(prompt, schema=schema, baseline=baseline, room=room,
-                          add_generation_prompt=add_generation_prompt)
+                          add_generation_prompt=add_generation_prompt, recompute=recompute)
         self._setup(llm, prompt, opened.bound, baseline, opened.buffer)
         self.position = opened.position
         self.logits = opened.logits

@@ -318,3 +318,18 @@ def test_cli_cache_ls_and_clear(model, tmp_path, capsys):
     assert cli.main(["cache", "clear", "--dir", str(tmp_path)]) == 0
     assert f"removed {UNITS} entries" in capsys.readouterr().out
     assert not list(tmp_path.glob("*.safetensors"))
+
+
+def test_cli_run_takes_a_recompute_policy_and_reports_a_bad_one(model, cli_files, monkeypatch,
+                                                                capsys):
+    from promptlang import cli
+    from promptlang.runtime import engine
+    llm = make_llm(model, cli_files)
+    monkeypatch.setattr(engine, "load", lambda name, isolate=False: llm)
+    files = [str(cli_files / "docs.pml"), str(cli_files / "ask.pml")]
+    assert cli.main(["run", *files, "--max-new-tokens", "2", "--recompute", "first:2"]) == 0
+    err = capsys.readouterr().err
+    assert "recomputed)" in err and "(0 recomputed)" not in err
+    assert cli.main(["run", *files, "--recompute", "first:two"]) == 1
+    out, err = capsys.readouterr()
+    assert "bad recompute policy 'first:two'" in err and "Traceback" not in err and out == ""

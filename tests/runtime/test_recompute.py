@@ -200,3 +200,13 @@ def test_recompute_keeps_decoding_equal_between_generate_and_prefill(models, tmp
     logits = llm.prefill(prompt, recompute="deviation:0.5").logits[-1]
     assert result.token_ids[0] == int(torch.argmax(logits))
     assert result.recomputed_tokens > 0 and result.timings.select > 0
+
+
+def test_a_session_opens_with_the_policy_applied(models, tmp_path):
+    llm = make_llm(models["llama"], tmp_path)
+    prompt = PROMPTS["two modules with a gap"]
+    expected = llm.prefill(prompt, recompute="first:2").logits[-1]
+    with llm.session(prompt, recompute="first:2", add_generation_prompt=True) as session:
+        assert (session.logits - expected).abs().max() < TOL
+        plain = llm.prefill(prompt, recompute="none").logits[-1]
+        assert (session.logits - plain).abs().max() > 1e-3
