@@ -5,13 +5,15 @@
     promptlang bench memory
     promptlang bench accuracy [--items N] [--kinds single,cross,...] [--docs-per-item D]
                               [--doc-words W] [--max-new-tokens N] [--seed S]
+                              [--recompute SPEC,...] [--recompute-rules cached,isolate]
+                              [--no-scaffold] [--workers N] [--cost-tokens N] [--cost-repeats R]
     promptlang bench all      (the three, one model load, one folder, one report.md)
 
 Every command takes --quick (tiny sizes, for tests), --out DIR (default bench-out/),
 --model PATH_OR_ID (default: the embedded SmolLM2-135M) and --no-progress. Tables go
 to stdout, progress bars to stderr; the folder gets NAME.csv, NAME.json, NAME.md (and
-latency.png, accuracy-items.json). Each PASS/FAIL goal line is printed whether it
-passes or not.
+latency.png, accuracy.png, accuracy-items.json). Each PASS/FAIL goal line is printed
+whether it passes or not.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 DEFAULT_OUT = "bench-out"
+_DEFAULT_RECOMPUTE = "first:4,first:16,first:32,deviation:0.15"   # accuracy.DEFAULT_RECOMPUTE
 
 
 def register(subparsers: Any) -> None:
@@ -59,7 +62,7 @@ def register(subparsers: Any) -> None:
 
     accuracy = argparse.ArgumentParser(add_help=False)
     accuracy.add_argument("--items", type=_positive, metavar="N",
-                          help="items per question kind (default 25)")
+                          help="items per question kind (default 10)")
     accuracy.add_argument("--kinds", type=_kinds, metavar="K,K,...",
                           help="question kinds (default single,cross,dependent,needle)")
     accuracy.add_argument("--docs-per-item", type=_positive, metavar="D",
@@ -67,8 +70,26 @@ def register(subparsers: Any) -> None:
     accuracy.add_argument("--doc-words", type=_positive, metavar="W",
                           help="words per document (default: 60, or 300 for needle)")
     accuracy.add_argument("--max-new-tokens", type=_positive, metavar="N",
-                          help="answer length cap (default 8)")
+                          help="answer length cap (default 16)")
     accuracy.add_argument("--seed", type=int, metavar="S", help="item seed (default 0)")
+    accuracy.add_argument("--recompute", type=_recompute_list, metavar="SPEC,SPEC,...",
+                          help="recompute policies, each adding the settings cached+SPEC and "
+                               "isolate+SPEC: first:K or deviation:F; 'none' for no such "
+                               "settings (default " + _DEFAULT_RECOMPUTE + ")")
+    accuracy.add_argument("--recompute-rules", type=_rules, metavar="RULE,...",
+                          help="the cached rules the policies apply to: cached (guaranteed "
+                               "context), isolate (default both)")
+    accuracy.add_argument("--no-scaffold", dest="scaffold", action="store_false", default=None,
+                          help="leave out the scaffold setting")
+    accuracy.add_argument("--workers", type=_positive, metavar="N",
+                          help="answer the items in N processes, each loading the model and "
+                               "running --threads torch threads (default: this process's "
+                               "threads / N); default 1")
+    accuracy.add_argument("--cost-tokens", type=_non_negative, metavar="N",
+                          help="prompt length of the recompute cost section "
+                               "(default 6000; 0 skips it and the issue-8 goal)")
+    accuracy.add_argument("--cost-repeats", type=_positive, metavar="R",
+                          help="timed warm requests per setting in the cost section (default 3)")
 
     for name, parents, func, short, text in (
             ("latency", [common, latency], _latency, "time to first token, baseline vs cached",
@@ -79,8 +100,10 @@ def register(subparsers: Any) -> None:
              "KV bytes per token: the model's, its store's in 32 and 16 bits, and a table "
              "of well-known models' shapes."),
             ("accuracy", [common, accuracy], _accuracy, "exact match with and without caching",
-             "Exact match on synthetic multi-document QA: baseline, cached (guaranteed "
-             "context), cached (isolate) and scaffold; agreement with the baseline."),
+             "Exact match and answer-in-output on synthetic multi-document QA: baseline, "
+             "cached (guaranteed context), cached (isolate), scaffold, and both cached "
+             "rules with each --recompute policy; agreement with the baseline; the TTFT of "
+             "every setting at ~6k tokens, accuracy.png and the issue-8 goal."),
             ("all", [common, latency, accuracy], _all, "all three into one folder",
              "memory, latency and accuracy in one run (about 20 minutes on 2 cores at the "
              "defaults), into one folder with a report.md of every table.")):
@@ -112,6 +135,41 @@ def _int_list(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"need positive token counts, got {text!r}")
     return tuple(sorted(set(values)))
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _recompute_list(text: str) -> tuple[str, ...]:
+    """Comma-separated recompute policies, canonical and without duplicates; "none"
+    alone: no recompute settings."""
+    from promptlang.pml.recompute import RecomputeSpecError
+    from promptlang.runtime.bench.accuracy import normalize_specs
+
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("need at least one policy (or 'none')")
+    try:
+        specs = normalize_specs(parts)
+    except RecomputeSpecError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if not specs and parts != ["none"]:
+        raise argparse.ArgumentTypeError(f"{text!r} names no recompute policy: use 'none' "
+                                         "alone for no recompute settings")
+    return specs
+
+
+def _rules(text: str) -> tuple[str, ...]:
+    rules = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [r for r in rules if r not in ("cached", "isolate")]
+    if unknown or not rules:
+        raise argparse.ArgumentTypeError(f"unknown rule(s) {unknown}: choose from cached, "
+                                         "isolate")
+    return rules
 
 
 def _kinds(text: str) -> tuple[str, ...]:
@@ -219,7 +277,9 @@ def _accuracy_options(args):
 
     return _options(AccuracyOptions, args, {
         "items": "items_per_kind", "kinds": "kinds", "docs_per_item": "docs_per_item",
-        "doc_words": "doc_words", "max_new_tokens": "max_new_tokens", "seed": "seed"})
+        "doc_words": "doc_words", "max_new_tokens": "max_new_tokens", "seed": "seed",
+        "recompute": "recompute", "recompute_rules": "recompute_rules", "scaffold": "scaffold",
+        "cost_tokens": "cost_tokens", "cost_repeats": "cost_repeats"})
 
 
 def _run_latency(run: _Run):
@@ -261,13 +321,18 @@ def _run_accuracy(run: _Run):
         write_json
 
     report = accuracy.run_accuracy(run.llm, _accuracy_options(run.args),
-                                   model_name=run.model_name, progress=run.progress)
+                                   model_name=run.model_name, progress=run.progress,
+                                   workers=getattr(run.args, "workers", None) or 1,
+                                   model_source=run.args.model, worker_threads=run.args.threads)
     parts = accuracy.sections(report)
     print(render_text(parts))
     run.write("accuracy.csv", lambda p: write_csv(p, report.rows()))
     run.write("accuracy.json", lambda p: write_json(p, accuracy.to_json(report)))
     run.write("accuracy-items.json",
               lambda p: write_json(p, [r.to_dict() for r in report.results]))
+    if report.cost is not None:
+        note = " (QUICK RUN)" if run.args.quick else ""
+        run.write("accuracy.png", lambda p: accuracy.plot(report, p, note))
     run.write("accuracy.md", lambda p: p.write_text(render_markdown(parts)))
     return report, parts
 
@@ -329,7 +394,7 @@ def _run_all(run: _Run) -> int:
         goals += getattr(report, "goals", [])
         timings[name] = round(time.perf_counter() - started, 1)
     total = time.perf_counter() - began
-    summary = Section("Goals (issue 7), all benchmarks", (), [str(g) for g in goals])
+    summary = Section("Goals (issues 7 and 8), all benchmarks", (), [str(g) for g in goals])
     print(render_text([summary]))
     write_json(run.out / "goals.json", [asdict(g) | {"verdict": g.verdict} for g in goals])
     run.written.append(run.out / "goals.json")
@@ -341,7 +406,10 @@ def _run_all(run: _Run) -> int:
                 "## Memory", "", render_markdown(parts["memory"]),
                 "## Latency", "", "![TTFT against prompt length](latency.png)", "",
                 render_markdown(parts["latency"]),
-                "## Accuracy", "", render_markdown(parts["accuracy"]),
+                "## Accuracy", "",
+                *(["![Accuracy against TTFT at ~6k tokens](accuracy.png)", ""]
+                  if (run.out / "accuracy.png") in run.written else []),
+                render_markdown(parts["accuracy"]),
                 "## All goals", "", render_markdown([summary])]
     run.write("report.md", lambda p: p.write_text("\n".join(document)))
     _say(timing_line)
@@ -353,11 +421,17 @@ def _done(run: _Run) -> None:
     _say("wrote " + ", ".join(str(p) for p in run.written))
 
 
+_NEGATED = {"scaffold": "--no-scaffold"}     # store_false options: dest -> flag
+
+
 def command_line(args: argparse.Namespace) -> str:
     """The command as typed, rebuilt from the parsed options that were given."""
     words = ["promptlang", "bench", args.bench]
     for dest, value in sorted(vars(args).items()):
-        if dest in ("func", "bench", "group_parser") or value in (None, False):
+        if dest in _NEGATED and value is False:
+            words.append(_NEGATED[dest])
+            continue
+        if dest in ("func", "bench", "group_parser") or value is None or value is False:
             continue
         if dest == "out" and value == DEFAULT_OUT:
             continue
@@ -365,7 +439,7 @@ def command_line(args: argparse.Namespace) -> str:
         if value is True:
             words.append(flag)
         elif isinstance(value, tuple):
-            words += [flag, ",".join(map(str, value))]
+            words += [flag, ",".join(map(str, value)) or "none"]
         else:
             words += [flag, str(value)]
     return " ".join(words)

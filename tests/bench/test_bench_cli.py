@@ -15,6 +15,9 @@ LATENCY_GOALS = {"cached TTFT <= 2x floor", "cached >= 100x faster than baseline
                  "cached TTFT exponent <= 1.2", "cached beats baseline at 512 cached tokens",
                  "decode per token <= 1.5x transformers generate"}
 MEMORY_GOAL = "a 16-bit store halves KV bytes per token"
+ACCURACY_GOAL = "recompute recovers >= half the cached-vs-baseline gap at >= 10x"
+QUICK_SETTINGS = ("baseline", "cached", "cached+first:2", "cached+deviation:0.2", "isolate",
+                  "isolate+first:2", "isolate+deviation:0.2", "scaffold")
 
 
 def bench(capsys, *argv):
@@ -84,24 +87,32 @@ def test_accuracy_quick_scores_every_setting_and_kind(tmp_path, capsys):
     out = bench(capsys, "accuracy", "--out", str(tmp_path))
     rows = read_csv(tmp_path / "accuracy.csv")
     assert {(r["setting"], r["kind"]) for r in rows} == {
-        (s, k) for s in ("baseline", "cached", "isolate", "scaffold")
-        for k in ("single", "cross", "dependent", "needle", "all")}
-    assert {"accuracy", "found_rate", "agreement", "ci95_low", "mean_ttft_s"} <= set(rows[0])
+        (s, k) for s in QUICK_SETTINGS for k in ("single", "cross", "dependent", "needle", "all")}
+    assert {"accuracy", "found_rate", "agreement", "ci95_low", "mean_ttft_s",
+            "mean_recomputed_tokens"} <= set(rows[0])
     baseline_all = next(r for r in rows if r["setting"] == "baseline" and r["kind"] == "all")
     assert baseline_all["items"] == "4" and baseline_all["agreement"] == "1.0"
+    assert all(float(r["mean_recomputed_tokens"]) > 0 for r in rows
+               if r["setting"].endswith("first:2"))
     items = json.loads((tmp_path / "accuracy-items.json").read_text())
     assert [item["kind"] for item in items] == ["single", "cross", "dependent", "needle"]
     for item in items:
-        assert set(item["settings"]) == {"baseline", "cached", "isolate", "scaffold"}
+        assert tuple(item["settings"]) == QUICK_SETTINGS
         assert item["prompt_tokens"] > 0
     assert "Exact match by question kind" in out and "Same greedy output" in out
+    assert "Recompute cost at ~" in out and "the cached-vs-baseline gap won back" in out
+    assert (tmp_path / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(goals(out)) == {ACCURACY_GOAL}
+    data = json.loads((tmp_path / "accuracy.json").read_text())
+    assert [p["setting"] for p in data["cost"]["points"]] == list(QUICK_SETTINGS[1:])
+    assert data["goals"][0]["name"] == ACCURACY_GOAL
 
 
 def test_all_quick_writes_one_folder_with_a_report_and_every_goal(tmp_path, capsys):
     out = bench(capsys, "all", "--out", str(tmp_path / "run"), "--kinds", "single",
                 "--lengths", "64,128")
     folder = tmp_path / "run"
-    for name in ("memory.csv", "latency.csv", "latency.png", "accuracy.csv",
+    for name in ("memory.csv", "latency.csv", "latency.png", "accuracy.csv", "accuracy.png",
                  "accuracy-items.json", "goals.json", "report.md"):
         assert (folder / name).is_file(), name
     report = (folder / "report.md").read_text()
@@ -110,13 +121,14 @@ def test_all_quick_writes_one_folder_with_a_report_and_every_goal(tmp_path, caps
     assert "promptlang bench all --kinds single --lengths 64,128 --no-progress --out" in report
     assert "torch threads 1" in report
     verdicts = {g["name"]: g["verdict"] for g in json.loads((folder / "goals.json").read_text())}
-    assert set(verdicts) == LATENCY_GOALS | {MEMORY_GOAL}
-    assert set(goals(out)) == LATENCY_GOALS | {MEMORY_GOAL}
+    assert set(verdicts) == LATENCY_GOALS | {MEMORY_GOAL, ACCURACY_GOAL}
+    assert set(goals(out)) == LATENCY_GOALS | {MEMORY_GOAL, ACCURACY_GOAL}
 
 
 @pytest.mark.parametrize("argv, message", [
     (["latency", "--lengths", "0,64"], "positive token counts"),
     (["accuracy", "--kinds", "trivia"], "unknown kind"),
+    (["accuracy", "--recompute", "first:4,deviation:7"], "between 0 and 1"),
     (["latency", "--decode-tokens", "1"], "at least 2"),
 ])
 def test_bad_options_are_usage_errors(argv, message, capsys):
@@ -156,4 +168,4 @@ def test_all_quick_runs_on_another_local_model(tmp_path, capsys, tiny_model_dir)
     assert [s["kv"] for s in data["stores"]] == [256, 128]
     assert any(row["model"].endswith("(this run)") for row in data["table"])
     assert len(read_csv(tmp_path / "run" / "latency.csv")) == 3
-    assert set(goals(out)) == LATENCY_GOALS | {MEMORY_GOAL}
+    assert set(goals(out)) == LATENCY_GOALS | {MEMORY_GOAL, ACCURACY_GOAL}

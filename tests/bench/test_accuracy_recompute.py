@@ -1,0 +1,283 @@
+"""Issue 8's accuracy benchmark: recompute settings, the gap/recovery arithmetic and its
+goal, the accuracy-against-TTFT plot, --recompute parsing, and the draft-verified greedy
+decoding (same tokens as `llm.generate`), on made-up scores and a tiny random model."""
+
+import argparse
+
+import pytest
+
+from promptlang.cli import main
+from promptlang.runtime.bench import accuracy, qa
+
+NAMES = ("baseline", "cached", "cached+first:4", "cached+deviation:0.15", "isolate",
+         "isolate+first:4", "isolate+deviation:0.15", "scaffold")
+
+
+def test_settings_pair_every_policy_with_both_rules_in_canonical_form():
+    assert accuracy.settings(["first:4", "deviation:15%", "FIRST:4", "none"]) == NAMES
+    assert accuracy.settings(()) == accuracy.BASE_SETTINGS
+    assert accuracy.split_setting("isolate+deviation:0.15") == ("isolate", "deviation:0.15")
+    assert accuracy.split_setting("cached") == ("cached", "none")
+    assert accuracy.AccuracyOptions().settings[:2] == ("baseline", "cached")
+
+
+# --- gap, recovery, goal ----------------------------------------------------------------
+
+def fake_report(found, exact=None, n=10, speed=None, kinds=("dependent",)):
+    """A report whose `dependent` cells have found[setting] hits out of n (exact match:
+    exact[setting], default the same), and a cost section where setting s is speed[s]
+    times faster than a 20 s baseline."""
+    exact = exact or found
+    items = qa.generate(n, seed=2, kind="dependent")
+    results = []
+    for i, item in enumerate(items):
+        answers = {s: accuracy.Answer("x", [1], i < exact[s], i < found[s], s == "baseline",
+                                      0.1, 0.0, 4 if "+" in s else 0) for s in found}
+        results.append(accuracy.ItemResult(item, 100, answers))
+    options = accuracy.AccuracyOptions(kinds=kinds, recompute=("first:4", "deviation:0.15"))
+    report = accuracy.AccuracyReport(options, "m", results, 1.0)
+    report.scores = accuracy.score(results, kinds)
+    speed = speed or {s: 50.0 for s in found}
+    points = [accuracy.CostPoint(s, [20.0 / speed[s]] * 3, 4) for s in found if s != "baseline"]
+    report.cost = accuracy.CostReport(6012, 5990, 4, [20.0], points, 6000)
+    report.goals = [accuracy.recovery_goal(report)]
+    return report
+
+
+SCORES = {"baseline": 8, "cached": 4, "cached+first:4": 7, "cached+deviation:0.15": 5,
+          "isolate": 3, "isolate+first:4": 4, "isolate+deviation:0.15": 3, "scaffold": 8}
+
+
+def test_recovery_is_the_share_of_the_gap_won_back():
+    report = fake_report(SCORES)
+    r = accuracy.recovery(report, "cached+first:4", "dependent")
+    assert (r.baseline, r.cached, r.value) == (0.8, 0.4, 0.7)
+    assert r.gap == pytest.approx(0.4)
+    assert r.recovery == pytest.approx(0.75)
+    assert accuracy.recovery(report, "cached+deviation:0.15", "dependent").recovery == \
+        pytest.approx(0.25)
+    assert accuracy.recovery(report, "isolate", "dependent").recovery == pytest.approx(-0.25)
+    assert accuracy.recovery(report, "cached+first:4", "needle") is None     # not measured
+
+
+def test_goal_passes_on_the_best_fast_setting_and_gives_the_figures():
+    goal = fake_report(SCORES).goals[0]
+    assert goal.name == accuracy.GOAL_NAME and goal.passed is True
+    assert "best at >= 10x: cached+first:4 70.0% recovers 75% of the 40.0-point gap" in \
+        goal.detail
+    assert "answer in output" in goal.detail and "exact match" in goal.detail
+    assert "50.0x faster than the baseline at ~6,012 tokens" in goal.detail
+
+
+def test_goal_ignores_settings_slower_than_10x_and_fails_below_half():
+    speed = {s: 50.0 for s in SCORES} | {"cached+first:4": 8.0}
+    goal = fake_report(SCORES, speed=speed).goals[0]
+    assert goal.passed is False
+    assert "best at >= 10x: cached+deviation:0.15" in goal.detail
+    assert "best regardless of speed: cached+first:4" in goal.detail
+    slow = fake_report(SCORES, speed={s: 5.0 for s in SCORES}).goals[0]
+    assert slow.passed is False and "no recompute setting is 10x faster" in slow.detail
+
+
+def test_goal_is_not_passed_when_there_is_no_gap():
+    for cached in (8, 9):                        # equal to, or better than, the baseline
+        goal = fake_report(SCORES | {"cached": cached}).goals[0]
+        assert goal.passed is None and str(goal).startswith("N/A  ")
+        assert "no gap to recover" in goal.detail
+        r = accuracy.recovery(fake_report(SCORES | {"cached": cached}), "cached+first:4",
+                              "dependent")
+        assert r.recovery is None
+
+
+def test_goal_uses_answer_in_output_and_reports_exact_match_beside_it():
+    exact = {s: 0 for s in SCORES} | {"baseline": 2}
+    goal = fake_report(SCORES, exact=exact).goals[0]
+    assert goal.passed is True
+    assert "exact match 0.0%, recovers 0%" in goal.detail
+    no_exact_gap = fake_report(SCORES, exact={s: 0 for s in SCORES}).goals[0]
+    assert "exact match 0.0%, no gap" in no_exact_gap.detail
+
+
+def test_goal_without_dependent_items_or_cost_is_not_measured():
+    assert fake_report(SCORES, kinds=("single",)).goals[0].passed is None
+    report = fake_report(SCORES)
+    report.cost = None
+    assert "--cost-tokens 0" in accuracy.recovery_goal(report).detail
+
+
+def test_tables_show_recovery_and_cost_verdicts():
+    speed = {s: 50.0 for s in SCORES} | {"cached+deviation:0.15": 4.0}
+    report = fake_report(SCORES, speed=speed)
+    rows = {r["setting"]: r for r in accuracy.recovery_table(report)}
+    assert set(rows) == {s for s in SCORES if "+" in s}
+    assert rows["cached+first:4"]["dependent"] == "70.0% +75% (+75%)"
+    cost = {r["setting"]: r for r in accuracy.cost_table(report.cost)}
+    assert cost["cached+first:4"][">= 10x"] == "PASS"
+    assert cost["cached+deviation:0.15"][">= 10x"] == "FAIL"
+    assert cost["cached+deviation:0.15"]["baseline / setting"] == 4.0
+    titles = [s.title for s in accuracy.sections(report)]
+    assert "Recompute cost at ~6,012 tokens" in titles and "Goal (issue 8)" in titles
+    table = accuracy.accuracy_table(report)
+    assert [r["setting"] for r in table] == list(SCORES)
+    assert table[2]["recomputed"] == 4
+
+
+def test_plot_writes_a_png(tmp_path):
+    path = accuracy.plot(fake_report(SCORES), tmp_path / "accuracy.png", " (test)")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = fake_report(SCORES)
+    report.cost = None
+    with pytest.raises(ValueError):
+        accuracy.plot(report, tmp_path / "none.png")
+
+
+# --- option parsing -----------------------------------------------------------------------
+
+def test_recompute_option_parses_lists_and_none():
+    from promptlang.runtime.bench import cli
+
+    assert cli._recompute_list("first:4, deviation:15%,first:4") == ("first:4", "deviation:0.15")
+    assert cli._recompute_list("none") == ()
+    assert cli._DEFAULT_RECOMPUTE == ",".join(accuracy.DEFAULT_RECOMPUTE)
+    for bad in ("first:x", "deviation:2", "sometimes:3", ",", "none,first:0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli._recompute_list(bad)
+    args = argparse.Namespace(quick=True, recompute=("first:8",), cost_tokens=0)
+    options = cli._accuracy_options(args)
+    assert options.recompute == ("first:8",) and options.cost_tokens == 0
+    assert options.items_per_kind == accuracy.AccuracyOptions.quick().items_per_kind
+
+
+@pytest.mark.parametrize("spec, message", [("first:x", "K must be a whole number"),
+                                           ("deviation:1.5", "between 0 and 1"),
+                                           ("rerun:3", "expected none, first:K")])
+def test_bad_recompute_spec_is_a_usage_error(spec, message, capsys):
+    assert main(["bench", "accuracy", "--recompute", spec]) == 2
+    err = capsys.readouterr().err
+    assert "--recompute" in err and message in err
+
+
+def test_command_line_keeps_zero_none_and_negated_options():
+    from promptlang.runtime.bench import cli
+
+    args = argparse.Namespace(bench="accuracy", quick=False, out="bench-out", cost_tokens=0,
+                              recompute=("first:4", "deviation:0.15"), func=print,
+                              scaffold=None, recompute_rules=("cached",))
+    assert cli.command_line(args) == ("promptlang bench accuracy --cost-tokens 0 --recompute "
+                                      "first:4,deviation:0.15 --recompute-rules cached")
+    args.scaffold, args.recompute = False, ()
+    assert cli.command_line(args) == ("promptlang bench accuracy --cost-tokens 0 --recompute "
+                                      "none --recompute-rules cached --no-scaffold")
+
+
+def test_rules_and_scaffold_options_choose_the_settings():
+    from promptlang.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "accuracy", "--recompute", "first:16",
+                                      "--recompute-rules", "cached", "--no-scaffold"])
+    from promptlang.runtime.bench import cli
+
+    options = cli._accuracy_options(args)
+    assert options.settings == ("baseline", "cached", "cached+first:16", "isolate")
+    assert accuracy.AccuracyOptions(recompute=()).settings == accuracy.BASE_SETTINGS
+    with pytest.raises(ValueError):
+        accuracy.settings(["first:4"], ["joint"])
+
+
+# --- on a model: draft-verified greedy decoding, a quick run ------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    """A randomly initialised 2-layer Llama with the default model's tokenizer."""
+    import torch
+    import transformers
+
+    from promptlang.hf_tokenizer import load_tokenizer
+    from promptlang.runtime.engine import LLM
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=1024)
+    return LLM.from_model(transformers.LlamaForCausalLM(config).eval(), load_tokenizer())
+
+
+@pytest.mark.parametrize("setting", ["baseline", "cached", "cached+first:3",
+                                     "isolate+deviation:0.3", "scaffold"])
+def test_greedy_answer_matches_generate_with_any_drafts(tiny_llm, setting):
+    item = qa.generate(1, seed=5, kind="dependent", docs_per_item=3, doc_words=15)[0]
+    llms = accuracy._rule_llms(tiny_llm, 64 << 20)
+    llm, prompt, schema, baseline, spec = accuracy._requests(item, llms, [setting])[setting]
+    want = llm.generate(prompt, schema=schema, baseline=baseline, recompute=spec,
+                        max_new_tokens=12)
+    ids = want.token_ids
+    drafts = [[], [ids[0], ids[1] + 1, *ids[2:]], ids[:5] + [7, 8, 9], ids, ids + [1, 2]]
+    for tried in ([], drafts, drafts[::-1]):
+        got = accuracy.greedy_answer(llm, prompt, schema, baseline=baseline, recompute=spec,
+                                     max_new_tokens=12, drafts=tried)
+        assert (got.text, got.token_ids, got.finish_reason) == \
+            (want.text, want.token_ids, want.finish_reason)
+        assert got.recomputed == want.recomputed_tokens
+    assert got.passes <= 2        # the right draft first: one pass (plus one at a mismatch)
+
+
+def test_accuracy_on_a_tiny_model_runs_every_setting_and_the_cost(tiny_llm):
+    options = accuracy.AccuracyOptions.quick()
+    report = accuracy.run_accuracy(tiny_llm, options, progress=False)
+    names = options.settings
+    assert "cached+first:2" in names and "isolate+deviation:0.2" in names
+    assert {(s.setting, s.kind) for s in report.scores} == \
+        {(n, k) for n in names for k in (*options.kinds, "all")}
+    for result in report.results:
+        assert list(result.answers) == list(names)
+        assert result.answers["cached+first:2"].recomputed > 0
+        assert result.answers["cached"].recomputed == 0
+        assert result.answers["scaffold"].same_as_baseline in (True, False)
+    cost = report.cost
+    assert [p.setting for p in cost.points] == list(names[1:])
+    assert cost.point("cached+first:2").recomputed > 0
+    assert all(len(p.seconds) == options.cost_repeats for p in cost.points)
+    assert abs(cost.prompt_tokens - options.cost_tokens) <= 0.2 * options.cost_tokens
+    assert len(report.goals) == 1 and report.goals[0].name == accuracy.GOAL_NAME
+
+
+def test_lookup_draft_continues_the_latest_match_of_the_longest_suffix():
+    context = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3]
+    assert accuracy.lookup_draft(context, [4, 6, 7], 2) == [2, 3]       # latest 6 7
+    assert accuracy.lookup_draft(context, [5, 6, 7], 3) == [8, 9, 1]    # 5 6 7 beats 6 7
+    assert accuracy.lookup_draft(context, [0, 9], 8) == [1, 6, 7, 2, 3]
+    assert accuracy.lookup_draft(context, [4], 2) == []
+    assert accuracy.lookup_draft(context, [3], 2) == []                 # nothing follows
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, tiny_llm):
+    """tiny_llm's model saved as a local transformers folder (what --model PATH takes)."""
+    import shutil
+
+    from promptlang import default_model
+
+    folder = tmp_path_factory.mktemp("tiny")
+    tiny_llm.adapter.model.save_pretrained(folder)
+    for path in default_model.default_tokenizer_dir().iterdir():
+        if path.is_file() and path.name != "config.json":     # keep the tiny config
+            shutil.copy(path, folder / path.name)
+    return folder
+
+
+def test_workers_give_the_same_answers_as_one_process(tiny_model_dir):
+    from promptlang.runtime import engine
+
+    llm = engine.load(str(tiny_model_dir))
+    options = accuracy.AccuracyOptions(items_per_kind=2, kinds=("dependent",), docs_per_item=2,
+                                       doc_words=10, max_new_tokens=5, recompute=("first:2",),
+                                       cost_tokens=0)
+    one = accuracy.run_accuracy(llm, options, progress=False)
+    two = accuracy.run_accuracy(llm, options, progress=False, workers=2,
+                                model_source=str(tiny_model_dir), worker_threads=1)
+    assert two.workers == 2 and one.workers == 1
+    assert [r.item.id for r in two.results] == [r.item.id for r in one.results]
+    for a, b in zip(one.results, two.results):
+        assert {s: x.token_ids for s, x in a.answers.items()} == \
+            {s: x.token_ids for s, x in b.answers.items()}
+    assert "worker processes" in accuracy.sections(two)[0].lines[-1]
