@@ -92,14 +92,16 @@ def register(subparsers: Any) -> None:
                           help="timed warm requests per setting in the cost section (default 3)")
 
     for name, parents, func, short, text in (
-            ("latency", [common, latency], _latency, "time to first token, baseline vs cached",
+            ("latency", [common, latency], _one(_run_latency),
+             "time to first token, baseline vs cached",
              "Time to first token, baseline against cached, over prompt length, with "
              "modules in the device, host and disk tiers; encode cost, break-even, the "
              "machine's floor, the decode comparison and the latency goals."),
-            ("memory", [common], _memory, "KV bytes per token",
+            ("memory", [common], _one(_run_memory), "KV bytes per token",
              "KV bytes per token: the model's, its store's in 32 and 16 bits, and a table "
              "of well-known models' shapes."),
-            ("accuracy", [common, accuracy], _accuracy, "exact match with and without caching",
+            ("accuracy", [common, accuracy], _one(_run_accuracy),
+             "exact match with and without caching",
              "Exact match and answer-in-output on synthetic multi-document QA: baseline, "
              "cached (guaranteed context), cached (isolate), scaffold, and both cached "
              "rules with each --recompute policy; agreement with the baseline; the TTFT of "
@@ -347,28 +349,15 @@ def _header(run: _Run) -> list[str]:
     return lines
 
 
-def _latency(args: argparse.Namespace) -> int:
-    with _Run(args) as run:
-        _header(run)
-        _run_latency(run)
-        _done(run)
-    return 0
-
-
-def _memory(args: argparse.Namespace) -> int:
-    with _Run(args) as run:
-        _header(run)
-        _run_memory(run)
-        _done(run)
-    return 0
-
-
-def _accuracy(args: argparse.Namespace) -> int:
-    with _Run(args) as run:
-        _header(run)
-        _run_accuracy(run)
-        _done(run)
-    return 0
+def _one(bench: Callable[[_Run], Any]) -> Callable[[argparse.Namespace], int]:
+    """The command that runs one benchmark: header, the benchmark, the files written."""
+    def command(args: argparse.Namespace) -> int:
+        with _Run(args) as run:
+            _header(run)
+            bench(run)
+            _done(run)
+        return 0
+    return command
 
 
 def _all(args: argparse.Namespace) -> int:

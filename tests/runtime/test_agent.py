@@ -7,13 +7,12 @@ assert the structure of the run, never the model's wording."""
 from __future__ import annotations
 
 import pytest
-import torch
-import transformers
 
 from promptlang.errors import PromptLangError
 from promptlang.runtime.agent import Agent, AgentStep, Tool, parse_step, tool
 from promptlang.runtime.engine import LLM
 from promptlang.tokenizer import WordTokenizer
+from .tiny import tiny_llama
 
 VOCAB = 1000
 
@@ -25,11 +24,7 @@ class Words(WordTokenizer):
 
 @pytest.fixture(scope="module")
 def llm():
-    torch.manual_seed(3)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=1024)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = tiny_llama(3, VOCAB, max_positions=1024, sharp=False)
     return LLM.from_model(model, Words(VOCAB, bos=True))
 
 

@@ -7,13 +7,12 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-import torch
-import transformers
 
 from promptlang.pml.parser import parse_prompt, parse_schema
 from promptlang.runtime.engine import LLM
 from promptlang.runtime.store import CacheWarning, ModuleStore
 from promptlang.tokenizer import WordTokenizer
+from .tiny import tiny_llama
 
 VOCAB = 1000
 
@@ -46,16 +45,7 @@ UNITS = 7   # root, intro, guide, chapter, short, long, appendix
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(7)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=512)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.1)
-    return model
+    return tiny_llama(7, VOCAB)
 
 
 def make_llm(model, disk_dir, **store_args) -> LLM:

@@ -22,22 +22,14 @@ from promptlang.runtime.engine import LLM
 from promptlang.runtime.model import Past, RopeAdapter, adapt, causal_allowed
 from promptlang.runtime.store import ModuleStore
 from promptlang.tokenizer import WordTokenizer
+from .tiny import tiny_llama
 
 TOL = 1e-4
 VOCAB = 1000
 
 
 def llama(kv_heads: int = 2, layers: int = 3) -> torch.nn.Module:
-    torch.manual_seed(11)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=layers, num_attention_heads=4,
-                                      num_key_value_heads=kv_heads, max_position_embeddings=512)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.1)
-    return model
+    return tiny_llama(11, VOCAB, layers=layers, kv_heads=kv_heads)
 
 
 def reference_attention(query, key, value, allowed: torch.Tensor) -> torch.Tensor:

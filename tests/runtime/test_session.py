@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from promptlang.errors import PromptLangError, RoleError
 from promptlang.runtime.engine import LLM
 from promptlang.tokenizer import WordTokenizer
+from .tiny import tiny_llama
 
 VOCAB = 1000
 TOL = 1e-4
@@ -45,16 +45,7 @@ class Words(WordTokenizer):
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(11)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=512)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.1)
-    return model
+    return tiny_llama(11, VOCAB)
 
 
 @pytest.fixture
