@@ -247,7 +247,8 @@ class _Run:
                 f"({m['logical_cores']} logical), torch threads {m['torch_threads']}",
                 f"measured in this run: float32 matmul {m['matmul_gflops']} GFLOP/s, "
                 f"memory copy {m['copy_gb_per_s']} GB/s (read + write)",
-                f"python {m['python']}, torch {m['torch']}, transformers {m['transformers']}"]
+                f"python {m['python']}, torch {m['torch']}, transformers {m['transformers']}",
+                f"CPU kernels: {m['kernels']}"]
 
     def write(self, name: str, writer: Callable[[Path], Any]) -> Path:
         path = self.out / name

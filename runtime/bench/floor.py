@@ -131,4 +131,16 @@ def machine_facts(machine: Machine) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "kernels": _kernels(),
     }
+
+
+def _kernels() -> str:
+    """Which kernels the runtime's CPU passes take in this process."""
+    from promptlang.runtime import native
+
+    if not native.enabled():
+        return "PyTorch's (PROMPTLANG_NATIVE=0)"
+    if not native.available():
+        return "PyTorch's (runtime/kernels.c unavailable here)"
+    return "runtime/kernels.c (AVX2) for small linears and unmasked attention, else PyTorch's"

@@ -50,6 +50,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from promptlang.pml import nodes
+from promptlang.runtime import native
 from promptlang.runtime.bench import floor, qa
 from promptlang.runtime.bench.report import Goal, Progress, Section, fit_exponent, plot_ttft
 from promptlang.runtime.bench.shapes import shape_from_config
@@ -92,6 +93,7 @@ class Point:
     baseline: list[float] = field(default_factory=list)
     device: list[float] = field(default_factory=list)
     held: list[float] = field(default_factory=list)
+    device_torch: list[float] = field(default_factory=list)   # device tier, PyTorch's kernels
     host: list[float] = field(default_factory=list)
     disk: list[float] = field(default_factory=list)
     flops: float = 0.0           # of the cached request's uncached tokens
@@ -138,6 +140,9 @@ class Point:
                    floor_compute_s=self.floor_compute, floor_memory_s=self.floor_memory,
                    device_x_floor=self.median("device") / self.floor,
                    break_even_requests=self.break_even, flops_uncached=self.flops)
+        if self.device_torch:
+            row.update(device_torch_s=self.median("device_torch"),
+                       device_torch_min_s=self.best("device_torch"))
         return row
 
 
@@ -233,7 +238,8 @@ def run_latency(llm: LLM, options: LatencyOptions = LatencyOptions(), *,
             skipped.append(length)
     goal = goal if goal in {c.length for c in cases} else None
     steps = len(cases) * (options.baseline_repeats + 1 + 4 * options.repeats) + \
-        (2 * options.decode_repeats + 2 if goal is not None else 0)
+        ((2 * options.decode_repeats + 2 + options.repeats * native.available())
+         if goal is not None else 0)
 
     points, decode_result = [], None
     with tempfile.TemporaryDirectory(prefix=".kv-latency-", dir=workdir) as folder, \
@@ -243,7 +249,7 @@ def run_latency(llm: LLM, options: LatencyOptions = LatencyOptions(), *,
         for case in cases:
             stores = _Stores(llm, Path(folder))
             try:
-                point = _measure(stores, case, options, bar)
+                point = _measure(stores, case, options, bar, goal)
                 points.append(point)
                 bar.write(f"latency: {point.cached_tokens:,} cached tokens: baseline "
                           f"{point.median('baseline'):.3f} s, cached "
@@ -331,7 +337,8 @@ def _ttft(llm: LLM, prompt, **options) -> float:
     return llm.generate(prompt, max_new_tokens=1, **options).timings.first_token
 
 
-def _measure(stores: _Stores, case: _Case, options: LatencyOptions, bar: Progress) -> Point:
+def _measure(stores: _Stores, case: _Case, options: LatencyOptions, bar: Progress,
+             goal: int | None = None) -> Point:
     memory, tiered = stores.memory, stores.tiered
     tokenizer = memory.tokenizer
     prompt, no_doc = case.prompt, case.no_doc
@@ -372,6 +379,12 @@ def _measure(stores: _Stores, case: _Case, options: LatencyOptions, bar: Progres
         copies += copied() - mark
         step("device")
     point.checks["device_copied_tokens"] = copies / options.repeats
+    if case.length == goal and native.available():
+        with native.disabled():           # the same requests without runtime/kernels.c
+            for _ in range(options.repeats):
+                _ttft(memory, no_doc)
+                point.device_torch.append(_ttft(memory, prompt))
+                step("device, PyTorch kernels")
 
     began = time.perf_counter()           # write every unit to the tiered store's disk
     for entry in memory.store.entries():
@@ -598,6 +611,18 @@ def sections(report: LatencyReport) -> list[Section]:
                "min ms": p.best("device") * 1e3,
                "cached / floor": round(p.median("device") / p.floor, 2)} for p in points]
     m = report.machine
+    floor_lines = [f"floor = max(FLOPs / {m['matmul_gflops']} GFLOP/s, (weights "
+                   f"{report.weight_bytes / 2**20:,.0f} MiB + cached KV) / "
+                   f"{m['copy_gb_per_s']} GB/s), the better of two measurements in this run "
+                   f"(before and after the requests)"]
+    for p in points:
+        if p.device_torch:
+            ours, torch_only = p.median("device"), p.median("device_torch")
+            floor_lines.append(
+                f"at {p.cached_tokens:,} cached tokens, the same device-tier requests on "
+                f"PyTorch's kernels alone (runtime/kernels.c off): {torch_only * 1e3:.1f} ms "
+                f"(min {p.best('device_torch') * 1e3:.1f}) = {torch_only / p.floor:.2f}x the "
+                f"floor; with the kernels {ours * 1e3:.1f} ms, {torch_only / ours:.2f}x faster")
     k_cached, k_baseline, span = exponents(points)
     lines = [f"{o.repeats} timed requests per cached tier (median shown), "
              f"{o.baseline_repeats} per baseline; seconds; model {report.model}",
@@ -615,11 +640,7 @@ def sections(report: LatencyReport) -> list[Section]:
                    ["break-even requests: the smallest n with encode + n x cached <= "
                     "n x baseline, i.e. ceil(encode / (baseline - cached)); the request that "
                     "pays for the encoding counts as one of the n"]),
-           Section("Cached TTFT against the floor", floors,
-                   [f"floor = max(FLOPs / {m['matmul_gflops']} GFLOP/s, (weights "
-                    f"{report.weight_bytes / 2**20:,.0f} MiB + cached KV) / "
-                    f"{m['copy_gb_per_s']} GB/s), the better of two measurements in this run "
-                    f"(before and after the requests)"],
+           Section("Cached TTFT against the floor", floors, floor_lines,
                    float_format="{:.4g}"),
            Section("Growth with length", (), fit)]
     d = report.decode
