@@ -454,7 +454,8 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     out = None
     if (attention_mask is None and b == 1 and q <= NATIVE_ATTENTION_MAX_QUERIES and not dropout
             and query.device.type == "cpu" and native.enabled()):   # the common cached case
-        out = _native_attention(module.layer_idx, shared, query, key, value, scaling)
+        out = _native_attention(getattr(module, "layer_idx", None), shared, query, key, value,
+                                scaling)
     if out is not None:
         pass                                     # pl_attend served it
     elif shared:                                 # past slots read in place from stored units
@@ -488,7 +489,8 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
 NATIVE_ATTENTION_MAX_QUERIES = 64
 
 
-def _native_attention(layer: int, shared, query, key, value, scaling) -> torch.Tensor | None:
+def _native_attention(layer: int | None, shared, query, key, value,
+                      scaling) -> torch.Tensor | None:
     """pl_attend over every past key (from the buffer or read in place from stored units)
     and causally over the new ones; [1, H_kv, G*Q, D], or None where it does not apply."""
     # query: [1, H, Q, D]; key, value: [1, H_kv, K, D], new tokens last

@@ -20,3 +20,18 @@ def default_tokenizer():
 def wordtok() -> WordTokenizer:
     """The deterministic one-token-per-word tokenizer."""
     return WordTokenizer()
+
+
+@pytest.fixture(params=["native", "pytorch"])
+def kernels(request):
+    """Runs a test twice: with the runtime's CPU kernels (runtime/kernels.c; skipped where
+    they cannot be built) and with PyTorch's kernels alone (the path of every other machine)."""
+    from promptlang.runtime import native
+
+    if request.param == "native":
+        if not native.available():
+            pytest.skip("CPU kernels unavailable here")
+        yield "native"
+    else:
+        with native.disabled():
+            yield "pytorch"

@@ -123,7 +123,7 @@ def assert_matches_oracle(llm: LLM, prompt: str, isolate: bool) -> None:
 @pytest.mark.parametrize("isolate", [False, True], ids=["guaranteed", "isolate"])
 @pytest.mark.parametrize("case", list(PROMPTS))
 @pytest.mark.parametrize("kind", ARCHITECTURES)
-def test_cached_prefill_equals_one_masked_pass(models, tmp_path, kind, case, isolate):
+def test_cached_prefill_equals_one_masked_pass(models, tmp_path, kind, case, isolate, kernels):
     llm = make_llm(models[kind], tmp_path, isolate=isolate)
     assert_matches_oracle(llm, PROMPTS[case], isolate)
 
@@ -265,7 +265,7 @@ def test_default_model_greedy_tokens_equal_baseline_for_a_scaffold_like_prefix(d
     assert cached.text
 
 
-def test_default_model_matches_the_oracle(default_llm):
+def test_default_model_matches_the_oracle(default_llm, kernels):
     llm = default_llm
     llm.add_schema(DEFAULT_SCHEMA)
     prompt = '<prompt schema="facts"><cats/><dogs/>Which animal plays?</user><assistant></prompt>'
