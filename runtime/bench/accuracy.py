@@ -13,6 +13,8 @@ greedily under every setting, each document a module of its own:
                  tokens of every non-root unit (EPIC), "deviation:F" the fraction F of the
                  candidate tokens whose layer-1 KV deviates most from a full pass (in the
                  spirit of CacheBlend)
+  cached-bf16    cached, from a bfloat16 store (half the KV bytes; widened to float32 when
+                 a request assembles them): what the 16-bit store costs in answers
   isolate        the paper's rule: a document attends only to itself
   isolate+SPEC   isolated documents with SPEC applied
   scaffold       the item's documents in one scaffold, encoded jointly (full attention among
@@ -20,7 +22,7 @@ greedily under every setting, each document a module of its own:
 
 The specs come from `AccuracyOptions.recompute` (`--recompute`), the rules they apply to
 from `recompute_rules` (`--recompute-rules`); `scaffold=False` (`--no-scaffold`) leaves the
-scaffold setting out. Every setting of one rule reads the same module encodings (one store
+scaffold setting out and `store16=False` (`--no-bf16`) the cached-bf16 one. Every setting of one rule reads the same module encodings (one store
 per rule), so a recompute setting costs only its own per-request work. The explicit "none"
 for cached/isolate/scaffold keeps them free of any default policy of the LLM or schema.
 `run_accuracy(..., workers=N)` (`--workers`) shares the items among N processes.
@@ -78,6 +80,7 @@ SETTINGS = BASE_SETTINGS                # the settings without recompute (see `s
 DESCRIPTIONS = {
     "baseline": "full prefill, no reuse",
     "cached": "modules, guaranteed context (default rule)",
+    "cached-bf16": "cached, from a bfloat16 store (half the KV bytes per token)",
     "isolate": "modules, isolated (the paper's rule)",
     "scaffold": "one scaffold per item (joint encoding)",
     "RULE+SPEC": "RULE's cached modules with recompute policy SPEC per request",
@@ -85,6 +88,7 @@ DESCRIPTIONS = {
 DEFAULT_RECOMPUTE = ("first:4", "first:16", "first:32", "deviation:0.15")
 QUICK_RECOMPUTE = ("first:2", "deviation:0.2")
 RECOMPUTE_RULES = ("cached", "isolate")    # the cached rules a policy is applied to
+STORE16 = "cached-bf16"       # the cached setting on a bfloat16 store
 STORE_BUDGET = 512 << 20      # bytes of KV each setting's store keeps (LRU past that)
 COST_STORE_BUDGET = 4 << 30   # the ~6k section's stores: every setting's units fit
 GOAL_KIND = "dependent"
@@ -107,9 +111,9 @@ def normalize_specs(specs: Sequence[str | Recompute]) -> tuple[str, ...]:
 
 
 def settings(recompute: Sequence[str] = (), rules: Sequence[str] = RECOMPUTE_RULES,
-             scaffold: bool = True) -> tuple[str, ...]:
-    """Every setting, in report order: baseline, cached, cached+SPEC..., isolate,
-    isolate+SPEC..., scaffold; RULE+SPEC only for the RULEs in `rules`."""
+             scaffold: bool = True, store16: bool = False) -> tuple[str, ...]:
+    """Every setting, in report order: baseline, cached, cached+SPEC..., [cached-bf16],
+    isolate, isolate+SPEC..., [scaffold]; RULE+SPEC only for the RULEs in `rules`."""
     specs = normalize_specs(recompute)
     unknown = set(rules) - set(RECOMPUTE_RULES)
     if unknown:
@@ -118,6 +122,8 @@ def settings(recompute: Sequence[str] = (), rules: Sequence[str] = RECOMPUTE_RUL
     names = ["baseline"]
     for rule in RECOMPUTE_RULES:
         names += [rule, *(f"{rule}+{s}" for s in specs if rule in rules)]
+        if rule == "cached" and store16:
+            names.append(STORE16)
     return tuple(names + ["scaffold"] * scaffold)
 
 
@@ -138,6 +144,7 @@ class AccuracyOptions:
     recompute: tuple[str, ...] = DEFAULT_RECOMPUTE   # policies; each adds RULE+SPEC settings
     recompute_rules: tuple[str, ...] = RECOMPUTE_RULES   # ... for these rules
     scaffold: bool = True            # the scaffold setting (the baseline's tokens, jointly)
+    store16: bool = True             # the cached-bf16 setting (cached, bfloat16 store)
     cost_tokens: int = 6000          # the recompute cost section's prompt (0: skip it)
     cost_docs: int = 4
     cost_repeats: int = 3            # warm cached requests per setting (median)
@@ -150,7 +157,7 @@ class AccuracyOptions:
 
     @property
     def settings(self) -> tuple[str, ...]:
-        return settings(self.recompute, self.recompute_rules, self.scaffold)
+        return settings(self.recompute, self.recompute_rules, self.scaffold, self.store16)
 
 
 @dataclass
@@ -303,13 +310,17 @@ def make_items(options: AccuracyOptions) -> list[qa.QAItem]:
 
 
 def _rule_llms(llm, budget: int) -> dict:
+    import torch
+
     from promptlang.runtime.engine import LLM
     from promptlang.runtime.store import ModuleStore
 
     device = llm.adapter.device
     return {rule: LLM(llm.adapter, llm.tokenizer,
-                      ModuleStore(device, budget, disk_budget_bytes=0), isolate=isolate)
-            for rule, isolate in (("context", False), ("isolate", True))}
+                      ModuleStore(device, budget, disk_budget_bytes=0, dtype=dtype),
+                      isolate=isolate)
+            for rule, isolate, dtype in (("context", False, None), ("isolate", True, None),
+                                         ("context16", False, torch.bfloat16))}
 
 
 def run_accuracy(llm, options: AccuracyOptions = AccuracyOptions(), *, model_name: str = "",
@@ -405,6 +416,8 @@ def _requests(item: qa.QAItem, llms: dict, names: Sequence[str]) -> dict[str, tu
             requests[name] = (llms["context"], prompt, schema, True, "none")
         elif rule == "scaffold":
             requests[name] = (llms["context"], joint_prompt, joint_schema, False, spec)
+        elif rule == STORE16:
+            requests[name] = (llms["context16"], prompt, schema, False, spec)
         elif rule in ("cached", "isolate"):
             requests[name] = (llms["context" if rule == "cached" else "isolate"], prompt,
                               schema, False, spec)
@@ -415,7 +428,7 @@ def _requests(item: qa.QAItem, llms: dict, names: Sequence[str]) -> dict[str, tu
 
 def _family(setting: str) -> str:
     rule = split_setting(setting)[0]
-    return "full" if rule in ("baseline", "scaffold") else rule
+    return {"baseline": "full", "scaffold": "full", STORE16: "cached"}.get(rule, rule)
 
 
 def _answer(item: qa.QAItem, llms: dict, options: AccuracyOptions, names: Sequence[str],
@@ -776,6 +789,27 @@ def cost_table(cost: CostReport) -> list[dict[str, Any]]:
     return rows
 
 
+def store16_effect(report: AccuracyReport) -> list[str]:
+    """cached-bf16 against cached: the same answers how often, and the rates side by side."""
+    both = [r for r in report.results if STORE16 in r.answers and "cached" in r.answers]
+    if not both:
+        return []
+    same = sum(r.answers[STORE16].token_ids == r.answers["cached"].token_ids for r in both)
+    lines = [f"{STORE16} gives the same greedy tokens as cached (float32 store) on {same}/"
+             f"{len(both)} items ({100 * same / len(both):.0f}%), at half the KV bytes per token"]
+    for kind in [*report.options.kinds, "all"]:
+        a, b = report.cell("cached", kind), report.cell(STORE16, kind)
+        if a is not None and b is not None and a.items:
+            lines.append(f"{kind}: answer in output {_pct(a.rate('found'))} (float32) vs "
+                         f"{_pct(b.rate('found'))} (bfloat16); exact match "
+                         f"{_pct(a.rate('correct'))} vs {_pct(b.rate('correct'))}")
+    if report.cost is not None and report.cost.ttft(STORE16) and report.cost.ttft("cached"):
+        lines.append(f"TTFT at ~{report.cost.prompt_tokens:,} tokens: "
+                     f"{report.cost.ttft('cached') * 1e3:.1f} ms (float32) vs "
+                     f"{report.cost.ttft(STORE16) * 1e3:.1f} ms (bfloat16, widened on assembly)")
+    return lines
+
+
 def sections(report: AccuracyReport) -> list[Section]:
     o = report.options
     words = "default lengths" if o.doc_words is None else f"{o.doc_words} words each"
@@ -796,6 +830,9 @@ def sections(report: AccuracyReport) -> list[Section]:
         Section("Same greedy output as the baseline", accuracy_table(report, "agree"),
                 ["identical generated token ids"]),
     ]
+    effect = store16_effect(report)
+    if effect:
+        parts.append(Section("A bfloat16 store against a float32 one", (), effect))
     if recompute_settings(report):
         parts.append(Section("Recompute: the cached-vs-baseline gap won back",
                              recovery_table(report), [

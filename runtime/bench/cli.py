@@ -6,7 +6,7 @@
     promptlang bench accuracy [--items N] [--kinds single,cross,...] [--docs-per-item D]
                               [--doc-words W] [--max-new-tokens N] [--seed S]
                               [--recompute SPEC,...] [--recompute-rules cached,isolate]
-                              [--no-scaffold] [--workers N] [--cost-tokens N] [--cost-repeats R]
+                              [--no-scaffold] [--no-bf16] [--workers N] [--cost-tokens N] [--cost-repeats R]
     promptlang bench all      (the three, one model load, one folder, one report.md)
 
 Every command takes --quick (tiny sizes, for tests), --out DIR (default bench-out/),
@@ -81,6 +81,8 @@ def register(subparsers: Any) -> None:
                                "context), isolate (default both)")
     accuracy.add_argument("--no-scaffold", dest="scaffold", action="store_false", default=None,
                           help="leave out the scaffold setting")
+    accuracy.add_argument("--no-bf16", dest="store16", action="store_false", default=None,
+                          help="leave out the cached-bf16 setting (cached, bfloat16 store)")
     accuracy.add_argument("--workers", type=_positive, metavar="N",
                           help="answer the items in N processes, each loading the model and "
                                "running --threads torch threads (default: this process's "
@@ -103,8 +105,9 @@ def register(subparsers: Any) -> None:
             ("accuracy", [common, accuracy], _one(_run_accuracy),
              "exact match with and without caching",
              "Exact match and answer-in-output on synthetic multi-document QA: baseline, "
-             "cached (guaranteed context), cached (isolate), scaffold, and both cached "
-             "rules with each --recompute policy; agreement with the baseline; the TTFT of "
+             "cached (guaranteed context), cached from a bfloat16 store, cached (isolate), "
+             "scaffold, and both cached rules with each --recompute policy; agreement with "
+             "the baseline; the TTFT of "
              "every setting at ~6k tokens, accuracy.png and the issue-8 goal."),
             ("all", [common, latency, accuracy], _all, "all three into one folder",
              "memory, latency and accuracy in one run (about 20 minutes on 2 cores at the "
@@ -282,6 +285,7 @@ def _accuracy_options(args):
         "items": "items_per_kind", "kinds": "kinds", "docs_per_item": "docs_per_item",
         "doc_words": "doc_words", "max_new_tokens": "max_new_tokens", "seed": "seed",
         "recompute": "recompute", "recompute_rules": "recompute_rules", "scaffold": "scaffold",
+        "store16": "store16",
         "cost_tokens": "cost_tokens", "cost_repeats": "cost_repeats"})
 
 
@@ -411,7 +415,7 @@ def _done(run: _Run) -> None:
     _say("wrote " + ", ".join(str(p) for p in run.written))
 
 
-_NEGATED = {"scaffold": "--no-scaffold"}     # store_false options: dest -> flag
+_NEGATED = {"scaffold": "--no-scaffold", "store16": "--no-bf16"}     # store_false options: dest -> flag
 
 
 def command_line(args: argparse.Namespace) -> str:

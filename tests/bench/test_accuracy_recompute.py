@@ -178,8 +178,13 @@ def test_rules_and_scaffold_options_choose_the_settings():
     from promptlang.runtime.bench import cli
 
     options = cli._accuracy_options(args)
-    assert options.settings == ("baseline", "cached", "cached+first:16", "isolate")
-    assert accuracy.AccuracyOptions(recompute=()).settings == accuracy.BASE_SETTINGS
+    assert options.settings == ("baseline", "cached", "cached+first:16", "cached-bf16",
+                                "isolate")
+    args = build_parser().parse_args(["bench", "accuracy", "--recompute", "none", "--no-bf16"])
+    assert cli._accuracy_options(args).settings == accuracy.BASE_SETTINGS
+    assert cli.command_line(args) == "promptlang bench accuracy --recompute none --no-bf16"
+    assert accuracy.AccuracyOptions(recompute=()).settings == \
+        ("baseline", "cached", "cached-bf16", "isolate", "scaffold")
     with pytest.raises(ValueError):
         accuracy.settings(["first:4"], ["joint"])
 
@@ -202,7 +207,7 @@ def tiny_llm():
     return LLM.from_model(transformers.LlamaForCausalLM(config).eval(), load_tokenizer())
 
 
-@pytest.mark.parametrize("setting", ["baseline", "cached", "cached+first:3",
+@pytest.mark.parametrize("setting", ["baseline", "cached", "cached+first:3", "cached-bf16",
                                      "isolate+deviation:0.3", "scaffold"])
 def test_greedy_answer_matches_generate_with_any_drafts(tiny_llm, setting):
     item = qa.generate(1, seed=5, kind="dependent", docs_per_item=3, doc_words=15)[0]
@@ -226,6 +231,7 @@ def test_accuracy_on_a_tiny_model_runs_every_setting_and_the_cost(tiny_llm):
     report = accuracy.run_accuracy(tiny_llm, options, progress=False)
     names = options.settings
     assert "cached+first:2" in names and "isolate+deviation:0.2" in names
+    assert "cached-bf16" in names
     assert {(s.setting, s.kind) for s in report.scores} == \
         {(n, k) for n in names for k in (*options.kinds, "all")}
     for result in report.results:
@@ -238,6 +244,12 @@ def test_accuracy_on_a_tiny_model_runs_every_setting_and_the_cost(tiny_llm):
     assert cost.point("cached+first:2").recomputed > 0
     assert all(len(p.seconds) == options.cost_repeats for p in cost.points)
     assert abs(cost.prompt_tokens - options.cost_tokens) <= 0.2 * options.cost_tokens
+    effect = accuracy.store16_effect(report)          # the 16-bit store's effect, reported
+    assert effect[0].startswith(f"cached-bf16 gives the same greedy tokens as cached (float32 "
+                                f"store) on ") and f"/{len(report.results)} items" in effect[0]
+    assert any(line.startswith("TTFT at ~") for line in effect)
+    assert any(s.title == "A bfloat16 store against a float32 one"
+               for s in accuracy.sections(report))
     assert len(report.goals) == 1 and report.goals[0].name == accuracy.GOAL_NAME
 
 

@@ -16,8 +16,8 @@ LATENCY_GOALS = {"cached TTFT <= 2x floor", "cached >= 100x faster than baseline
                  "decode per token <= 1.5x transformers generate"}
 MEMORY_GOAL = "a 16-bit store halves KV bytes per token"
 ACCURACY_GOAL = "recompute recovers >= half the cached-vs-baseline gap at >= 10x"
-QUICK_SETTINGS = ("baseline", "cached", "cached+first:2", "cached+deviation:0.2", "isolate",
-                  "isolate+first:2", "isolate+deviation:0.2", "scaffold")
+QUICK_SETTINGS = ("baseline", "cached", "cached+first:2", "cached+deviation:0.2", "cached-bf16",
+                  "isolate", "isolate+first:2", "isolate+deviation:0.2", "scaffold")
 
 
 def bench(capsys, *argv):
