@@ -402,16 +402,18 @@ def _use_native_linear(hf_model: torch.nn.Module, state: _ModelState) -> None:
 
 
 class _NativeLinear:
-    __slots__ = ("module", "state")
+    __slots__ = ("module", "state", "checked")
 
     def __init__(self, module: torch.nn.Linear, state: _ModelState):
-        self.module, self.state = module, state
+        self.module, self.state, self.checked = module, state, None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias
-        if (self.state.native and native.linear_fits(x, weight, NATIVE_LINEAR_MAX_ROWS)
-                and native.available()):
-            return native.linear(x, weight, bias)
+        if self.state.native and native.enabled():
+            if self.checked is None or self.checked[0] is not weight:   # once per weight
+                self.checked = (weight, native.weight_fits(weight, bias) and native.available())
+            if self.checked[1] and native.input_fits(x, weight.shape[1], NATIVE_LINEAR_MAX_ROWS):
+                return native.linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
 

@@ -39,12 +39,18 @@ _tried = False
 _P, _L = ctypes.c_void_p, ctypes.c_long
 
 
+def off_by_env(environ=os.environ) -> bool:
+    """Whether PROMPTLANG_NATIVE turns the kernels off (read once, when this module loads)."""
+    return environ.get("PROMPTLANG_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+_ENV_OFF = off_by_env()
 _off = 0                # depth of `disabled()` blocks
 
 
 def enabled() -> bool:
     """Whether the kernels may be used now (they may still fail to build)."""
-    return not _off and os.environ.get("PROMPTLANG_NATIVE", "1") not in ("0", "false", "no", "off")
+    return not _off and not _ENV_OFF
 
 
 @contextlib.contextmanager
@@ -116,25 +122,36 @@ def _build_and_load() -> ctypes.CDLL | None:
 
 # --- linear ---------------------------------------------------------------------------------------
 
+def weight_fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether pl_linear can read this nn.Linear weight (and bias) as they are."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] % 8 == 0 and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()
+                                  and bias.device.type == "cpu")))
+
+
+def input_fits(x: torch.Tensor, k: int, max_rows: int) -> bool:
+    """Whether `linear` serves x (its last dimension k) against a weight that fits."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == k
+            and 0 < x.numel() <= max_rows * k and not torch.is_grad_enabled())  # no autograd
+
+
 def linear_fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
     """Whether `linear` serves F.linear(x, weight): float32 CPU, at most `max_rows` rows."""
-    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.device.type == "cpu" and weight.dim() == 2 and x.dim() >= 1
-            and x.shape[-1] == weight.shape[1] and weight.shape[1] % 8 == 0
-            and 0 < x.numel() // max(1, weight.shape[1]) <= max_rows
-            and weight.is_contiguous() and not torch.is_grad_enabled())   # no autograd here
+    return weight_fits(weight, None) and x.dim() >= 1 and input_fits(x, weight.shape[1], max_rows)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias) by pl_linear; check `linear_fits` first."""
-    lib = _load()
-    k, n = weight.shape[1], weight.shape[0]
-    rows = x.reshape(-1, k).contiguous()
-    y = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
-    lib.pl_linear(rows.data_ptr(), rows.shape[0], k, weight.data_ptr(), n,
-                  None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    """F.linear(x, weight, bias) by pl_linear; check `linear_fits` (or `weight_fits` once and
+    `input_fits` per call) first."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    y = torch.empty(rows.shape[0], n)
+    (_lib or _load()).pl_linear(rows.data_ptr(), rows.shape[0], k, weight.data_ptr(), n,
+                                None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                torch.get_num_threads())
     return y.view(*x.shape[:-1], n)
 
 

@@ -35,3 +35,12 @@ def kernels(request):
     else:
         with native.disabled():
             yield "pytorch"
+
+
+@pytest.fixture
+def pytorch_kernels():
+    """The test runs on PyTorch's kernels alone (runtime/kernels.c off)."""
+    from promptlang.runtime import native
+
+    with native.disabled():
+        yield

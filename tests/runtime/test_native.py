@@ -146,14 +146,21 @@ def test_adapter_passes_take_the_kernels_and_match_pytorch(monkeypatch):
     assert calls["attend"] == 2 and calls["linear"] > 0      # one attention per layer
     fast = (step.logits.clone(), step.keys.clone(), step.values.clone())
 
-    monkeypatch.setenv("PROMPTLANG_NATIVE", "0")                # every kernel back to PyTorch
     calls.update(attend=0, linear=0)
-    step = adapter.forward(new_ids, torch.arange(40, 46), past, None,
-                           logits_rows=torch.arange(6))
+    with native.disabled():                                    # every kernel back to PyTorch
+        step = adapter.forward(new_ids, torch.arange(40, 46), past, None,
+                               logits_rows=torch.arange(6))
     assert calls == {"attend": 0, "linear": 0}
     torch.testing.assert_close(fast[0], step.logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fast[1], step.keys, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast[2], step.values, rtol=1e-5, atol=1e-5)
+
+
+def test_the_environment_variable_turns_the_kernels_off():
+    assert native.off_by_env({"PROMPTLANG_NATIVE": "0"})
+    assert native.off_by_env({"PROMPTLANG_NATIVE": " Off "})
+    assert not native.off_by_env({"PROMPTLANG_NATIVE": "1"})
+    assert not native.off_by_env({})
 
 
 def test_linears_are_plain_outside_the_adapter(monkeypatch):

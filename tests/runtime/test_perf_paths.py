@@ -79,9 +79,8 @@ def test_attention_equals_masked_softmax_reference(monkeypatch, kv_heads, case, 
     assert (out - expected).abs().max() < TOL
 
 
-def test_masks_are_built_once_per_forward_pass_not_per_layer(monkeypatch):
+def test_masks_are_built_once_per_forward_pass_not_per_layer(monkeypatch, pytorch_kernels):
     """On PyTorch's kernels (runtime/kernels.c takes the unmasked passes without any mask)."""
-    monkeypatch.setenv("PROMPTLANG_NATIVE", "0")
     adapter = adapt(llama(layers=3))
     builds = []
     for name, sizes in (("_additive", slice(1, 4)), ("_causal_mask", slice(0, 3))):
