@@ -172,3 +172,15 @@ def test_linears_are_plain_outside_the_adapter(monkeypatch):
     with torch.no_grad():
         hf(torch.randint(0, 97, (1, 5)))
     assert used == []
+
+
+def test_without_a_working_compiler_the_runtime_falls_back_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        assert native._build_and_load() is None
+    monkeypatch.setenv("CC", "false")                  # a compiler that fails
+    with pytest.warns(RuntimeWarning, match="could not build the CPU kernels"):
+        assert native._build_and_load() is None
+    assert not list((tmp_path / "native").glob("*.so"))
