@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from promptlang.runtime import model as model_mod
 from promptlang.runtime import native
 from promptlang.runtime.model import adapt
+from .tiny import tiny_llama
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="CPU kernels unavailable here")
 
@@ -107,19 +108,10 @@ def test_attend_fits_rejects_what_it_cannot_read():
     assert not native.attend_fits(torch.randn(2, 6, 12), [(torch.randn(2, 4, 12),) * 2 + (False,)])
 
 
-def _tiny_llama():
-    import transformers
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=256)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
 def test_adapter_passes_take_the_kernels_and_match_pytorch(monkeypatch):
     """A cached pass (past + causal new tokens) through the adapter takes pl_attend and
     pl_linear, and its logits and new KV equal the same pass on PyTorch's kernels."""
-    hf = _tiny_llama()
+    hf = tiny_llama(0, 97, max_positions=256)
     adapter = adapt(hf)
     calls = {"attend": 0, "linear": 0}
     real_attend, real_linear = native.attend, native.linear
@@ -165,7 +157,7 @@ def test_the_environment_variable_turns_the_kernels_off():
 
 def test_linears_are_plain_outside_the_adapter(monkeypatch):
     """transformers' own calls on a model the runtime wraps never take pl_linear."""
-    hf = _tiny_llama()
+    hf = tiny_llama(0, 97, max_positions=256)
     adapt(hf)
     used = []
     monkeypatch.setattr(native, "linear", lambda *a: used.append(1))
