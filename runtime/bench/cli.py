@@ -118,18 +118,20 @@ def register(subparsers: Any) -> None:
 
 # --- argument types ---------------------------------------------------------------------
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _at_least(minimum: int, name: str):
+    """An argparse type: an integer >= minimum (argparse names `name` in its own errors)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    parse.__name__ = name
+    return parse
 
 
-def _at_least_two(text: str) -> int:
-    value = int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"must be at least 2, got {value}")
-    return value
+_non_negative = _at_least(0, "non-negative integer")
+_positive = _at_least(1, "positive integer")
+_at_least_two = _at_least(2, "integer >= 2")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -140,13 +142,6 @@ def _int_list(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"need positive token counts, got {text!r}")
     return tuple(sorted(set(values)))
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
 
 
 def _recompute_list(text: str) -> tuple[str, ...]:
