@@ -497,14 +497,8 @@ def _native_attention(layer: int | None, shared, query, key, value,
     and causally over the new ones; [1, H_kv, G*Q, D], or None where it does not apply."""
     # query: [1, H, Q, D]; key, value: [1, H_kv, K, D], new tokens last
     q, k = query.shape[2], key.shape[2]
-    pieces, at = [], 0
-    for seg in sorted(shared or ()):
-        if seg.start > at:
-            pieces.append((key[0, :, at:seg.start], value[0, :, at:seg.start], False))
-        pieces.append((seg.keys[layer], seg.values[layer], False))
-        at = seg.end
-    if k - q > at:
-        pieces.append((key[0, :, at:k - q], value[0, :, at:k - q], False))
+    pieces = [(keys[0], values[0], False)
+              for _, _, keys, values in _pieces(layer, shared, key, value, k - q)]
     pieces.append((key[0, :, k - q:], value[0, :, k - q:], True))
     rows = _rows(query, key.shape[1])[0]
     if not native.attend_fits(rows, pieces) or not native.available():
@@ -541,23 +535,13 @@ def _with_shared(layer: int, shared, query, key, value, mask, scaling, kwargs) -
     q, k = query.shape[2], key.shape[2]
     groups = query.shape[1] // key.shape[1]
     rows = _rows(query, key.shape[1])
-    pieces, at = [], 0                           # (first slot, end slot, keys, values)
-    for seg in sorted(shared):
-        if seg.start > at:
-            pieces.append((at, seg.start, key[:, :, at:seg.start], value[:, :, at:seg.start]))
-        pieces.append((seg.start, seg.end, seg.keys[layer][None], seg.values[layer][None]))
-        at = seg.end
     if mask is None:                             # every past key visible, the new ones causal
-        if k - q > at:
-            pieces.append((at, k - q, key[:, :, at:k - q], value[:, :, at:k - q]))
         parts = [_FLASH_WITH_LSE(rows, keys, values, scale=scaling)
-                 for _, _, keys, values in pieces]
+                 for _, _, keys, values in _pieces(layer, shared, key, value, k - q)]
         parts.append(_new_block(query, key[:, :, k - q:], value[:, :, k - q:], scaling, kwargs))
         return _merge(parts)
-    if k > at:
-        pieces.append((at, k, key[:, :, at:], value[:, :, at:]))
     parts = []
-    for start, end, keys, values in pieces:
+    for start, end, keys, values in _pieces(layer, shared, key, value, k):
         piece_mask = _memo(kwargs, ("piece", id(mask), start, end, groups),
                            lambda: _additive(mask[..., start:end], groups, q, end - start,
                                              query.dtype, query.device))
@@ -566,6 +550,21 @@ def _with_shared(layer: int, shared, query, key, value, mask, scaling, kwargs) -
         seen = (piece_mask > float("-inf")).any(-1)                  # [B|1, 1, G*Q]
         parts.append((out, lse.masked_fill(~seen, float("-inf"))))
     return _merge(parts)
+
+
+def _pieces(layer: int | None, shared, key, value, end: int):
+    """Slots [0, end) as (first slot, end slot, keys, values) pieces in slot order: the
+    SharedKV runs read from their units' tensors, the slots between them from `key`/`value`
+    ([B, H_kv, K, D]); keys and values of every piece [B, H_kv, n, D]."""
+    pieces, at = [], 0
+    for seg in sorted(shared or ()):
+        if seg.start > at:
+            pieces.append((at, seg.start, key[:, :, at:seg.start], value[:, :, at:seg.start]))
+        pieces.append((seg.start, seg.end, seg.keys[layer][None], seg.values[layer][None]))
+        at = seg.end
+    if end > at:
+        pieces.append((at, end, key[:, :, at:end], value[:, :, at:end]))
+    return pieces
 
 
 def _rows(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
