@@ -155,17 +155,24 @@ static void dots(const float* a, long lda, long m, const float* b, long ldb, lon
 
 /* ---- linear: y[m][n] = x[m][k] . w[n][k]^T (+ bias[n]) ------------------------------------ */
 
+/* columns [j0, j1) of y (row stride ldy) = x[m][k] . w[n][k]^T (+ bias) */
+static void linear_cols(const float* x, long m, long k, const float* w, const float* bias,
+                        long j0, long j1, float* y, long ldy) {
+    dots(x, k, m, w + j0 * k, k, j1 - j0, k, y + j0, ldy);
+    if (bias)
+        for (long i = 0; i < m; i++)
+            for (long j = j0; j < j1; j++) y[i * ldy + j] += bias[j];
+}
+
+#define LIN_BLOCK 16      /* weight rows per task: 16 x k floats stay hot while every x row uses them */
+
 void pl_linear(const float* x, long m, long k, const float* w, long n, const float* bias,
                float* y, int threads) {
-    const long block = 16;                    /* weight rows per task: 16 x k floats stay hot */
-    long tasks = (n + block - 1) / block;
+    long tasks = (n + LIN_BLOCK - 1) / LIN_BLOCK;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long t = 0; t < tasks; t++) {
-        long j0 = t * block, j1 = j0 + block < n ? j0 + block : n;
-        dots(x, k, m, w + j0 * k, k, j1 - j0, k, y + j0, n);
-        if (bias)
-            for (long i = 0; i < m; i++)
-                for (long j = j0; j < j1; j++) y[i * n + j] += bias[j];
+        long j0 = t * LIN_BLOCK, j1 = j0 + LIN_BLOCK < n ? j0 + LIN_BLOCK : n;
+        linear_cols(x, m, k, w, bias, j0, j1, y, n);
     }
 }
 
@@ -330,6 +337,91 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
     }
 }
 
+typedef struct {           /* how the attention of one layer is cut into tasks */
+    long heads, rows, d, qlen, total, rblocks, per_rows, units, splits, span, tasks;
+} Plan;
+
+/* Tasks of (KV head, block of at most MAXR rows, range of whole key blocks): enough for every
+ * thread to have two. Returns the floats a task's Partial needs times the task count. */
+static long attend_plan(Plan* p, long heads, long rows, long d, long total, long qlen,
+                        int threads) {
+    p->heads = heads; p->rows = rows; p->d = d; p->qlen = qlen; p->total = total;
+    p->rblocks = (rows + MAXR - 1) / MAXR;
+    p->per_rows = (rows + p->rblocks - 1) / p->rblocks;
+    p->units = heads * p->rblocks;
+    long splits = (2 * threads + p->units - 1) / p->units;
+    if (splits < 1) splits = 1;
+    if (splits > 64) splits = 64;
+    long span = (total + splits - 1) / splits;
+    span = (span + BK - 1) / BK * BK;
+    if (span < BK) span = BK;
+    splits = (total + span - 1) / span;
+    p->splits = splits < 1 ? 1 : splits;
+    p->span = span;
+    p->tasks = p->units * p->splits;
+    return p->tasks * p->per_rows * (d + 2);
+}
+
+static void attend_partials(const Plan* p, float* space, Partial* parts) {
+    for (long t = 0; t < p->tasks; t++) {
+        float* at = space + t * p->per_rows * (p->d + 2);
+        parts[t].m = at; parts[t].l = at + p->per_rows; parts[t].acc = at + 2 * p->per_rows;
+    }
+}
+
+/* Every task of the plan (a worksharing loop: call from every thread of a parallel region, or
+ * from outside one). qs: [heads][rows][d] pre-scaled rows; segment g of head h starts at
+ * keys[g] + h * kstride[g]. Ends with a barrier. */
+static void attend_tasks(const Plan* p, const float* qs, long nseg, const float* const* keys,
+                         const long* kstride, const float* const* values, const long* vstride,
+                         const long* lens, const int* causal, Partial* parts) {
+    #pragma omp for schedule(dynamic, 1)
+    for (long t = 0; t < p->tasks; t++) {
+        long u = t / p->splits, sp = t % p->splits, h = u / p->rblocks, rb = u % p->rblocks;
+        long r0 = rb * p->per_rows, r1 = r0 + p->per_rows < p->rows ? r0 + p->per_rows : p->rows;
+        const float* kh[64]; const float* vh[64];
+        for (long g = 0; g < nseg; g++) { kh[g] = keys[g] + h * kstride[g]; vh[g] = values[g] + h * vstride[g]; }
+        long a = sp * p->span, b = a + p->span < p->total ? a + p->span : p->total;
+        attend_part(qs + (h * p->rows + r0) * p->d, r0, r1 - r0, p->d, nseg, kh, vh, lens, causal,
+                    p->qlen, a, b, parts + t);
+    }
+}
+
+/* Merge each row's key ranges (a worksharing loop, ends with a barrier). Row r of KV head h,
+ * i.e. query head h * G + r / qlen and token r % qlen, goes to
+ * out + h * hstride + (r / qlen) * gstride + (r % qlen) * tstride. lse: NULL or [heads][rows]. */
+static void attend_merge(const Plan* p, const Partial* parts, float* out, long hstride,
+                         long gstride, long tstride, float* lse) {
+    long d = p->d, splits = p->splits;
+    #pragma omp for schedule(static)
+    for (long u = 0; u < p->units; u++) {
+        long h = u / p->rblocks, rb = u % p->rblocks;
+        long r0 = rb * p->per_rows, r1 = r0 + p->per_rows < p->rows ? r0 + p->per_rows : p->rows;
+        for (long r = 0; r < r1 - r0; r++) {
+            float mx = -INFINITY;
+            for (long sp = 0; sp < splits; sp++) {
+                float mm = parts[u * splits + sp].m[r];
+                mx = mm > mx ? mm : mx;
+            }
+            float lsum = 0.f, w[64];          /* splits <= 64 */
+            for (long sp = 0; sp < splits; sp++) {
+                const Partial* q = parts + u * splits + sp;
+                w[sp] = q->l[r] > 0.f ? expf(q->m[r] - mx) : 0.f;
+                lsum += q->l[r] * w[sp];
+            }
+            long row = r0 + r;
+            float* o = out + h * hstride + (row / p->qlen) * gstride + (row % p->qlen) * tstride;
+            float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+            for (long c = 0; c < d; c++) {
+                float v = 0.f;
+                for (long sp = 0; sp < splits; sp++) v += parts[u * splits + sp].acc[r * d + c] * w[sp];
+                o[c] = v * inv;
+            }
+            if (lse) lse[h * p->rows + row] = lsum > 0.f ? mx + logf(lsum) : -INFINITY;
+        }
+    }
+}
+
 /* Attention of `rows` packed query rows per KV head (q, out: [heads][rows][d]) over segments of
  * keys/values; segment g of head h starts at keys[g] + h * kstride[g] (rows of d floats).
  * A causal segment holds the request's qlen new tokens: row r sees its keys j <= r % qlen.
@@ -342,65 +434,175 @@ int pl_attend(const float* q, long heads, long rows, long d, float scale, long n
     if (d % 8 || d > MAXD || nseg > 64 || heads <= 0 || rows <= 0) return -1;
     long total = 0;
     for (long g = 0; g < nseg; g++) total += lens[g];
-    long rblocks = (rows + MAXR - 1) / MAXR;
-    long per_rows = (rows + rblocks - 1) / rblocks;
-    /* key ranges per (head, row block): enough tasks for every thread, ranges of whole blocks */
-    long units = heads * rblocks;
-    long splits = (2 * threads + units - 1) / units;
-    if (splits < 1) splits = 1;
-    if (splits > 64) splits = 64;
-    long span = (total + splits - 1) / splits;
-    span = (span + BK - 1) / BK * BK;
-    if (span < BK) span = BK;
-    splits = (total + span - 1) / span;
-    if (splits < 1) splits = 1;
-    long tasks = units * splits;
-    Partial* parts = (Partial*)malloc(sizeof(Partial) * tasks);
-    float* space = (float*)malloc(sizeof(float) * tasks * per_rows * (d + 2));
+    Plan plan;
+    long floats = attend_plan(&plan, heads, rows, d, total, qlen, threads);
+    Partial* parts = (Partial*)malloc(sizeof(Partial) * plan.tasks);
+    float* space = (float*)malloc(sizeof(float) * floats);
     float* qs = (float*)malloc(sizeof(float) * heads * rows * d);
     if (!parts || !space || !qs) { free(parts); free(space); free(qs); return -2; }
-    for (long t = 0; t < tasks; t++) {
-        float* at = space + t * per_rows * (d + 2);
-        parts[t].m = at; parts[t].l = at + per_rows; parts[t].acc = at + 2 * per_rows;
-    }
+    attend_partials(&plan, space, parts);
     for (long i = 0; i < heads * rows * d; i++) qs[i] = q[i] * scale;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (long t = 0; t < tasks; t++) {
-        long u = t / splits, sp = t % splits, h = u / rblocks, rb = u % rblocks;
-        long r0 = rb * per_rows, r1 = r0 + per_rows < rows ? r0 + per_rows : rows;
-        const float* kh[64]; const float* vh[64];
-        for (long g = 0; g < nseg; g++) { kh[g] = keys[g] + h * kstride[g]; vh[g] = values[g] + h * vstride[g]; }
-        long a = sp * span, b = a + span < total ? a + span : total;
-        attend_part(qs + (h * rows + r0) * d, r0, r1 - r0, d, nseg, kh, vh, lens, causal, qlen,
-                    a, b, parts + t);
-    }
-    /* merge the key ranges of each (head, row block) */
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long u = 0; u < units; u++) {
-        long h = u / rblocks, rb = u % rblocks;
-        long r0 = rb * per_rows, r1 = r0 + per_rows < rows ? r0 + per_rows : rows;
-        for (long r = 0; r < r1 - r0; r++) {
-            float mx = -INFINITY;
-            for (long sp = 0; sp < splits; sp++) {
-                float mm = parts[u * splits + sp].m[r];
-                mx = mm > mx ? mm : mx;
-            }
-            float lsum = 0.f, w[64];          /* splits <= 64 */
-            for (long sp = 0; sp < splits; sp++) {
-                Partial* p = parts + u * splits + sp;
-                w[sp] = p->l[r] > 0.f ? expf(p->m[r] - mx) : 0.f;
-                lsum += p->l[r] * w[sp];
-            }
-            float* o = out + (h * rows + r0 + r) * d;
-            float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-            for (long c = 0; c < d; c++) {
-                float v = 0.f;
-                for (long sp = 0; sp < splits; sp++) v += parts[u * splits + sp].acc[r * d + c] * w[sp];
-                o[c] = v * inv;
-            }
-            if (lse) lse[h * rows + r0 + r] = lsum > 0.f ? mx + logf(lsum) : -INFINITY;
-        }
+    #pragma omp parallel num_threads(threads)
+    {
+        attend_tasks(&plan, qs, nseg, keys, kstride, values, vstride, lens, causal, parts);
+        attend_merge(&plan, parts, out, rows * d, qlen * d, d, lse);
     }
     free(parts); free(space); free(qs);
+    return 0;
+}
+
+/* ---- decoder layers of the Llama family ---------------------------------------------------- */
+
+/* Weights of one layer, in this order, in pl_decoder's table (NULL for a bias a model lacks). */
+enum { W_LN1, W_Q, W_K, W_V, W_O, W_LN2, W_GATE, W_UP, W_DOWN,
+       B_Q, B_K, B_V, B_O, B_GATE, B_UP, B_DOWN, W_COUNT };
+
+/* y = w * x / sqrt(mean(x^2) + eps), one row of n floats (n % 8 == 0) */
+static void rms_norm(const float* x, const float* w, long n, float eps, float* y) {
+    __m256 s = _mm256_setzero_ps();
+    for (long c = 0; c < n; c += 8) {
+        __m256 v = _mm256_loadu_ps(x + c);
+        s = _mm256_fmadd_ps(v, v, s);
+    }
+    __m256 inv = _mm256_set1_ps(1.f / sqrtf(hsum(s) / (float)n + eps));
+    for (long c = 0; c < n; c += 8)
+        _mm256_storeu_ps(y + c, _mm256_mul_ps(_mm256_loadu_ps(w + c),
+                                              _mm256_mul_ps(_mm256_loadu_ps(x + c), inv)));
+}
+
+/* x * sigmoid(x) */
+static inline __m256 silu8(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    __m256 e = exp_neg(_mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.f), x)));
+    __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));          /* sigmoid(|x|) */
+    __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), _mm256_cmp_ps(x, zero, _CMP_LT_OQ));
+    return _mm256_mul_ps(x, sig);
+}
+
+/* out = (x * cos + rotate_half(x) * sin) * scale, one head of d floats; rotate_half(x) is
+ * (-x[d/2:], x[:d/2]) */
+static void rope(const float* x, const float* cos, const float* sin, long d, float scale,
+                 float* out) {
+    long h = d / 2;
+    for (long c = 0; c < h; c++) {
+        out[c] = (x[c] * cos[c] - x[c + h] * sin[c]) * scale;
+        out[c + h] = (x[c + h] * cos[c + h] + x[c] * sin[c + h]) * scale;
+    }
+}
+
+/* Columns [j0, j1) of y = x . w^T + b added to the residual stream r (both [m][ld]). */
+static void linear_residual(const float* x, long m, long k, const float* w, const float* b,
+                            long j0, long j1, float* tmp, float* r, long ld) {
+    linear_cols(x, m, k, w, b, j0, j1, tmp, ld);
+    for (long i = 0; i < m; i++)
+        for (long j = j0; j < j1; j++) r[i * ld + j] += tmp[i * ld + j];
+}
+
+/* Every decoder layer of a Llama-family model (RMSNorm, rotary attention with grouped KV heads,
+ * SiLU-gated MLP) for q new tokens, in one parallel region.
+ *
+ * x: [q][hidden], the input embeddings in and the last layer's output out.
+ * shape: hidden, heads, kv_heads, head_dim, intermediate, layers. w: [layers][W_COUNT].
+ * cos, sin: [q][head_dim], the rotary tables at the tokens' positions.
+ * The past: nseg segments per layer, segment g of layer l at keys[l * nseg + g] (head h at
+ * + h * kstride[g], rows of head_dim floats), lens[g] keys; every one visible to every token.
+ * newk[l], newv[l]: where layer l's new keys/values go (head h at + h * nkstride, token t at
+ * + t * head_dim); the tokens then attend to them causally, in input order.
+ * Returns 0, -1 for unsupported shapes, -2 when out of memory. */
+int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
+               const float* const* w, const float* cos, const float* sin,
+               long nseg, const float* const* keys, const long* kstride,
+               const float* const* values, const long* vstride, const long* lens,
+               float* const* newk, long nkstride, float* const* newv, long nvstride,
+               int threads) {
+    long hidden = shape[0], heads = shape[1], kvh = shape[2], d = shape[3], inter = shape[4],
+         layers = shape[5];
+    if (q <= 0 || d % 8 || d > MAXD || hidden % 8 || inter % 8 || (heads * d) % 8
+            || kvh <= 0 || heads % kvh || nseg + 1 > 64)
+        return -1;
+    long groups = heads / kvh, nq = heads * d, nkv = kvh * d, nqkv = nq + 2 * nkv;
+    long total = q, widest = hidden > inter ? hidden : inter;
+    for (long g = 0; g < nseg; g++) total += lens[g];
+    Plan plan;
+    long pfloats = attend_plan(&plan, kvh, groups * q, d, total, q, threads);
+    long floats = q * hidden            /* normed input */
+                + q * nqkv              /* q, k, v */
+                + q * nq                /* rotated, scaled query rows, packed per KV head */
+                + q * nq                /* attention output */
+                + 2 * q * inter         /* gate, up */
+                + q * widest            /* linear output before the residual add */
+                + pfloats;
+    float* space = (float*)aligned_alloc(32, sizeof(float) * ((floats + 7) & ~7L));
+    Partial* parts = (Partial*)malloc(sizeof(Partial) * plan.tasks);
+    if (!space || !parts) { free(space); free(parts); return -2; }
+    float *h = space, *qkv = h + q * hidden, *qs = qkv + q * nqkv, *att = qs + q * nq,
+          *gate = att + q * nq, *up = gate + q * inter, *tmp = up + q * inter,
+          *pspace = tmp + q * widest;
+    attend_partials(&plan, pspace, parts);
+    long qblocks = (nq + LIN_BLOCK - 1) / LIN_BLOCK, kvblocks = (nkv + LIN_BLOCK - 1) / LIN_BLOCK;
+    long hblocks = (hidden + LIN_BLOCK - 1) / LIN_BLOCK, iblocks = (inter + LIN_BLOCK - 1) / LIN_BLOCK;
+    int causal[64] = {0};
+    causal[nseg] = 1;
+    long lens1[64], kstride1[64], vstride1[64];
+    for (long g = 0; g < nseg; g++) { lens1[g] = lens[g]; kstride1[g] = kstride[g]; vstride1[g] = vstride[g]; }
+    lens1[nseg] = q; kstride1[nseg] = nkstride; vstride1[nseg] = nvstride;
+
+    #pragma omp parallel num_threads(threads)
+    for (long l = 0; l < layers; l++) {
+        const float* const* lw = w + l * W_COUNT;
+        #pragma omp for schedule(static)
+        for (long t = 0; t < q; t++) rms_norm(x + t * hidden, lw[W_LN1], hidden, eps, h + t * hidden);
+        #pragma omp for schedule(static)
+        for (long b = 0; b < qblocks + 2 * kvblocks; b++) {       /* q, k and v projections */
+            int which = b < qblocks ? 0 : (b < qblocks + kvblocks ? 1 : 2);
+            long j0 = (which == 0 ? b : (which == 1 ? b - qblocks : b - qblocks - kvblocks)) * LIN_BLOCK;
+            long n = which == 0 ? nq : nkv, j1 = j0 + LIN_BLOCK < n ? j0 + LIN_BLOCK : n;
+            long off = which == 0 ? 0 : (which == 1 ? nq : nq + nkv);
+            linear_cols(h, q, hidden, lw[W_Q + which], lw[B_Q + which], j0, j1, qkv + off, nqkv);
+        }
+        #pragma omp for schedule(static)
+        for (long t = 0; t < q; t++) {         /* rotate; queries to packed rows, keys/values out */
+            const float *row = qkv + t * nqkv, *c = cos + t * d, *s = sin + t * d;
+            for (long hq = 0; hq < heads; hq++)
+                rope(row + hq * d, c, s, d, scale,
+                     qs + ((hq / groups) * groups * q + (hq % groups) * q + t) * d);
+            for (long hk = 0; hk < kvh; hk++) {
+                rope(row + nq + hk * d, c, s, d, 1.f, newk[l] + hk * nkstride + t * d);
+                memcpy(newv[l] + hk * nvstride + t * d, row + nq + nkv + hk * d, sizeof(float) * d);
+            }
+        }
+        const float* kl[64]; const float* vl[64];
+        for (long g = 0; g < nseg; g++) { kl[g] = keys[l * nseg + g]; vl[g] = values[l * nseg + g]; }
+        kl[nseg] = newk[l]; vl[nseg] = newv[l];
+        attend_tasks(&plan, qs, nseg + 1, kl, kstride1, vl, vstride1, lens1, causal, parts);
+        attend_merge(&plan, parts, att, groups * d, d, nq, NULL);
+        #pragma omp for schedule(static)
+        for (long b = 0; b < hblocks; b++) {
+            long j0 = b * LIN_BLOCK, j1 = j0 + LIN_BLOCK < hidden ? j0 + LIN_BLOCK : hidden;
+            linear_residual(att, q, nq, lw[W_O], lw[B_O], j0, j1, tmp, x, hidden);
+        }
+        #pragma omp for schedule(static)
+        for (long t = 0; t < q; t++) rms_norm(x + t * hidden, lw[W_LN2], hidden, eps, h + t * hidden);
+        #pragma omp for schedule(static)
+        for (long b = 0; b < iblocks; b++) {   /* gate and up, then silu(gate) * up */
+            long j0 = b * LIN_BLOCK, j1 = j0 + LIN_BLOCK < inter ? j0 + LIN_BLOCK : inter;
+            linear_cols(h, q, hidden, lw[W_GATE], lw[B_GATE], j0, j1, gate, inter);
+            linear_cols(h, q, hidden, lw[W_UP], lw[B_UP], j0, j1, up, inter);
+            for (long t = 0; t < q; t++) {
+                float *g = gate + t * inter, *u = up + t * inter;
+                long j = j0;
+                for (; j + 8 <= j1; j += 8)
+                    _mm256_storeu_ps(g + j, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + j)),
+                                                          _mm256_loadu_ps(u + j)));
+                for (; j < j1; j++) g[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+            }
+        }
+        #pragma omp for schedule(static)
+        for (long b = 0; b < hblocks; b++) {
+            long j0 = b * LIN_BLOCK, j1 = j0 + LIN_BLOCK < hidden ? j0 + LIN_BLOCK : hidden;
+            linear_residual(gate, q, inter, lw[W_DOWN], lw[B_DOWN], j0, j1, tmp, x, hidden);
+        }
+    }
+    free(space); free(parts);
     return 0;
 }

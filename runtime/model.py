@@ -43,6 +43,7 @@ from transformers.masking_utils import (AttentionMaskInterface, causal_mask_func
 
 from promptlang.errors import ModelError
 from promptlang.runtime import native
+from promptlang.runtime.fused import FusedDecoder, past_pieces
 
 # model_type -> position scheme. Every entry is exercised by tests/runtime/test_oracle.py.
 SCHEMES: dict[str, str] = {
@@ -146,6 +147,7 @@ class ModelAdapter:
         self.fingerprint = model_fingerprint(hf_model)
         self._model_state = _model_state(hf_model)
         self.lock = self._model_state.lock        # one forward at a time per model
+        self.fused: FusedDecoder | None = None     # set by adapters whose models it serves
         _use_native_linear(hf_model, self._model_state)
 
     # --- what the rest of the runtime may ask -------------------------------------------
@@ -211,19 +213,25 @@ class ModelAdapter:
             allowed = allowed & (key_positions[None, :] > positions[:, None] - self.sliding_window)
         mask = None if allowed is None else float_mask(allowed, self.dtype)  # [1, 1, Q, S+Q]
 
-        layers = [_BufferLayer(past.keys[l].unsqueeze(0), past.values[l].unsqueeze(0), s)
-                  for l in range(self.kv_shape.layers)]
-        cache = Cache(layers=layers)
         rows = logits_rows if logits_rows is not None else positions.new_empty(0)
+        in_place = s + q <= past.keys.shape[2]
         with self.lock:
             state, before = self._model_state, self._model_state.native
             state.native = True          # this adapter's passes take the CPU kernels
             try:
-                out = self._run(input_ids[None], positions, key_positions, mask, cache, rows,
-                                past.shared)
+                if mask is None and in_place and self.fused is not None:
+                    logits = self.fused.forward(
+                        input_ids, positions, past_pieces(past.keys, past.values, past.shared, s),
+                        past.keys[:, :, s:s + q], past.values[:, :, s:s + q], rows)
+                    if logits is not None:
+                        return Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
+                layers = [_BufferLayer(past.keys[l].unsqueeze(0), past.values[l].unsqueeze(0), s)
+                          for l in range(self.kv_shape.layers)]
+                out = self._run(input_ids[None], positions, key_positions, mask,
+                                Cache(layers=layers), rows, past.shared)
             finally:
                 state.native = before
-        if s + q <= past.keys.shape[2]:          # written in place
+        if in_place:
             keys, values = past.keys[:, :, s:s + q], past.values[:, :, s:s + q]
         else:
             keys = torch.stack([layer.new_keys[0] for layer in layers])
@@ -285,6 +293,7 @@ class RopeAdapter(ModelAdapter):
         if self.config._attn_implementation in ("sdpa", ATTENTION):
             _register_attention()
             hf_model.set_attn_implementation(ATTENTION)
+        self.fused = FusedDecoder.of(hf_model)
 
     def unmasked_in_one_pass(self, past: int) -> bool:
         return self.config._attn_implementation == ATTENTION and (past == 0 or self._splits)

@@ -117,6 +117,9 @@ def _build_and_load() -> ctypes.CDLL | None:
     lib.pl_attend.argtypes = [_P, _L, _L, _L, ctypes.c_float, _L, _P, _P, _P, _P, _P, _P, _L,
                               _P, _P, ctypes.c_int]
     lib.pl_attend.restype = ctypes.c_int
+    lib.pl_decoder.argtypes = [_P, _L, _P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _L, _P, _P,
+                               _P, _P, _P, _P, _L, _P, _L, ctypes.c_int]
+    lib.pl_decoder.restype = ctypes.c_int
     return lib
 
 
@@ -201,3 +204,41 @@ def attend(rows: torch.Tensor, pieces, new_tokens: int, scale: float,
     if status != 0:
         raise RuntimeError(f"pl_attend failed ({status})")
     return out, lse
+
+
+# --- decoder layers -------------------------------------------------------------------------------
+
+def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torch.Tensor,
+            sin: torch.Tensor, pieces, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
+    """Every decoder layer of a Llama-family model over x ([Q, hidden], replaced by the last
+    layer's output) by pl_decoder; see runtime/fused.py, which checks what it passes.
+
+    shape: ctypes longs (hidden, heads, kv_heads, head_dim, intermediate, layers); weights:
+    ctypes pointers [layers][16] in kernels.c's order; cos, sin: [Q, D]; pieces: (keys,
+    values) pairs of past slots, [L, H_kv, n, D] each; new_keys/new_values: [L, H_kv, Q, D],
+    where the new tokens' keys/values are written.
+    """
+    layers, nseg = shape[5], len(pieces)
+    if nseg + 1 > MAX_SEGMENTS:
+        raise ValueError(f"pl_decoder takes at most {MAX_SEGMENTS - 1} past pieces")
+    size = x.element_size()
+
+    def per_layer(tensors):                       # [layer][piece] pointers
+        return (ctypes.c_void_p * (layers * nseg))(*[
+            t.data_ptr() + l * t.stride(0) * size for l in range(layers) for t in tensors])
+
+    keys = per_layer([p[0] for p in pieces])
+    values = per_layer([p[1] for p in pieces])
+    kstride = (ctypes.c_long * max(nseg, 1))(*[p[0].stride(1) for p in pieces])
+    vstride = (ctypes.c_long * max(nseg, 1))(*[p[1].stride(1) for p in pieces])
+    lens = (ctypes.c_long * max(nseg, 1))(*[p[0].shape[2] for p in pieces])
+    newk = (ctypes.c_void_p * layers)(*[new_keys.data_ptr() + l * new_keys.stride(0) * size
+                                        for l in range(layers)])
+    newv = (ctypes.c_void_p * layers)(*[new_values.data_ptr() + l * new_values.stride(0) * size
+                                        for l in range(layers)])
+    status = (_lib or _load()).pl_decoder(
+        x.data_ptr(), x.shape[0], shape, eps, scale, weights, cos.data_ptr(), sin.data_ptr(),
+        nseg, keys, kstride, values, vstride, lens, newk, new_keys.stride(1), newv,
+        new_values.stride(1), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"pl_decoder failed ({status})")

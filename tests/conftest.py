@@ -22,16 +22,22 @@ def wordtok() -> WordTokenizer:
     return WordTokenizer()
 
 
-@pytest.fixture(params=["native", "pytorch"])
+@pytest.fixture(params=["fused", "kernels", "pytorch"])
 def kernels(request):
-    """Runs a test twice: with the runtime's CPU kernels (runtime/kernels.c; skipped where
-    they cannot be built) and with PyTorch's kernels alone (the path of every other machine)."""
-    from promptlang.runtime import native
+    """Runs a test three times: with the runtime's CPU kernels including the fused decoder
+    layers of Llama-family models (runtime/fused.py), with the kernels but the fused layers
+    off (transformers' layers calling pl_attend and pl_linear), and with PyTorch's kernels
+    alone (the path of every other machine). The first two are skipped where the kernels
+    cannot be built."""
+    from promptlang.runtime import fused, native
 
-    if request.param == "native":
-        if not native.available():
-            pytest.skip("CPU kernels unavailable here")
-        yield "native"
+    if request.param != "pytorch" and not native.available():
+        pytest.skip("CPU kernels unavailable here")
+    if request.param == "fused":
+        yield "fused"
+    elif request.param == "kernels":
+        with fused.disabled():
+            yield "kernels"
     else:
         with native.disabled():
             yield "pytorch"

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from promptlang.runtime import model as model_mod
-from promptlang.runtime import native
+from promptlang.runtime import fused, native
 from promptlang.runtime.model import adapt
 from .tiny import tiny_llama
 
@@ -108,9 +108,16 @@ def test_attend_fits_rejects_what_it_cannot_read():
     assert not native.attend_fits(torch.randn(2, 6, 12), [(torch.randn(2, 4, 12),) * 2 + (False,)])
 
 
-def test_adapter_passes_take_the_kernels_and_match_pytorch(monkeypatch):
-    """A cached pass (past + causal new tokens) through the adapter takes pl_attend and
-    pl_linear, and its logits and new KV equal the same pass on PyTorch's kernels."""
+@pytest.fixture
+def unfused():
+    with fused.disabled():
+        yield
+
+
+def test_adapter_passes_take_the_kernels_and_match_pytorch(monkeypatch, unfused):
+    """A cached pass (past + causal new tokens) through the adapter's transformers layers
+    takes pl_attend and pl_linear, and its logits and new KV equal the same pass on
+    PyTorch's kernels."""
     hf = tiny_llama(0, 97, max_positions=256)
     adapter = adapt(hf)
     calls = {"attend": 0, "linear": 0}

@@ -1,0 +1,206 @@
+"""The cached pass of a Llama-family model as one call into runtime/kernels.c (pl_decoder).
+
+transformers runs each decoder layer as some twenty PyTorch operations and Python calls. For
+the handful of new tokens of a cached request on a CPU those cost about a quarter of the
+pass (docs/BENCHMARKS.md, "Performance work"), so pl_decoder runs every layer -- RMSNorm,
+the q/k/v projections, the rotary embedding, attention over every past piece and causally
+over the new tokens, the output projection, the SiLU-gated MLP and both residuals -- in one
+OpenMP region, writing the new keys and values straight into the request's buffer.
+The embedding, the rotary tables, the final norm and the LM head stay the model's own.
+
+It serves models whose structure is exactly that (Llama, Mistral, Qwen2; checked module by
+module when the adapter is built), float32 on a CPU with the kernels available, up to
+MAX_TOKENS new tokens that see every past key (no mask), with no hooks on the model's
+modules. Anything else takes the transformers path; both are held to the same oracle
+(tests/runtime/test_fused.py, tests/runtime/test_oracle.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from typing import NamedTuple
+
+import torch
+
+from promptlang.runtime import native
+
+# model_type -> class-name prefix of the modules a fused model must consist of
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+# Up to this many new tokens (as for the kernels in model.py; beyond it MKL's GEMMs win).
+MAX_TOKENS = 64
+
+_WEIGHTS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+            "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+            "mlp.down_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+            "self_attn.v_proj.bias", "self_attn.o_proj.bias", "mlp.gate_proj.bias",
+            "mlp.up_proj.bias", "mlp.down_proj.bias")     # kernels.c's W_LN1 .. B_DOWN
+
+
+_lock = threading.Lock()
+_off = 0                # depth of `disabled()` blocks
+
+
+@contextlib.contextmanager
+def disabled():
+    """Inside, every pass takes the transformers path (process-wide; for A/B and tests).
+    The kernels of that path (native.py) stay on unless turned off too."""
+    global _off
+    with _lock:
+        _off += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _off -= 1
+
+
+class Piece(NamedTuple):
+    """Past keys/values of every layer, [L, H_kv, n, D] (rows of D contiguous)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+class FusedDecoder:
+    """pl_decoder for one model; build with `of`, which returns None for other structures."""
+
+    def __init__(self, hf_model: torch.nn.Module, layers: list[torch.nn.Module]):
+        base = hf_model.model
+        attn = layers[0].self_attn
+        self.embed, self.rotary, self.norm, self.lm_head = (base.embed_tokens, base.rotary_emb,
+                                                            base.norm, hf_model.lm_head)
+        self.layers = layers
+        self.heads = int(hf_model.config.num_attention_heads)
+        self.kv_heads = int(hf_model.config.num_key_value_heads or self.heads)
+        self.head_dim = int(attn.head_dim)
+        self.hidden = int(hf_model.config.hidden_size)
+        self.inter = int(layers[0].mlp.gate_proj.out_features)
+        self.eps = float(layers[0].input_layernorm.variance_epsilon)
+        self.scale = float(attn.scaling)
+        self._modules = [m for layer in layers for m in layer.modules()]
+        self._modules += [hf_model, base, self.embed, self.rotary, self.norm, self.lm_head]
+        self._table: tuple[tuple[int, ...], ctypes.Array] | None = None
+        self._shape = (ctypes.c_long * 6)(self.hidden, self.heads, self.kv_heads, self.head_dim,
+                                          self.inter, len(layers))
+
+    @classmethod
+    def of(cls, hf_model: torch.nn.Module) -> FusedDecoder | None:
+        config = hf_model.config
+        family = FAMILIES.get(config.model_type)
+        base = getattr(hf_model, "model", None)
+        if (family is None or type(hf_model).__name__ != f"{family}ForCausalLM"
+                or base is None or type(base).__name__ != f"{family}Model"
+                or getattr(config, "hidden_act", None) not in ("silu", "swish")
+                or getattr(config, "pretraining_tp", 1) != 1
+                or type(getattr(hf_model, "lm_head", None)) is not torch.nn.Linear
+                or type(getattr(base, "embed_tokens", None)) is not torch.nn.Embedding
+                or type(getattr(base, "norm", None)).__name__ != f"{family}RMSNorm"):
+            return None
+        layers = list(base.layers[:config.num_hidden_layers])
+        if not layers or not all(_is_plain_layer(layer, family) for layer in layers):
+            return None
+        first = layers[0]
+        same = {(float(l.input_layernorm.variance_epsilon),
+                 float(l.post_attention_layernorm.variance_epsilon), float(l.self_attn.scaling),
+                 int(l.self_attn.head_dim), l.mlp.gate_proj.out_features) for l in layers}
+        heads, d = config.num_attention_heads, int(first.self_attn.head_dim)
+        if (len(same) != 1 or first.input_layernorm.variance_epsilon
+                != first.post_attention_layernorm.variance_epsilon
+                or first.self_attn.q_proj.out_features != heads * d):
+            return None
+        return cls(hf_model, layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pieces: list[Piece],
+                new_keys: torch.Tensor, new_values: torch.Tensor,
+                rows: torch.Tensor) -> torch.Tensor | None:
+        """Logits [R, V] of `rows` after running the Q new tokens (input_ids, positions: [Q])
+        over the past `pieces` and causally over themselves; their keys/values are written to
+        new_keys/new_values ([L, H_kv, Q, D] views into the buffer). None (nothing written)
+        where pl_decoder does not apply."""
+        q = int(input_ids.shape[0])
+        table = self._weights()
+        if (table is None or _off or not 0 < q <= MAX_TOKENS or not native.enabled()
+                or not native.available() or self._hooked()
+                or not all(_readable(t, self.kv_heads, self.head_dim)
+                           for p in pieces for t in p)
+                or not all(_readable(t, self.kv_heads, self.head_dim)
+                           for t in (new_keys, new_values))):
+            return None
+        x = self.embed(input_ids).contiguous()                         # [Q, hidden]
+        if x.dtype != torch.float32:
+            return None
+        cos, sin = self.rotary(x[None], positions[None])               # [1, Q, D]
+        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        if cos.shape != (q, self.head_dim):
+            return None                   # partial rotary: not this kernel's layout
+        native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
+                       new_values)
+        return self.lm_head(self.norm(x[rows]))
+
+    def _weights(self) -> ctypes.Array | None:
+        """The kernel's weight table ([layers][16] pointers), rebuilt and checked whenever a
+        parameter was replaced; None when one no longer fits (not float32, not contiguous)."""
+        tensors = [_get(layer, name) for layer in self.layers for name in _WEIGHTS]
+        ptrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
+        if self._table is not None and self._table[0] == ptrs:
+            return self._table[1]
+        if not all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu"
+                                 and t.is_contiguous()) for t in tensors):
+            return None
+        table = (ctypes.c_void_p * len(ptrs))(*[p or None for p in ptrs])
+        self._table = (ptrs, table)
+        return table
+
+    def _hooked(self) -> bool:
+        """Hooks on any of the model's modules would be skipped by the kernel."""
+        from torch.nn.modules import module as nn_module
+
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)
+
+
+def past_pieces(keys: torch.Tensor, values: torch.Tensor, shared, end: int) -> list[Piece]:
+    """Past slots [0, end) of a buffer ([L, H_kv, C, D]) as pieces in slot order, the runs
+    in `shared` (SharedKV: start, end, keys, values) read from their own tensors."""
+    pieces, at = [], 0
+    for seg in sorted(shared or ()):
+        if seg.start > at:
+            pieces.append(Piece(keys[:, :, at:seg.start], values[:, :, at:seg.start]))
+        pieces.append(Piece(seg.keys, seg.values))
+        at = seg.end
+    if end > at:
+        pieces.append(Piece(keys[:, :, at:end], values[:, :, at:end]))
+    return pieces
+
+
+def _is_plain_layer(layer: torch.nn.Module, family: str) -> bool:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    names = {"": layer, "self_attn": attn, "mlp": mlp,
+             "input_layernorm": getattr(layer, "input_layernorm", None),
+             "post_attention_layernorm": getattr(layer, "post_attention_layernorm", None)}
+    kinds = {"": "DecoderLayer", "self_attn": "Attention", "mlp": "MLP",
+             "input_layernorm": "RMSNorm", "post_attention_layernorm": "RMSNorm"}
+    if any(type(m).__name__ != f"{family}{kinds[n]}" for n, m in names.items()):
+        return False
+    linears = [getattr(attn, p, None) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    linears += [getattr(mlp, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
+    extra = {n for n, _ in attn.named_children()} - {"q_proj", "k_proj", "v_proj", "o_proj"}
+    return all(type(m) is torch.nn.Linear for m in linears) and not extra   # no q/k norms
+
+
+def _get(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:
+    for name in dotted.split("."):
+        module = getattr(module, name, None)
+    return module
+
+
+def _readable(t: torch.Tensor, kv_heads: int, d: int) -> bool:
+    """[L, H_kv, n, D] float32 on the CPU whose rows of D are contiguous."""
+    return (t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 4
+            and t.shape[1] == kv_heads and t.shape[3] == d and t.stride(3) == 1
+            and (t.shape[2] <= 1 or t.stride(2) == d))
