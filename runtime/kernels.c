@@ -135,30 +135,46 @@ static inline float dot1(const float* a, const float* b, long k) {
     return hsum(c);
 }
 
-/* c[m][n] (row stride ldc) = a[m][k] . b[n][k]^T: a, b rows contiguous with strides lda, ldb */
+/* c[m][n] (row stride ldc) = a[m][k] . b[n][k]^T: a, b rows contiguous with strides lda, ldb.
+ * Each group of 4 rows of b is read from memory once and then served from L1 to every tile
+ * of a; while a group's tiles compute, the group PREFETCH_GROUPS ahead (not past b_end) is
+ * pulled into the cache a slice per tile, so the weight stream overlaps the arithmetic
+ * (19 rows: 46 -> 37 ms for the default model's 210 linears, docs/BENCHMARKS.md). */
+#define PREFETCH_GROUPS 2
+
 static void dots(const float* a, long lda, long m, const float* b, long ldb, long n, long k,
-                 float* c, long ldc) {
+                 float* c, long ldc, const float* b_end) {
+    long tiles = (m + 2) / 3;
+    long slice = (4 * ldb * (long)sizeof(float) / tiles + 63) & ~63L;
+    const char* end = (const char*)b_end;
     long j = 0;
     for (; j + 4 <= n; j += 4) {
+        const char* ahead = (const char*)(b + (j + 4 * PREFETCH_GROUPS) * ldb);
         long i = 0, threes = m % 3 == 1 && m >= 4 ? m - 4 : m;   /* 3-row tiles, then 2s */
-        for (; i + 3 <= threes; i += 3)
-            dot3x4(a + i * lda, lda, b + j * ldb, ldb, k, c + i * ldc + j, ldc);
-        for (; i + 2 <= m; i += 2)
-            dot2x4(a + i * lda, lda, b + j * ldb, ldb, k, c + i * ldc + j, ldc);
-        for (; i < m; i++)
-            dot1x4(a + i * lda, b + j * ldb, ldb, k, c + i * ldc + j);
+        for (; i < m; ahead += slice) {
+            for (long o = 0; o < slice && ahead + o < end; o += 64)
+                _mm_prefetch(ahead + o, _MM_HINT_T0);
+            if (i + 3 <= threes) {
+                dot3x4(a + i * lda, lda, b + j * ldb, ldb, k, c + i * ldc + j, ldc);
+                i += 3;
+            } else if (i + 2 <= m) {
+                dot2x4(a + i * lda, lda, b + j * ldb, ldb, k, c + i * ldc + j, ldc);
+                i += 2;
+            } else {
+                dot1x4(a + i * lda, b + j * ldb, ldb, k, c + i * ldc + j);
+                i += 1;
+            }
+        }
     }
     for (; j < n; j++)
         for (long i = 0; i < m; i++)
             c[i * ldc + j] = dot1(a + i * lda, b + j * ldb, k);
 }
 
-/* ---- linear: y[m][n] = x[m][k] . w[n][k]^T (+ bias[n]) ------------------------------------ */
-
 /* columns [j0, j1) of y (row stride ldy) = x[m][k] . w[n][k]^T (+ bias) */
-static void linear_cols(const float* x, long m, long k, const float* w, const float* bias,
+static void linear_cols(const float* x, long m, long k, const float* w, long n, const float* bias,
                         long j0, long j1, float* y, long ldy) {
-    dots(x, k, m, w + j0 * k, k, j1 - j0, k, y + j0, ldy);
+    dots(x, k, m, w + j0 * k, k, j1 - j0, k, y + j0, ldy, w + n * k);
     if (bias)
         for (long i = 0; i < m; i++)
             for (long j = j0; j < j1; j++) y[i * ldy + j] += bias[j];
@@ -172,7 +188,7 @@ void pl_linear(const float* x, long m, long k, const float* w, long n, const flo
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long t = 0; t < tasks; t++) {
         long j0 = t * LIN_BLOCK, j1 = j0 + LIN_BLOCK < n ? j0 + LIN_BLOCK : n;
-        linear_cols(x, m, k, w, bias, j0, j1, y, n);
+        linear_cols(x, m, k, w, n, bias, j0, j1, y, n);
     }
 }
 
@@ -261,6 +277,22 @@ static void pv_col8(const float* p, long nk, const float* v, long d, float* acc)
     _mm256_storeu_ps(acc, a);
 }
 
+typedef struct {           /* memory to prefetch in equal slices, one per call of pull() */
+    const char *at, *end;
+    long slice;
+} Ahead;
+
+static inline Ahead ahead(const float* from, long floats, long calls) {
+    Ahead a = {(const char*)from, (const char*)(from + (floats > 0 ? floats : 0)), 0};
+    a.slice = calls > 0 ? ((a.end - a.at) / calls + 63) & ~63L : 0;
+    return a;
+}
+
+static inline void pull(Ahead* a) {
+    const char* stop = a->at + a->slice < a->end ? a->at + a->slice : a->end;
+    for (; a->at < stop; a->at += 64) _mm_prefetch(a->at, _MM_HINT_T0);
+}
+
 typedef struct {           /* one task's rows over its key range, before normalisation */
     float *m, *l, *acc;    /* [rows], [rows], [rows][d] */
 } Partial;
@@ -283,10 +315,18 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
             long nk = hi - j0 < BK ? hi - j0 : BK;
             long nk16 = (nk + 15) & ~15L;
             const float* vb = values[g] + j0 * d;
+            /* the next block's keys and values, pulled into the cache a slice per tile while
+             * this block computes (hides the memory stream: 94 -> 85 ms at 6.4k keys) */
+            long next = hi - (j0 + BK) < BK ? hi - (j0 + BK) : BK;
+            Ahead kahead = ahead(keys[g] + (j0 + BK) * d, next * d, (nk16 / 16) * ((nr + 5) / 6));
+            Ahead vahead = ahead(values[g] + (j0 + BK) * d, next * d, (d / 32) * ((nr + 2) / 3));
             transpose_block(keys[g] + j0 * d, nk, d, kt);
             for (long jb = 0; jb < nk16; jb += 16) {
                 long r = 0;
-                for (; r + 6 <= nr; r += 6) qk_tile(6, qs + r * d, d, kt + jb, s + r * BK + jb);
+                for (; r + 6 <= nr; r += 6) {
+                    pull(&kahead);
+                    qk_tile(6, qs + r * d, d, kt + jb, s + r * BK + jb);
+                }
                 switch (nr - r) {
                     case 1: qk_tile(1, qs + r * d, d, kt + jb, s + r * BK + jb); break;
                     case 2: qk_tile(2, qs + r * d, d, kt + jb, s + r * BK + jb); break;
@@ -327,7 +367,10 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
             }
             for (long c = 0; c + 32 <= d; c += 32) {
                 long r = 0;
-                for (; r + 3 <= nr; r += 3) pv_tile(3, s + r * BK, nk, vb + c, d, acc + r * d + c);
+                for (; r + 3 <= nr; r += 3) {
+                    pull(&vahead);
+                    pv_tile(3, s + r * BK, nk, vb + c, d, acc + r * d + c);
+                }
                 if (nr - r == 2) pv_tile(2, s + r * BK, nk, vb + c, d, acc + r * d + c);
                 if (nr - r == 1) pv_tile(1, s + r * BK, nk, vb + c, d, acc + r * d + c);
             }
@@ -493,7 +536,7 @@ static void rope(const float* x, const float* cos, const float* sin, long d, flo
 /* Columns [j0, j1) of y = x . w^T + b added to the residual stream r (both [m][ld]). */
 static void linear_residual(const float* x, long m, long k, const float* w, const float* b,
                             long j0, long j1, float* tmp, float* r, long ld) {
-    linear_cols(x, m, k, w, b, j0, j1, tmp, ld);
+    linear_cols(x, m, k, w, ld, b, j0, j1, tmp, ld);
     for (long i = 0; i < m; i++)
         for (long j = j0; j < j1; j++) r[i * ld + j] += tmp[i * ld + j];
 }
@@ -558,7 +601,8 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
             long j0 = (which == 0 ? b : (which == 1 ? b - qblocks : b - qblocks - kvblocks)) * LIN_BLOCK;
             long n = which == 0 ? nq : nkv, j1 = j0 + LIN_BLOCK < n ? j0 + LIN_BLOCK : n;
             long off = which == 0 ? 0 : (which == 1 ? nq : nq + nkv);
-            linear_cols(h, q, hidden, lw[W_Q + which], lw[B_Q + which], j0, j1, qkv + off, nqkv);
+            linear_cols(h, q, hidden, lw[W_Q + which], n, lw[B_Q + which], j0, j1, qkv + off,
+                        nqkv);
         }
         #pragma omp for schedule(static)
         for (long t = 0; t < q; t++) {         /* rotate; queries to packed rows, keys/values out */
@@ -586,8 +630,8 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
         #pragma omp for schedule(static)
         for (long b = 0; b < iblocks; b++) {   /* gate and up, then silu(gate) * up */
             long j0 = b * LIN_BLOCK, j1 = j0 + LIN_BLOCK < inter ? j0 + LIN_BLOCK : inter;
-            linear_cols(h, q, hidden, lw[W_GATE], lw[B_GATE], j0, j1, gate, inter);
-            linear_cols(h, q, hidden, lw[W_UP], lw[B_UP], j0, j1, up, inter);
+            linear_cols(h, q, hidden, lw[W_GATE], inter, lw[B_GATE], j0, j1, gate, inter);
+            linear_cols(h, q, hidden, lw[W_UP], inter, lw[B_UP], j0, j1, up, inter);
             for (long t = 0; t < q; t++) {
                 float *g = gate + t * inter, *u = up + t * inter;
                 long j = j0;
