@@ -84,6 +84,7 @@ class FusedDecoder:
         self._modules = [m for layer in layers for m in layer.modules()]
         self._modules += [hf_model, base, self.embed, self.rotary, self.norm, self.lm_head]
         self._table: tuple[tuple[int, ...], ctypes.Array] | None = None
+        self._slots = [_slot(layer, name) for layer in layers for name in _WEIGHTS]
         self._shape = (ctypes.c_long * 6)(self.hidden, self.heads, self.kv_heads, self.head_dim,
                                           self.inter, len(layers))
 
@@ -144,7 +145,7 @@ class FusedDecoder:
     def _weights(self) -> ctypes.Array | None:
         """The kernel's weight table ([layers][16] pointers), rebuilt and checked whenever a
         parameter was replaced; None when one no longer fits (not float32, not contiguous)."""
-        tensors = [_get(layer, name) for layer in self.layers for name in _WEIGHTS]
+        tensors = [params.get(name) for params, name in self._slots]     # ~0.2 ms in all
         ptrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
         if self._table is not None and self._table[0] == ptrs:
             return self._table[1]
@@ -193,10 +194,14 @@ def _is_plain_layer(layer: torch.nn.Module, family: str) -> bool:
     return all(type(m) is torch.nn.Linear for m in linears) and not extra   # no q/k norms
 
 
-def _get(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:
-    for name in dotted.split("."):
-        module = getattr(module, name, None)
-    return module
+def _slot(layer: torch.nn.Module, dotted: str) -> tuple[dict, str]:
+    """(the parameter dict of the module that owns `dotted`, the parameter's name): read
+    per pass, so that a replaced parameter is seen, without nn.Module's slow attribute path."""
+    path, name = dotted.rsplit(".", 1)
+    module = layer
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module._parameters, name
 
 
 def _readable(t: torch.Tensor, kv_heads: int, d: int) -> bool:
