@@ -62,6 +62,23 @@ static inline __m256 exp_neg(__m256 x) {
     return _mm256_andnot_ps(dead, p);
 }
 
+/* 2^x for x <= 0, scores in base 2; below -126 (-inf included) it gives 2^-126, which next to
+ * the row's largest term (exactly 1) is far below float precision. Cephes' exp2f polynomial. */
+static inline __m256 exp2_neg(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+    __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
 /* ---- dot-product tiles: out[i][j] = <a_i, b_j> over k (k % 8 == 0) ---------------------- */
 
 /* 3 rows of a x 4 rows of b; results to c (row stride ldc) */
@@ -195,6 +212,8 @@ void pl_linear(const float* x, long m, long k, const float* w, long n, const flo
 /* ---- attention ----------------------------------------------------------------------------- */
 
 #define BK 128         /* keys per block */
+#define LOG2E 1.44269504088896341f   /* scores are kept in base 2: q is scaled by log2(e) */
+#define LN2 0.69314718055994531f
 #define MAXR 64        /* query rows per task */
 #define MAXD 256
 #define AI static inline __attribute__((always_inline))
@@ -349,10 +368,10 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 for (long j = 0; j < nk8; j += 8) vmx = _mm256_max_ps(vmx, _mm256_load_ps(sr + j));
                 float mx = hmax(vmx);
                 float mn = mx > m[r] ? mx : m[r];
-                float corr = expf(m[r] - mn);
+                float corr = exp2f(m[r] - mn);
                 __m256 sum = _mm256_setzero_ps(), vm = _mm256_set1_ps(mn);
                 for (long j = 0; j < nk8; j += 8) {
-                    __m256 e = exp_neg(_mm256_sub_ps(_mm256_load_ps(sr + j), vm));
+                    __m256 e = exp2_neg(_mm256_sub_ps(_mm256_load_ps(sr + j), vm));
                     _mm256_store_ps(sr + j, e);
                     sum = _mm256_add_ps(sum, e);
                 }
@@ -449,7 +468,7 @@ static void attend_merge(const Plan* p, const Partial* parts, float* out, long h
             float lsum = 0.f, w[64];          /* splits <= 64 */
             for (long sp = 0; sp < splits; sp++) {
                 const Partial* q = parts + u * splits + sp;
-                w[sp] = q->l[r] > 0.f ? expf(q->m[r] - mx) : 0.f;
+                w[sp] = q->l[r] > 0.f ? exp2f(q->m[r] - mx) : 0.f;
                 lsum += q->l[r] * w[sp];
             }
             long row = r0 + r;
@@ -460,7 +479,7 @@ static void attend_merge(const Plan* p, const Partial* parts, float* out, long h
                 for (long sp = 0; sp < splits; sp++) v += parts[u * splits + sp].acc[r * d + c] * w[sp];
                 o[c] = v * inv;
             }
-            if (lse) lse[h * p->rows + row] = lsum > 0.f ? mx + logf(lsum) : -INFINITY;
+            if (lse) lse[h * p->rows + row] = lsum > 0.f ? (mx + log2f(lsum)) * LN2 : -INFINITY;
         }
     }
 }
@@ -484,7 +503,7 @@ int pl_attend(const float* q, long heads, long rows, long d, float scale, long n
     float* qs = (float*)malloc(sizeof(float) * heads * rows * d);
     if (!parts || !space || !qs) { free(parts); free(space); free(qs); return -2; }
     attend_partials(&plan, space, parts);
-    for (long i = 0; i < heads * rows * d; i++) qs[i] = q[i] * scale;
+    for (long i = 0; i < heads * rows * d; i++) qs[i] = q[i] * (scale * LOG2E);
     #pragma omp parallel num_threads(threads)
     {
         attend_tasks(&plan, qs, nseg, keys, kstride, values, vstride, lens, causal, parts);
@@ -608,7 +627,7 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
         for (long t = 0; t < q; t++) {         /* rotate; queries to packed rows, keys/values out */
             const float *row = qkv + t * nqkv, *c = cos + t * d, *s = sin + t * d;
             for (long hq = 0; hq < heads; hq++)
-                rope(row + hq * d, c, s, d, scale,
+                rope(row + hq * d, c, s, d, scale * LOG2E,
                      qs + ((hq / groups) * groups * q + (hq % groups) * q + t) * d);
             for (long hk = 0; hk < kvh; hk++) {
                 rope(row + nq + hk * d, c, s, d, 1.f, newk[l] + hk * nkstride + t * d);
