@@ -17,9 +17,7 @@ modules. Anything else takes the transformers path; both are held to the same or
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import threading
 from typing import NamedTuple
 
 import torch
@@ -40,22 +38,11 @@ _WEIGHTS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_pr
             "mlp.up_proj.bias", "mlp.down_proj.bias")     # kernels.c's W_LN1 .. B_DOWN
 
 
-_lock = threading.Lock()
-_off = 0                # depth of `disabled()` blocks
+_switch = native.Switch()
 
-
-@contextlib.contextmanager
-def disabled():
-    """Inside, every pass takes the transformers path (process-wide; for A/B and tests).
-    The kernels of that path (native.py) stay on unless turned off too."""
-    global _off
-    with _lock:
-        _off += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _off -= 1
+# Inside `with disabled():` every pass takes the transformers path (for A/B and tests); the
+# kernels of that path (native.py) stay on unless turned off too.
+disabled = _switch.off
 
 
 class Piece(NamedTuple):
@@ -124,7 +111,7 @@ class FusedDecoder:
         where pl_decoder does not apply."""
         q = int(input_ids.shape[0])
         table = self._weights()
-        if (table is None or _off or not 0 < q <= MAX_TOKENS or not native.enabled()
+        if (table is None or not _switch or not 0 < q <= MAX_TOKENS or not native.enabled()
                 or not native.available() or self._hooked()
                 or not all(_readable(t, self.kv_heads, self.head_dim)
                            for p in pieces for t in p)

@@ -44,26 +44,37 @@ def off_by_env(environ=os.environ) -> bool:
     return environ.get("PROMPTLANG_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
 
 
+class Switch:
+    """A process-wide switch, on unless inside one of its (nestable) `off()` blocks."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._depth = 0
+
+    def __bool__(self) -> bool:
+        return self._depth == 0
+
+    @contextlib.contextmanager
+    def off(self):
+        with self._lock:
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+
+
 _ENV_OFF = off_by_env()
-_off = 0                # depth of `disabled()` blocks
+_switch = Switch()
+
+# Every pass inside `with disabled():` runs on PyTorch's kernels (for A/B measurements, tests).
+disabled = _switch.off
 
 
 def enabled() -> bool:
     """Whether the kernels may be used now (they may still fail to build)."""
-    return not _off and not _ENV_OFF
-
-
-@contextlib.contextmanager
-def disabled():
-    """Every pass inside runs on PyTorch's kernels (process-wide; for A/B measurements)."""
-    global _off
-    with _lock:
-        _off += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _off -= 1
+    return bool(_switch) and not _ENV_OFF
 
 
 def available() -> bool:
