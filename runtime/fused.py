@@ -96,10 +96,13 @@ class FusedDecoder:
                  float(l.post_attention_layernorm.variance_epsilon), float(l.self_attn.scaling),
                  int(l.self_attn.head_dim), l.mlp.gate_proj.out_features) for l in layers}
         heads, d = config.num_attention_heads, int(first.self_attn.head_dim)
+        kv_heads = config.num_key_value_heads or heads
         if (len(same) != 1 or first.input_layernorm.variance_epsilon
                 != first.post_attention_layernorm.variance_epsilon
-                or first.self_attn.q_proj.out_features != heads * d):
-            return None
+                or first.self_attn.q_proj.out_features != heads * d
+                or heads % kv_heads or d % 8 or d > native.MAX_HEAD_DIM
+                or config.hidden_size % 8 or first.mlp.gate_proj.out_features % 8):
+            return None                   # what pl_decoder's vector loops cannot take
         return cls(hf_model, layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pieces: list[Piece],
@@ -111,7 +114,8 @@ class FusedDecoder:
         where pl_decoder does not apply."""
         q = int(input_ids.shape[0])
         table = self._weights()
-        if (table is None or not _switch or not 0 < q <= MAX_TOKENS or not native.enabled()
+        if (table is None or not _switch or not 0 < q <= MAX_TOKENS
+                or len(pieces) >= native.MAX_SEGMENTS or not native.enabled()
                 or not native.available() or self._hooked()
                 or not all(_readable(t, self.kv_heads, self.head_dim)
                            for p in pieces for t in p)

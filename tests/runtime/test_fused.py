@@ -148,6 +148,12 @@ def test_other_structures_are_not_fused(kind):
     assert FusedDecoder.of(tiny(kind)) is None
 
 
+@pytest.mark.parametrize("extra", [{"hidden_size": 60, "head_dim": 16},
+                                   {"intermediate_size": 90}, {"head_dim": 12}])
+def test_shapes_the_kernel_cannot_take_are_not_fused(extra):
+    assert FusedDecoder.of(tiny("llama", **extra)) is None
+
+
 def test_a_hook_on_the_model_turns_the_fused_path_off(llama):
     adapter = adapt(llama)
     past = encoded_past(adapter, 20, 22)
