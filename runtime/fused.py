@@ -1,8 +1,9 @@
 """The cached pass of a Llama-family model as one call into runtime/kernels.c (pl_decoder).
 
-transformers runs each decoder layer as some twenty PyTorch operations and Python calls. For
-the handful of new tokens of a cached request on a CPU those cost about a quarter of the
-pass (docs/BENCHMARKS.md, "Performance work"), so pl_decoder runs every layer -- RMSNorm,
+transformers runs each decoder layer as some twenty PyTorch operations and Python calls, and
+each kernel call opens its own parallel region. For the handful of new tokens of a cached
+request on a CPU that is a quarter of the pass (6,449 cached tokens: 154 ms fused against 200
+ms, docs/BENCHMARKS.md "Fused decoder layers"), so pl_decoder runs every layer -- RMSNorm,
 the q/k/v projections, the rotary embedding, attention over every past piece and causally
 over the new tokens, the output projection, the SiLU-gated MLP and both residuals -- in one
 OpenMP region, writing the new keys and values straight into the request's buffer.
