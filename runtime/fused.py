@@ -75,6 +75,12 @@ class FusedDecoder:
         self._slots = [_slot(layer, name) for layer in layers for name in _WEIGHTS]
         self._shape = (ctypes.c_long * 6)(self.hidden, self.heads, self.kv_heads, self.head_dim,
                                           self.inter, len(layers))
+        nq, nkv, hidden, inter = self.heads * self.head_dim, self.kv_heads * self.head_dim, \
+            self.hidden, self.inter
+        shapes = ((hidden,), (nq, hidden), (nkv, hidden), (nkv, hidden), (hidden, nq),
+                  (hidden,), (inter, hidden), (inter, hidden), (hidden, inter),
+                  (nq,), (nkv,), (nkv,), (hidden,), (inter,), (inter,), (hidden,))
+        self._shapes = shapes * len(layers)        # what the kernel reads at each slot
 
     @classmethod
     def of(cls, hf_model: torch.nn.Module) -> FusedDecoder | None:
@@ -136,13 +142,15 @@ class FusedDecoder:
 
     def _weights(self) -> ctypes.Array | None:
         """The kernel's weight table ([layers][16] pointers), rebuilt and checked whenever a
-        parameter was replaced; None when one no longer fits (not float32, not contiguous)."""
+        parameter was replaced; None when one no longer fits (not float32 on the CPU, not
+        contiguous, another shape)."""
         tensors = [params.get(name) for params, name in self._slots]     # ~0.2 ms in all
         ptrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
         if self._table is not None and self._table[0] == ptrs:
             return self._table[1]
         if not all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu"
-                                 and t.is_contiguous()) for t in tensors):
+                                 and t.is_contiguous() and tuple(t.shape) == shape)
+                   for t, shape in zip(tensors, self._shapes)):
             return None
         table = (ctypes.c_void_p * len(ptrs))(*[p or None for p in ptrs])
         self._table = (ptrs, table)
@@ -157,18 +165,25 @@ class FusedDecoder:
         return any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)
 
 
-def past_pieces(keys: torch.Tensor, values: torch.Tensor, shared, end: int) -> list[Piece]:
-    """Past slots [0, end) of a buffer ([L, H_kv, C, D]) as pieces in slot order, the runs
-    in `shared` (SharedKV: start, end, keys, values) read from their own tensors."""
-    pieces, at = [], 0
+def slot_runs(shared, end: int):
+    """Slots [0, end) as (start, stop, run) in slot order: `run` is the SharedKV (start,
+    end, keys, values) whose tensors hold those slots, or None for the buffer's own."""
+    runs, at = [], 0
     for seg in sorted(shared or ()):
         if seg.start > at:
-            pieces.append(Piece(keys[:, :, at:seg.start], values[:, :, at:seg.start]))
-        pieces.append(Piece(seg.keys, seg.values))
+            runs.append((at, seg.start, None))
+        runs.append((seg.start, seg.end, seg))
         at = seg.end
     if end > at:
-        pieces.append(Piece(keys[:, :, at:end], values[:, :, at:end]))
-    return pieces
+        runs.append((at, end, None))
+    return runs
+
+
+def past_pieces(keys: torch.Tensor, values: torch.Tensor, shared, end: int) -> list[Piece]:
+    """Past slots [0, end) of a buffer ([L, H_kv, C, D]) as pieces in slot order, the runs
+    in `shared` read from their own tensors."""
+    return [Piece(keys[:, :, a:b], values[:, :, a:b]) if run is None else
+            Piece(run.keys, run.values) for a, b, run in slot_runs(shared, end)]
 
 
 def _is_plain_layer(layer: torch.nn.Module, family: str) -> bool:

@@ -43,7 +43,7 @@ from transformers.masking_utils import (AttentionMaskInterface, causal_mask_func
 
 from promptlang.errors import ModelError
 from promptlang.runtime import native
-from promptlang.runtime.fused import FusedDecoder, past_pieces
+from promptlang.runtime.fused import FusedDecoder, past_pieces, slot_runs
 
 # model_type -> position scheme. Every entry is exercised by tests/runtime/test_oracle.py.
 SCHEMES: dict[str, str] = {
@@ -565,15 +565,9 @@ def _pieces(layer: int | None, shared, key, value, end: int):
     """Slots [0, end) as (first slot, end slot, keys, values) pieces in slot order: the
     SharedKV runs read from their units' tensors, the slots between them from `key`/`value`
     ([B, H_kv, K, D]); keys and values of every piece [B, H_kv, n, D]."""
-    pieces, at = [], 0
-    for seg in sorted(shared or ()):
-        if seg.start > at:
-            pieces.append((at, seg.start, key[:, :, at:seg.start], value[:, :, at:seg.start]))
-        pieces.append((seg.start, seg.end, seg.keys[layer][None], seg.values[layer][None]))
-        at = seg.end
-    if end > at:
-        pieces.append((at, end, key[:, :, at:end], value[:, :, at:end]))
-    return pieces
+    return [(a, b, key[:, :, a:b], value[:, :, a:b]) if run is None else
+            (a, b, run.keys[layer][None], run.values[layer][None])
+            for a, b, run in slot_runs(shared, end)]
 
 
 def _rows(query: torch.Tensor, kv_heads: int) -> torch.Tensor:

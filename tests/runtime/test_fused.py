@@ -191,3 +191,15 @@ def test_a_replaced_weight_is_read_from_its_new_tensor(llama):
     after = run_both(adapter, ids, torch.arange(30, 34), past, torch.arange(4))
     assert_close(after)
     assert (after[0][0] - before[0][0]).abs().max() > 1e-2
+
+
+def test_a_weight_it_cannot_read_sends_the_pass_to_transformers(monkeypatch):
+    model = tiny("llama")
+    adapter = adapt(model)
+    past = encoded_past(adapter, 30, 33)
+    with torch.no_grad():
+        layer = model.model.layers[0].self_attn.o_proj
+        layer.weight = torch.nn.Parameter(layer.weight.t().contiguous().t())   # column-major
+    monkeypatch.setattr(native, "decoder", lambda *a: pytest.fail("pl_decoder called"))
+    adapter.forward(torch.arange(3), torch.arange(30, 33), past, None, torch.arange(3))
+    assert adapter.fused._weights() is None
