@@ -41,29 +41,12 @@ static inline float hmax(__m256 a) {
     return _mm_cvtss_f32(s);
 }
 
-/* e^x for x <= 0 (x = -inf gives 0): Cody-Waite reduction and a degree-6 polynomial */
-static inline __m256 exp_neg(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    __m256 dead = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    p = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(dead, p);
-}
+#define LOG2E 1.44269504088896341f
+#define LN2 0.69314718055994531f
 
-/* 2^x for x <= 0, scores in base 2; below -126 (-inf included) it gives 2^-126, which next to
- * the row's largest term (exactly 1) is far below float precision. Cephes' exp2f polynomial. */
+/* 2^x for x <= 0 (Cephes' exp2f polynomial). Below -126, -inf included, it gives 2^-126
+ * (~1e-38) instead of less: next to a softmax row's largest term (exactly 1), or inside
+ * silu, that is far below float precision. */
 static inline __m256 exp2_neg(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
     __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -209,11 +192,11 @@ void pl_linear(const float* x, long m, long k, const float* w, long n, const flo
     }
 }
 
-/* ---- attention ----------------------------------------------------------------------------- */
+/* ---- attention ----------------------------------------------------------------------------- *
+ * Scores are kept in base 2 (the queries are scaled by log2(e) as well as 1/sqrt(d)), so the
+ * softmax takes exp2_neg directly. */
 
 #define BK 128         /* keys per block */
-#define LOG2E 1.44269504088896341f   /* scores are kept in base 2: q is scaled by log2(e) */
-#define LN2 0.69314718055994531f
 #define MAXR 64        /* query rows per task */
 #define MAXD 256
 #define AI static inline __attribute__((always_inline))
@@ -535,7 +518,8 @@ static void rms_norm(const float* x, const float* w, long n, float eps, float* y
 /* x * sigmoid(x) */
 static inline __m256 silu8(__m256 x) {
     const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-    __m256 e = exp_neg(_mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.f), x)));
+    __m256 e = exp2_neg(_mm256_mul_ps(_mm256_set1_ps(-LOG2E),                    /* e^-|x| */
+                                      _mm256_andnot_ps(_mm256_set1_ps(-0.f), x)));
     __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));          /* sigmoid(|x|) */
     __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), _mm256_cmp_ps(x, zero, _CMP_LT_OQ));
     return _mm256_mul_ps(x, sig);

@@ -143,4 +143,6 @@ def _kernels() -> str:
         return "PyTorch's (PROMPTLANG_NATIVE=0)"
     if not native.available():
         return "PyTorch's (runtime/kernels.c unavailable here)"
-    return "runtime/kernels.c (AVX2) for small linears and unmasked attention, else PyTorch's"
+    return ("runtime/kernels.c (AVX2): whole decoder layers for Llama-family models "
+            "(runtime/fused.py), else small linears and unmasked attention; PyTorch's for the "
+            "rest")
