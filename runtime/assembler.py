@@ -199,10 +199,11 @@ class Assembler:
 
     def _shares(self, buffer: KVBuffer, piece: "_Piece") -> bool:
         """Whether a unit is served in place: long, without placeholders, in a few runs
-        (each run is one more attention piece), and in the buffer's dtype and device."""
+        (each run is one more attention piece), on the buffer's device and in a dtype the
+        adapter reads in place (the buffer's, or bfloat16 for the fused layers)."""
         kv = piece.kv
         return (self.share_min_tokens is not None and piece.count >= self.share_min_tokens
-                and self.adapter.reads_shared and kv.keys.dtype == buffer.slot_keys.dtype
+                and self.adapter.reads_shared and self.adapter.shares_dtype(kv.keys.dtype)
                 and kv.keys.device == buffer.slot_keys.device
                 and not bool(kv.placeholder.any()) and len(piece.runs) <= MAX_SHARED_RUNS)
 

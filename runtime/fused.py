@@ -12,7 +12,7 @@ The embedding, the rotary tables, the final norm and the LM head stay the model'
 It serves models whose structure is exactly that (Llama, Mistral, Qwen2; checked module by
 module when the adapter is built), float32 on a CPU with the kernels available, up to
 MAX_TOKENS new tokens that see every past key (no mask), with no hooks on the model's
-modules. Anything else takes the transformers path; both are held to the same oracle
+modules. Past pieces may be bfloat16 (a 16-bit store's units, read in place). Anything else takes the transformers path; both are held to the same oracle
 (tests/runtime/test_fused.py, tests/runtime/test_oracle.py).
 """
 
@@ -27,6 +27,10 @@ from promptlang.runtime import native
 
 # model_type -> class-name prefix of the modules a fused model must consist of
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+# Past pieces pl_decoder reads in place: float32, and bfloat16 (a 16-bit store's units,
+# widened in cache a block at a time instead of copied into the request buffer).
+PIECE_DTYPES = (torch.float32, torch.bfloat16)
 
 # Up to this many new tokens (as for the kernels in model.py; beyond it MKL's GEMMs win).
 MAX_TOKENS = 64
@@ -124,9 +128,9 @@ class FusedDecoder:
         if (table is None or not _switch or not 0 < q <= MAX_TOKENS
                 or len(pieces) >= native.MAX_SEGMENTS or not native.enabled()
                 or not native.available() or self._hooked()
-                or not all(_readable(t, self.kv_heads, self.head_dim)
-                           for p in pieces for t in p)
-                or not all(_readable(t, self.kv_heads, self.head_dim)
+                or not all(_readable(t, self.kv_heads, self.head_dim, PIECE_DTYPES)
+                           and p.keys.dtype == p.values.dtype for p in pieces for t in p)
+                or not all(_readable(t, self.kv_heads, self.head_dim, (torch.float32,))
                            for t in (new_keys, new_values))):
             return None
         x = self.embed(input_ids).contiguous()                         # [Q, hidden]
@@ -211,8 +215,8 @@ def _slot(layer: torch.nn.Module, dotted: str) -> tuple[dict, str]:
     return module._parameters, name
 
 
-def _readable(t: torch.Tensor, kv_heads: int, d: int) -> bool:
-    """[L, H_kv, n, D] float32 on the CPU whose rows of D are contiguous."""
-    return (t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 4
+def _readable(t: torch.Tensor, kv_heads: int, d: int, dtypes) -> bool:
+    """[L, H_kv, n, D] in one of `dtypes` on the CPU, its rows of D contiguous."""
+    return (t.dtype in dtypes and t.device.type == "cpu" and t.dim() == 4
             and t.shape[1] == kv_heads and t.shape[3] == d and t.stride(3) == 1
             and (t.shape[2] <= 1 or t.stride(2) == d))

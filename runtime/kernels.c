@@ -284,8 +284,8 @@ typedef struct {           /* memory to prefetch in equal slices, one per call o
     long slice;
 } Ahead;
 
-static inline Ahead ahead(const float* from, long floats, long calls) {
-    Ahead a = {(const char*)from, (const char*)(from + (floats > 0 ? floats : 0)), 0};
+static inline Ahead ahead(const char* from, long bytes, long calls) {
+    Ahead a = {from, from + (bytes > 0 ? bytes : 0), 0};
     a.slice = calls > 0 ? ((a.end - a.at) / calls + 63) & ~63L : 0;
     return a;
 }
@@ -299,13 +299,25 @@ typedef struct {           /* one task's rows over its key range, before normali
     float *m, *l, *acc;    /* [rows], [rows], [rows][d] */
 } Partial;
 
+/* dst[i] = src[i] for n bfloat16 values (n % 8 == 0): the 16 bits are a float's upper half */
+static void widen_bf16(const uint16_t* src, long n, float* dst) {
+    for (long i = 0; i < n; i += 8) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(src + i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+}
+
 /* Rows [r0, r1) (nr <= MAXR) of one KV head against keys [a, b) of the concatenated segments:
- * unnormalised output, running max and sum into *part. qs: the rows, pre-scaled. */
+ * unnormalised output, running max and sum into *part. qs: the rows, pre-scaled. Segment g
+ * holds float32 keys/values, or bfloat16 ones where half && half[g] (widened a block at a
+ * time, in cache). */
 static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
-                        const float* const* keys, const float* const* values, const long* lens,
-                        const int* causal, long qlen, long a, long b, Partial* part) {
+                        const char* const* keys, const char* const* values, const long* lens,
+                        const int* causal, const int* half, long qlen, long a, long b,
+                        Partial* part) {
     float s[MAXR * BK] __attribute__((aligned(32)));
     float kt[MAXD * BK] __attribute__((aligned(32)));
+    float wide[MAXD * BK] __attribute__((aligned(32)));
     float *m = part->m, *l = part->l, *acc = part->acc;
     for (long r = 0; r < nr; r++) { m[r] = -INFINITY; l[r] = 0.f; }
     memset(acc, 0, sizeof(float) * nr * d);
@@ -313,16 +325,27 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
     long base = 0;
     for (long g = 0; g < nseg; base += lens[g], g++) {
         long lo = a > base ? a - base : 0, hi = b - base < lens[g] ? b - base : lens[g];
+        long es = half && half[g] ? 2 : 4;                   /* bytes per element */
         for (long j0 = lo; j0 < hi; j0 += BK) {
             long nk = hi - j0 < BK ? hi - j0 : BK;
             long nk16 = (nk + 15) & ~15L;
-            const float* vb = values[g] + j0 * d;
             /* the next block's keys and values, pulled into the cache a slice per tile while
              * this block computes (hides the memory stream: 94 -> 85 ms at 6.4k keys) */
             long next = hi - (j0 + BK) < BK ? hi - (j0 + BK) : BK;
-            Ahead kahead = ahead(keys[g] + (j0 + BK) * d, next * d, (nk16 / 16) * ((nr + 5) / 6));
-            Ahead vahead = ahead(values[g] + (j0 + BK) * d, next * d, (d / 32) * ((nr + 2) / 3));
-            transpose_block(keys[g] + j0 * d, nk, d, kt);
+            Ahead kahead = ahead(keys[g] + (j0 + BK) * d * es, next * d * es,
+                                 (nk16 / 16) * ((nr + 5) / 6));
+            Ahead vahead = ahead(values[g] + (j0 + BK) * d * es, next * d * es,
+                                 (d / 32) * ((nr + 2) / 3));
+            const float* vb;
+            if (es == 2) {
+                widen_bf16((const uint16_t*)(keys[g] + j0 * d * es), nk * d, wide);
+                transpose_block(wide, nk, d, kt);
+                widen_bf16((const uint16_t*)(values[g] + j0 * d * es), nk * d, wide);
+                vb = wide;
+            } else {
+                transpose_block((const float*)(keys[g] + j0 * d * es), nk, d, kt);
+                vb = (const float*)(values[g] + j0 * d * es);
+            }
             for (long jb = 0; jb < nk16; jb += 16) {
                 long r = 0;
                 for (; r + 6 <= nr; r += 6) {
@@ -416,19 +439,24 @@ static void attend_partials(const Plan* p, float* space, Partial* parts) {
 
 /* Every task of the plan (a worksharing loop: call from every thread of a parallel region, or
  * from outside one). qs: [heads][rows][d] pre-scaled rows; segment g of head h starts at
- * keys[g] + h * kstride[g]. Ends with a barrier. */
-static void attend_tasks(const Plan* p, const float* qs, long nseg, const float* const* keys,
-                         const long* kstride, const float* const* values, const long* vstride,
-                         const long* lens, const int* causal, Partial* parts) {
+ * keys[g] + h * kstride[g] elements, float32 or, where half && half[g], bfloat16. Ends with a
+ * barrier. */
+static void attend_tasks(const Plan* p, const float* qs, long nseg, const void* const* keys,
+                         const long* kstride, const void* const* values, const long* vstride,
+                         const long* lens, const int* causal, const int* half, Partial* parts) {
     #pragma omp for schedule(dynamic, 1)
     for (long t = 0; t < p->tasks; t++) {
         long u = t / p->splits, sp = t % p->splits, h = u / p->rblocks, rb = u % p->rblocks;
         long r0 = rb * p->per_rows, r1 = r0 + p->per_rows < p->rows ? r0 + p->per_rows : p->rows;
-        const float* kh[64]; const float* vh[64];
-        for (long g = 0; g < nseg; g++) { kh[g] = keys[g] + h * kstride[g]; vh[g] = values[g] + h * vstride[g]; }
+        const char* kh[64]; const char* vh[64];
+        for (long g = 0; g < nseg; g++) {
+            long es = half && half[g] ? 2 : 4;
+            kh[g] = (const char*)keys[g] + h * kstride[g] * es;
+            vh[g] = (const char*)values[g] + h * vstride[g] * es;
+        }
         long a = sp * p->span, b = a + p->span < p->total ? a + p->span : p->total;
         attend_part(qs + (h * p->rows + r0) * p->d, r0, r1 - r0, p->d, nseg, kh, vh, lens, causal,
-                    p->qlen, a, b, parts + t);
+                    half, p->qlen, a, b, parts + t);
     }
 }
 
@@ -489,7 +517,8 @@ int pl_attend(const float* q, long heads, long rows, long d, float scale, long n
     for (long i = 0; i < heads * rows * d; i++) qs[i] = q[i] * (scale * LOG2E);
     #pragma omp parallel num_threads(threads)
     {
-        attend_tasks(&plan, qs, nseg, keys, kstride, values, vstride, lens, causal, parts);
+        attend_tasks(&plan, qs, nseg, (const void* const*)keys, kstride,
+                     (const void* const*)values, vstride, lens, causal, NULL, parts);
         attend_merge(&plan, parts, out, rows * d, qlen * d, d, lse);
     }
     free(parts); free(space); free(qs);
@@ -551,14 +580,15 @@ static void linear_residual(const float* x, long m, long k, const float* w, cons
  * shape: hidden, heads, kv_heads, head_dim, intermediate, layers. w: [layers][W_COUNT].
  * cos, sin: [q][head_dim], the rotary tables at the tokens' positions.
  * The past: nseg segments per layer, segment g of layer l at keys[l * nseg + g] (head h at
- * + h * kstride[g], rows of head_dim floats), lens[g] keys; every one visible to every token.
+ * + h * kstride[g] elements, rows of head_dim), lens[g] keys, float32 or, where half[g] (half
+ * may be NULL), bfloat16; every key visible to every token.
  * newk[l], newv[l]: where layer l's new keys/values go (head h at + h * nkstride, token t at
  * + t * head_dim); the tokens then attend to them causally, in input order.
  * Returns 0, -1 for unsupported shapes, -2 when out of memory. */
 int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                const float* const* w, const float* cos, const float* sin,
-               long nseg, const float* const* keys, const long* kstride,
-               const float* const* values, const long* vstride, const long* lens,
+               long nseg, const void* const* keys, const long* kstride,
+               const void* const* values, const long* vstride, const long* lens, const int* half,
                float* const* newk, long nkstride, float* const* newv, long nvstride,
                int threads) {
     long hidden = shape[0], heads = shape[1], kvh = shape[2], d = shape[3], inter = shape[4],
@@ -587,8 +617,9 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
     attend_partials(&plan, pspace, parts);
     long qblocks = (nq + LIN_BLOCK - 1) / LIN_BLOCK, kvblocks = (nkv + LIN_BLOCK - 1) / LIN_BLOCK;
     long hblocks = (hidden + LIN_BLOCK - 1) / LIN_BLOCK, iblocks = (inter + LIN_BLOCK - 1) / LIN_BLOCK;
-    int causal[64] = {0};
+    int causal[64] = {0}, half1[64] = {0};
     causal[nseg] = 1;
+    for (long g = 0; g < nseg; g++) half1[g] = half ? half[g] : 0;
     long lens1[64], kstride1[64], vstride1[64];
     for (long g = 0; g < nseg; g++) { lens1[g] = lens[g]; kstride1[g] = kstride[g]; vstride1[g] = vstride[g]; }
     lens1[nseg] = q; kstride1[nseg] = nkstride; vstride1[nseg] = nvstride;
@@ -618,10 +649,10 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                 memcpy(newv[l] + hk * nvstride + t * d, row + nq + nkv + hk * d, sizeof(float) * d);
             }
         }
-        const float* kl[64]; const float* vl[64];
+        const void* kl[64]; const void* vl[64];
         for (long g = 0; g < nseg; g++) { kl[g] = keys[l * nseg + g]; vl[g] = values[l * nseg + g]; }
         kl[nseg] = newk[l]; vl[nseg] = newv[l];
-        attend_tasks(&plan, qs, nseg + 1, kl, kstride1, vl, vstride1, lens1, causal, parts);
+        attend_tasks(&plan, qs, nseg + 1, kl, kstride1, vl, vstride1, lens1, causal, half1, parts);
         attend_merge(&plan, parts, att, groups * d, d, nq, NULL);
         #pragma omp for schedule(static)
         for (long b = 0; b < hblocks; b++) {

@@ -43,6 +43,7 @@ from transformers.masking_utils import (AttentionMaskInterface, causal_mask_func
 
 from promptlang.errors import ModelError
 from promptlang.runtime import native
+from promptlang.runtime.fused import MAX_TOKENS as FUSED_MAX_TOKENS
 from promptlang.runtime.fused import FusedDecoder, past_pieces, slot_runs
 
 # model_type -> position scheme. Every entry is exercised by tests/runtime/test_oracle.py.
@@ -174,6 +175,15 @@ class ModelAdapter:
         """Whether `forward` accepts a Past with `shared` slots (read in place)."""
         return False
 
+    def shares_dtype(self, dtype: torch.dtype) -> bool:
+        """Whether shared slots in `dtype` are worth handing to `forward` rather than copying
+        into the buffer: the model's own dtype, and bfloat16 where the fused layers read it
+        in place. (`forward` takes any float dtype: whatever path cannot read it gets those
+        slots copied into the buffer first.)"""
+        return dtype == self.dtype or (
+            dtype == torch.bfloat16 and self.dtype == torch.float32 and self.fused is not None
+            and native.enabled() and native.available())
+
     def empty_kv(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.kv_shape
         shape = (s.layers, s.kv_heads, capacity)
@@ -199,6 +209,8 @@ class ModelAdapter:
             past = Past(*self.empty_kv(q), positions.new_empty(0))
         if past.shared and not self.reads_shared:
             raise ValueError(f"{type(self).__name__} cannot read shared KV slots")
+        if allowed is not None or q > FUSED_MAX_TOKENS:
+            past = _widened(past)                # only the fused layers read other dtypes
         s = int(past.positions.shape[0])
         unmasked = allowed is None and self.sliding_window is None and self.unmasked_in_one_pass(s)
         if q > self.chunk_size and s + q <= past.keys.shape[2] and not unmasked and \
@@ -225,6 +237,7 @@ class ModelAdapter:
                         past.keys[:, :, s:s + q], past.values[:, :, s:s + q], rows)
                     if logits is not None:
                         return Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
+                past = _widened(past)
                 layers = [_BufferLayer(past.keys[l].unsqueeze(0), past.values[l].unsqueeze(0), s)
                           for l in range(self.kv_shape.layers)]
                 out = self._run(input_ids[None], positions, key_positions, mask,
@@ -559,6 +572,20 @@ def _with_shared(layer: int, shared, query, key, value, mask, scaling, kwargs) -
         seen = (piece_mask > float("-inf")).any(-1)                  # [B|1, 1, G*Q]
         parts.append((out, lse.masked_fill(~seen, float("-inf"))))
     return _merge(parts)
+
+
+def _widened(past: Past) -> Past:
+    """`past` with its shared runs in another dtype than the buffer's (a bfloat16 store's
+    units) copied into the buffer's own slots, which are stale and unused there."""
+    dtype = past.keys.dtype
+    if all(seg.keys.dtype == dtype and seg.values.dtype == dtype for seg in past.shared):
+        return past
+    for seg in past.shared:
+        if seg.keys.dtype != dtype or seg.values.dtype != dtype:
+            past.keys[:, :, seg.start:seg.end] = seg.keys
+            past.values[:, :, seg.start:seg.end] = seg.values
+    return past._replace(shared=tuple(seg for seg in past.shared
+                                      if seg.keys.dtype == dtype and seg.values.dtype == dtype))
 
 
 def _pieces(layer: int | None, shared, key, value, end: int):

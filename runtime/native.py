@@ -129,7 +129,7 @@ def _build_and_load() -> ctypes.CDLL | None:
                               _P, _P, ctypes.c_int]
     lib.pl_attend.restype = ctypes.c_int
     lib.pl_decoder.argtypes = [_P, _L, _P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _L, _P, _P,
-                               _P, _P, _P, _P, _L, _P, _L, ctypes.c_int]
+                               _P, _P, _P, _P, _P, _L, _P, _L, ctypes.c_int]
     lib.pl_decoder.restype = ctypes.c_int
     return lib
 
@@ -226,30 +226,31 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
 
     shape: ctypes longs (hidden, heads, kv_heads, head_dim, intermediate, layers); weights:
     ctypes pointers [layers][16] in kernels.c's order; cos, sin: [Q, D]; pieces: (keys,
-    values) pairs of past slots, [L, H_kv, n, D] each; new_keys/new_values: [L, H_kv, Q, D],
-    where the new tokens' keys/values are written.
+    values) pairs of past slots, [L, H_kv, n, D] each, float32 or bfloat16; new_keys/new_values:
+    [L, H_kv, Q, D] float32, where the new tokens' keys/values are written.
     """
     layers, nseg = shape[5], len(pieces)
     if nseg + 1 > MAX_SEGMENTS:
         raise ValueError(f"pl_decoder takes at most {MAX_SEGMENTS - 1} past pieces")
-    size = x.element_size()
 
     def per_layer(tensors):                       # [layer][piece] pointers
         return (ctypes.c_void_p * (layers * nseg))(*[
-            t.data_ptr() + l * t.stride(0) * size for l in range(layers) for t in tensors])
+            t.data_ptr() + l * t.stride(0) * t.element_size()
+            for l in range(layers) for t in tensors])
 
     keys = per_layer([p[0] for p in pieces])
     values = per_layer([p[1] for p in pieces])
     kstride = (ctypes.c_long * max(nseg, 1))(*[p[0].stride(1) for p in pieces])
     vstride = (ctypes.c_long * max(nseg, 1))(*[p[1].stride(1) for p in pieces])
     lens = (ctypes.c_long * max(nseg, 1))(*[p[0].shape[2] for p in pieces])
-    newk = (ctypes.c_void_p * layers)(*[new_keys.data_ptr() + l * new_keys.stride(0) * size
+    half = (ctypes.c_int * max(nseg, 1))(*[int(p[0].dtype == torch.bfloat16) for p in pieces])
+    newk = (ctypes.c_void_p * layers)(*[new_keys.data_ptr() + l * new_keys.stride(0) * 4
                                         for l in range(layers)])
-    newv = (ctypes.c_void_p * layers)(*[new_values.data_ptr() + l * new_values.stride(0) * size
+    newv = (ctypes.c_void_p * layers)(*[new_values.data_ptr() + l * new_values.stride(0) * 4
                                         for l in range(layers)])
     status = (_lib or _load()).pl_decoder(
         x.data_ptr(), x.shape[0], shape, eps, scale, weights, cos.data_ptr(), sin.data_ptr(),
-        nseg, keys, kstride, values, vstride, lens, newk, new_keys.stride(1), newv,
+        nseg, keys, kstride, values, vstride, lens, half, newk, new_keys.stride(1), newv,
         new_values.stride(1), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"pl_decoder failed ({status})")

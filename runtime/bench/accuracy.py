@@ -13,8 +13,9 @@ greedily under every setting, each document a module of its own:
                  tokens of every non-root unit (EPIC), "deviation:F" the fraction F of the
                  candidate tokens whose layer-1 KV deviates most from a full pass (in the
                  spirit of CacheBlend)
-  cached-bf16    cached, from a bfloat16 store (half the KV bytes; widened to float32 when
-                 a request assembles them): what the 16-bit store costs in answers
+  cached-bf16    cached, from a bfloat16 store (half the KV bytes; read in place by the fused
+                 layers of Llama-family models, else widened to float32 when a request
+                 assembles them): what the 16-bit store costs in answers
   isolate        the paper's rule: a document attends only to itself
   isolate+SPEC   isolated documents with SPEC applied
   scaffold       the item's documents in one scaffold, encoded jointly (full attention among
@@ -280,6 +281,7 @@ class AccuracyReport:
     cost: CostReport | None = None
     goals: list[Goal] = field(default_factory=list)
     workers: int = 1         # processes that answered the items
+    store16_read: str = "widened on assembly"    # how requests read the bfloat16 units
 
     @property
     def settings(self) -> tuple[str, ...]:
@@ -317,7 +319,8 @@ def _rule_llms(llm, budget: int) -> dict:
 
     device = llm.adapter.device
     return {rule: LLM(llm.adapter, llm.tokenizer,
-                      ModuleStore(device, budget, disk_budget_bytes=0, dtype=dtype),
+                      ModuleStore(device, budget, disk_budget_bytes=0, dtype=dtype,
+                                  compute_dtype=dtype),       # as load(store_dtype=...) does
                       isolate=isolate)
             for rule, isolate, dtype in (("context", False, None), ("isolate", True, None),
                                          ("context16", False, torch.bfloat16))}
@@ -335,6 +338,8 @@ def run_accuracy(llm, options: AccuracyOptions = AccuracyOptions(), *, model_nam
     Answers are the same; the items' TTFTs then include the workers' contention, so they
     compare settings within the run only. The cost section always runs in this process,
     alone, before the workers start."""
+    import torch
+
     started = time.perf_counter()
     names = options.settings
     cost = None
@@ -350,6 +355,8 @@ def run_accuracy(llm, options: AccuracyOptions = AccuracyOptions(), *, model_nam
             results = [_answer(item, llms, options, names, bar) for item in items]
     name = model_name or getattr(llm.tokenizer, "name", "") or ""
     report = AccuracyReport(options, name, results, time.perf_counter() - started, cost=cost)
+    if llm.adapter.shares_dtype(torch.bfloat16):
+        report.store16_read = "read in place by the fused layers"
     report.scores = score(results, options.kinds, names)
     report.goals = [recovery_goal(report)]
     report.workers = max(1, min(workers, len(items)))
@@ -806,7 +813,8 @@ def store16_effect(report: AccuracyReport) -> list[str]:
     if report.cost is not None and report.cost.ttft(STORE16) and report.cost.ttft("cached"):
         lines.append(f"TTFT at ~{report.cost.prompt_tokens:,} tokens: "
                      f"{report.cost.ttft('cached') * 1e3:.1f} ms (float32) vs "
-                     f"{report.cost.ttft(STORE16) * 1e3:.1f} ms (bfloat16, widened on assembly)")
+                     f"{report.cost.ttft(STORE16) * 1e3:.1f} ms (bfloat16, "
+                     f"{report.store16_read})")
     return lines
 
 

@@ -203,3 +203,70 @@ def test_a_weight_it_cannot_read_sends_the_pass_to_transformers(monkeypatch):
     monkeypatch.setattr(native, "decoder", lambda *a: pytest.fail("pl_decoder called"))
     adapter.forward(torch.arange(3), torch.arange(30, 33), past, None, torch.arange(3))
     assert adapter.fused._weights() is None
+
+
+def test_bfloat16_units_are_read_in_place(llama, monkeypatch):
+    """A 16-bit store's unit shared as bfloat16: the fused pass reads it where it is and
+    equals transformers' layers over the same values widened into the buffer; without the
+    fused layers (or with a mask) the pass widens it into the buffer itself."""
+    adapter = adapt(llama)
+    assert adapter.shares_dtype(torch.bfloat16)
+    past = encoded_past(adapter, 300, 306)
+    unit = SharedKV(20, 260, past.keys[:, :, 20:260].to(torch.bfloat16),
+                    past.values[:, :, 20:260].to(torch.bfloat16))
+    widened = Past(past.keys.clone(), past.values.clone(), past.positions)
+    widened.keys[:, :, 20:260] = unit.keys.float()
+    widened.values[:, :, 20:260] = unit.values.float()
+    ids, positions, rows = torch.tensor([5, 6, 7, 8, 9, 10]), torch.arange(300, 306), torch.arange(6)
+    with fused.disabled(), native.disabled():
+        want = adapter.forward(ids, positions, widened, None, rows)
+        want = (want.logits, want.keys.clone(), want.values.clone())
+
+    def shared_past():
+        keys, values = past.keys.clone(), past.values.clone()
+        keys[:, :, 20:260] = 1e3                     # stale: must not be read
+        values[:, :, 20:260] = -1e3
+        return Past(keys, values, past.positions, (unit,))
+
+    calls = []
+    real = native.decoder
+    monkeypatch.setattr(native, "decoder", lambda *a: calls.append(1) or real(*a))
+    step = adapter.forward(ids, positions, shared_past(), None, rows)
+    assert calls == [1]
+    assert_close([(step.logits, step.keys, step.values), want])
+    with fused.disabled():                           # transformers' layers, kernels on
+        step = adapter.forward(ids, positions, shared_past(), None, rows)
+    assert calls == [1]
+    assert_close([(step.logits, step.keys, step.values), want])
+    masked = torch.ones(6, 306, dtype=torch.bool)
+    masked[:, 300:] = torch.ones(6, 6, dtype=torch.bool).tril()
+    step = adapter.forward(ids, positions, shared_past(), masked, rows)   # same visibility
+    assert calls == [1]
+    assert_close([(step.logits, step.keys, step.values), want])
+
+
+def test_a_bfloat16_store_is_shared_not_copied_and_matches_pytorch(tmp_path):
+    from promptlang.runtime.engine import LLM
+    from promptlang.runtime.store import ModuleStore
+    from promptlang.tokenizer import WordTokenizer
+
+    from .test_oracle import PROMPTS, SCHEMA, VOCAB as WORDS, tiny_model
+
+    store = ModuleStore(disk_dir=tmp_path, dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
+    llm = LLM.from_model(tiny_model("llama"), WordTokenizer(WORDS, bos=True), store=store)
+    llm.add_schema(SCHEMA)
+    llm.assembler.share_min_tokens = 1
+    prompt = PROMPTS["nested modules"]
+    llm.prefill(prompt)                              # encodes the units
+    shared_before = llm.assembler.shared_tokens
+    fast = llm.prefill(prompt, all_logits=True)
+    assert llm.assembler.shared_tokens > shared_before
+    with native.disabled():                          # PyTorch: units widened on assembly
+        copied_before = llm.assembler.copied_tokens
+        slow = llm.prefill(prompt, all_logits=True)
+        assert llm.assembler.copied_tokens > copied_before
+    torch.testing.assert_close(fast.logits, slow.logits, rtol=0, atol=1e-4)
+    fast_order, slow_order = torch.argsort(fast.positions), torch.argsort(slow.positions)
+    assert torch.equal(fast.positions[fast_order], slow.positions[slow_order])   # slots differ
+    for a, b in ((fast.keys, slow.keys), (fast.values, slow.values)):
+        torch.testing.assert_close(a[:, :, fast_order], b[:, :, slow_order], rtol=0, atol=1e-4)
