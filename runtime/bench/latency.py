@@ -626,9 +626,10 @@ def sections(report: LatencyReport) -> list[Section]:
     k_cached, k_baseline, span = exponents(points)
     lines = [f"{o.repeats} timed requests per cached tier (median shown), "
              f"{o.baseline_repeats} per baseline; seconds; model {report.model}",
-             "cold: the first cached request, encoding included; device: the module in "
-             "memory, copied into the request buffer; held: the request buffer still holds "
-             "it; host: the store's host tier; disk: read and verified from its file",
+             "cold: the first cached request, encoding included; device: the module in the "
+             "store's memory (read in place from 256 tokens on, else copied into the request "
+             "buffer); held: the request buffer still holds it; host: the store's host tier; "
+             "disk: read and verified from its file",
              ]
     if report.skipped:
         lines.append(f"skipped (longer than the model's context): "
