@@ -8,6 +8,9 @@
  *   with an online softmax: no Q x K mask, no copies, no log-sum-exp merge in Python.
  * pl_linear: y = x W^T (+ b) for a few rows of x against nn.Linear's row-major weight, each
  *   weight row read once and reused for every x row while it is in cache.
+ * pl_decoder: every decoder layer of a Llama-family model for a few new tokens in one parallel
+ *   region (runtime/fused.py): RMSNorm, projections, RoPE, pl_attend's attention (past pieces
+ *   in float32 or bfloat16), SiLU-gated MLP, residuals.
  *
  * Threads come from the caller (torch's count); the OpenMP runtime is the one torch loaded.
  */

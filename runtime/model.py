@@ -19,9 +19,11 @@ The position scheme decides what else is needed:
 Keys and values are kept at `num_key_value_heads` (never after repeat_kv), as
 `[L, H_kv, S, D]`.
 
-On an x86-64 CPU with AVX2, this runtime's own passes run small linear layers (up to
-NATIVE_LINEAR_MAX_ROWS rows, any scheme) and the unmasked attention of RoPE models through
-runtime/kernels.c (see native.py); calls from outside the runtime never do.
+On an x86-64 CPU with AVX2, this runtime's own passes run through runtime/kernels.c (see
+native.py): for Llama-family models every decoder layer of an unmasked pass of a few new
+tokens at once (runtime/fused.py, which also reads a bfloat16 store's units in place); else
+small linear layers (up to NATIVE_LINEAR_MAX_ROWS rows, any scheme) and the unmasked
+attention of RoPE models inside transformers' layers. Calls from outside the runtime never do.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 The kernels serve the shapes a cached request has on a CPU -- a handful of new query rows
 against thousands of cached keys, and a handful of rows through each linear layer -- where
 PyTorch's general kernels run at half the machine's matmul rate (docs/BENCHMARKS.md,
-"Performance work"). They need x86-64 with AVX2 and FMA, a C compiler (`cc`, or `$CC`) and
-float32 tensors; anything else, or `PROMPTLANG_NATIVE=0`, leaves every caller on PyTorch.
+"Performance work"): `attend` (pl_attend), `linear` (pl_linear), and `decoder` (pl_decoder:
+every layer of a Llama-family model, driven by runtime/fused.py). They need x86-64 with AVX2
+and FMA, a C compiler (`cc`, or `$CC`) and float32 tensors; anything else, or
+`PROMPTLANG_NATIVE=0`, leaves every caller on PyTorch.
 
 The shared library is compiled once per source version into `<promptlang home>/native/`
 (about 3 s) and reused by later processes.
