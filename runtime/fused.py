@@ -12,7 +12,7 @@ The embedding, the rotary tables, the final norm and the LM head stay the model'
 It serves models whose structure is exactly that (Llama, Mistral, Qwen2; checked module by
 module when the adapter is built), float32 on a CPU with the kernels available, up to
 MAX_TOKENS new tokens that see every past key (no mask), with no hooks on the model's
-modules. Past pieces may be bfloat16 (a 16-bit store's units, read in place). Anything else takes the transformers path; both are held to the same oracle
+modules. Past pieces may be bfloat16 or float16 (a 16-bit store's units, read in place). Anything else takes the transformers path; both are held to the same oracle
 (tests/runtime/test_fused.py, tests/runtime/test_oracle.py).
 """
 
@@ -28,9 +28,9 @@ from promptlang.runtime import native
 # model_type -> class-name prefix of the modules a fused model must consist of
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 
-# Past pieces pl_decoder reads in place: float32, and bfloat16 (a 16-bit store's units,
-# widened in cache a block at a time instead of copied into the request buffer).
-PIECE_DTYPES = (torch.float32, torch.bfloat16)
+# Past pieces pl_decoder reads in place: float32, and bfloat16 or float16 (a 16-bit store's
+# units, widened in cache a block at a time instead of copied into the request buffer).
+PIECE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Up to this many new tokens (as for the kernels in model.py; beyond it MKL's GEMMs win).
 MAX_TOKENS = 64

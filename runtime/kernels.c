@@ -10,7 +10,7 @@
  *   weight row read once and reused for every x row while it is in cache.
  * pl_decoder: every decoder layer of a Llama-family model for a few new tokens in one parallel
  *   region (runtime/fused.py): RMSNorm, projections, RoPE, pl_attend's attention (past pieces
- *   in float32 or bfloat16), SiLU-gated MLP, residuals.
+ *   in float32, bfloat16 or float16), SiLU-gated MLP, residuals.
  *
  * Threads come from the caller (torch's count); the OpenMP runtime is the one torch loaded.
  */
@@ -302,8 +302,17 @@ typedef struct {           /* one task's rows over its key range, before normali
     float *m, *l, *acc;    /* [rows], [rows], [rows][d] */
 } Partial;
 
-/* dst[i] = src[i] for n bfloat16 values (n % 8 == 0): the 16 bits are a float's upper half */
-static void widen_bf16(const uint16_t* src, long n, float* dst) {
+/* 16-bit kinds of a segment (the `half` flags; 0 is float32) */
+enum { HALF_BF16 = 1, HALF_FP16 = 2 };
+
+/* dst[i] = src[i] for n 16-bit values (n % 8 == 0): bfloat16 (a float's upper half) or
+ * IEEE half precision (F16C) */
+static void widen16(const uint16_t* src, long n, int kind, float* dst) {
+    if (kind == HALF_FP16) {
+        for (long i = 0; i < n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+        return;
+    }
     for (long i = 0; i < n; i += 8) {
         __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(src + i)));
         _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
@@ -312,8 +321,8 @@ static void widen_bf16(const uint16_t* src, long n, float* dst) {
 
 /* Rows [r0, r1) (nr <= MAXR) of one KV head against keys [a, b) of the concatenated segments:
  * unnormalised output, running max and sum into *part. qs: the rows, pre-scaled. Segment g
- * holds float32 keys/values, or bfloat16 ones where half && half[g] (widened a block at a
- * time, in cache). */
+ * holds float32 keys/values, or 16-bit ones where half && half[g] (HALF_BF16, HALF_FP16;
+ * widened a block at a time, in cache). */
 static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                         const char* const* keys, const char* const* values, const long* lens,
                         const int* causal, const int* half, long qlen, long a, long b,
@@ -341,9 +350,9 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                                  (d / 32) * ((nr + 2) / 3));
             const float* vb;
             if (es == 2) {
-                widen_bf16((const uint16_t*)(keys[g] + j0 * d * es), nk * d, wide);
+                widen16((const uint16_t*)(keys[g] + j0 * d * es), nk * d, half[g], wide);
                 transpose_block(wide, nk, d, kt);
-                widen_bf16((const uint16_t*)(values[g] + j0 * d * es), nk * d, wide);
+                widen16((const uint16_t*)(values[g] + j0 * d * es), nk * d, half[g], wide);
                 vb = wide;
             } else {
                 transpose_block((const float*)(keys[g] + j0 * d * es), nk, d, kt);
@@ -442,7 +451,7 @@ static void attend_partials(const Plan* p, float* space, Partial* parts) {
 
 /* Every task of the plan (a worksharing loop: call from every thread of a parallel region, or
  * from outside one). qs: [heads][rows][d] pre-scaled rows; segment g of head h starts at
- * keys[g] + h * kstride[g] elements, float32 or, where half && half[g], bfloat16. Ends with a
+ * keys[g] + h * kstride[g] elements, float32 or, where half && half[g], 16-bit. Ends with a
  * barrier. */
 static void attend_tasks(const Plan* p, const float* qs, long nseg, const void* const* keys,
                          const long* kstride, const void* const* values, const long* vstride,
@@ -584,7 +593,7 @@ static void linear_residual(const float* x, long m, long k, const float* w, cons
  * cos, sin: [q][head_dim], the rotary tables at the tokens' positions.
  * The past: nseg segments per layer, segment g of layer l at keys[l * nseg + g] (head h at
  * + h * kstride[g] elements, rows of head_dim), lens[g] keys, float32 or, where half[g] (half
- * may be NULL), bfloat16; every key visible to every token.
+ * may be NULL), bfloat16 (HALF_BF16) or float16 (HALF_FP16); every key visible to every token.
  * newk[l], newv[l]: where layer l's new keys/values go (head h at + h * nkstride, token t at
  * + t * head_dim); the tokens then attend to them causally, in input order.
  * Returns 0, -1 for unsupported shapes, -2 when out of memory. */

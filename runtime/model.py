@@ -21,7 +21,7 @@ Keys and values are kept at `num_key_value_heads` (never after repeat_kv), as
 
 On an x86-64 CPU with AVX2, this runtime's own passes run through runtime/kernels.c (see
 native.py): for Llama-family models every decoder layer of an unmasked pass of a few new
-tokens at once (runtime/fused.py, which also reads a bfloat16 store's units in place); else
+tokens at once (runtime/fused.py, which also reads a 16-bit store's units in place); else
 small linear layers (up to NATIVE_LINEAR_MAX_ROWS rows, any scheme) and the unmasked
 attention of RoPE models inside transformers' layers. Calls from outside the runtime never do.
 """
@@ -179,12 +179,12 @@ class ModelAdapter:
 
     def shares_dtype(self, dtype: torch.dtype) -> bool:
         """Whether shared slots in `dtype` are worth handing to `forward` rather than copying
-        into the buffer: the model's own dtype, and bfloat16 where the fused layers read it
-        in place. (`forward` takes any float dtype: whatever path cannot read it gets those
-        slots copied into the buffer first.)"""
+        into the buffer: the model's own dtype, and a 16-bit one where the fused layers read
+        it in place. (`forward` takes any float dtype: whatever path cannot read it gets
+        those slots copied into the buffer first.)"""
         return dtype == self.dtype or (
-            dtype == torch.bfloat16 and self.dtype == torch.float32 and self.fused is not None
-            and native.enabled() and native.available())
+            dtype in (torch.bfloat16, torch.float16) and self.dtype == torch.float32
+            and self.fused is not None and native.enabled() and native.available())
 
     def empty_kv(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.kv_shape

@@ -5,7 +5,7 @@ against thousands of cached keys, and a handful of rows through each linear laye
 PyTorch's general kernels run at half the machine's matmul rate (docs/BENCHMARKS.md,
 "Performance work"): `attend` (pl_attend), `linear` (pl_linear), and `decoder` (pl_decoder:
 every layer of a Llama-family model, driven by runtime/fused.py). They need x86-64 with AVX2
-and FMA, a C compiler (`cc`, or `$CC`) and float32 tensors; anything else, or
+and FMA (and F16C, which every AVX2 CPU has), a C compiler (`cc`, or `$CC`) and float32 tensors; anything else, or
 `PROMPTLANG_NATIVE=0`, leaves every caller on PyTorch.
 
 The shared library is compiled once per source version into `<promptlang home>/native/`
@@ -31,7 +31,7 @@ import torch
 from promptlang.home import promptlang_home
 
 _SOURCE = Path(__file__).with_name("kernels.c")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
 MAX_HEAD_DIM = 256     # kernels.c MAXD
 MAX_SEGMENTS = 64      # pl_attend's segment count limit
 
@@ -221,6 +221,9 @@ def attend(rows: torch.Tensor, pieces, new_tokens: int, scale: float,
 
 # --- decoder layers -------------------------------------------------------------------------------
 
+_HALF_KINDS = {torch.bfloat16: 1, torch.float16: 2}     # kernels.c's HALF_BF16, HALF_FP16
+
+
 def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torch.Tensor,
             sin: torch.Tensor, pieces, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
     """Every decoder layer of a Llama-family model over x ([Q, hidden], replaced by the last
@@ -228,7 +231,7 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
 
     shape: ctypes longs (hidden, heads, kv_heads, head_dim, intermediate, layers); weights:
     ctypes pointers [layers][16] in kernels.c's order; cos, sin: [Q, D]; pieces: (keys,
-    values) pairs of past slots, [L, H_kv, n, D] each, float32 or bfloat16; new_keys/new_values:
+    values) pairs of past slots, [L, H_kv, n, D] each, float32, bfloat16 or float16; new_keys/new_values:
     [L, H_kv, Q, D] float32, where the new tokens' keys/values are written.
     """
     layers, nseg = shape[5], len(pieces)
@@ -245,7 +248,7 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     kstride = (ctypes.c_long * max(nseg, 1))(*[p[0].stride(1) for p in pieces])
     vstride = (ctypes.c_long * max(nseg, 1))(*[p[1].stride(1) for p in pieces])
     lens = (ctypes.c_long * max(nseg, 1))(*[p[0].shape[2] for p in pieces])
-    half = (ctypes.c_int * max(nseg, 1))(*[int(p[0].dtype == torch.bfloat16) for p in pieces])
+    half = (ctypes.c_int * max(nseg, 1))(*[_HALF_KINDS.get(p[0].dtype, 0) for p in pieces])
     newk = (ctypes.c_void_p * layers)(*[new_keys.data_ptr() + l * new_keys.stride(0) * 4
                                         for l in range(layers)])
     newv = (ctypes.c_void_p * layers)(*[new_values.data_ptr() + l * new_values.stride(0) * 4

@@ -205,15 +205,19 @@ def test_a_weight_it_cannot_read_sends_the_pass_to_transformers(monkeypatch):
     assert adapter.fused._weights() is None
 
 
-def test_bfloat16_units_are_read_in_place(llama, monkeypatch):
-    """A 16-bit store's unit shared as bfloat16: the fused pass reads it where it is and
+HALVES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("half", HALVES, ids=str)
+def test_16_bit_units_are_read_in_place(llama, monkeypatch, half):
+    """A 16-bit store's unit shared as it is: the fused pass reads it where it is and
     equals transformers' layers over the same values widened into the buffer; without the
     fused layers (or with a mask) the pass widens it into the buffer itself."""
     adapter = adapt(llama)
-    assert adapter.shares_dtype(torch.bfloat16)
+    assert adapter.shares_dtype(half)
     past = encoded_past(adapter, 300, 306)
-    unit = SharedKV(20, 260, past.keys[:, :, 20:260].to(torch.bfloat16),
-                    past.values[:, :, 20:260].to(torch.bfloat16))
+    unit = SharedKV(20, 260, past.keys[:, :, 20:260].to(half),
+                    past.values[:, :, 20:260].to(half))
     widened = Past(past.keys.clone(), past.values.clone(), past.positions)
     widened.keys[:, :, 20:260] = unit.keys.float()
     widened.values[:, :, 20:260] = unit.values.float()
@@ -245,14 +249,15 @@ def test_bfloat16_units_are_read_in_place(llama, monkeypatch):
     assert_close([(step.logits, step.keys, step.values), want])
 
 
-def test_a_bfloat16_store_is_shared_not_copied_and_matches_pytorch(tmp_path):
+@pytest.mark.parametrize("half", HALVES, ids=str)
+def test_a_16_bit_store_is_shared_not_copied_and_matches_pytorch(tmp_path, half):
     from promptlang.runtime.engine import LLM
     from promptlang.runtime.store import ModuleStore
     from promptlang.tokenizer import WordTokenizer
 
     from .test_oracle import PROMPTS, SCHEMA, VOCAB as WORDS, tiny_model
 
-    store = ModuleStore(disk_dir=tmp_path, dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
+    store = ModuleStore(disk_dir=tmp_path, dtype=half, compute_dtype=half)
     llm = LLM.from_model(tiny_model("llama"), WordTokenizer(WORDS, bos=True), store=store)
     llm.add_schema(SCHEMA)
     llm.assembler.share_min_tokens = 1
