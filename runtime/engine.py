@@ -455,9 +455,10 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
          store_dtype: torch.dtype | None = None, recompute: "str | Recompute" = "none") -> LLM:
     """Load a causal LM (None: the embedded default, SmolLM2-135M-Instruct) ready to serve.
 
-    store_dtype (e.g. torch.bfloat16): keep cached KV at that precision (half the bytes);
-    it goes back to `dtype` only when copied into a request's buffer. Ignored if `store`
-    is given. recompute: the default recompute policy of requests whose schema names
+    store_dtype (e.g. torch.bfloat16): keep cached KV at that precision (half the bytes).
+    With the fused layers (Llama-family models on a CPU with the kernels) long units are
+    read in place at that precision; otherwise they go back to `dtype` when copied into a
+    request's buffer. Ignored if `store` is given. recompute: the default recompute policy of requests whose schema names
     none (docs/RECOMPUTE.md)."""
     from promptlang.runtime.loading import load_hf_model
     hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)
