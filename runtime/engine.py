@@ -458,8 +458,8 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     store_dtype (e.g. torch.bfloat16): keep cached KV at that precision (half the bytes).
     With the fused layers (Llama-family models on a CPU with the kernels) long units are
     read in place at that precision; otherwise they go back to `dtype` when copied into a
-    request's buffer. Ignored if `store` is given. recompute: the default recompute policy of requests whose schema names
-    none (docs/RECOMPUTE.md)."""
+    request's buffer. Ignored if `store` is given. recompute: the default recompute policy
+    of requests whose schema names none (docs/RECOMPUTE.md)."""
     from promptlang.runtime.loading import load_hf_model
     hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)
     adapter = adapt(hf_model)

@@ -22,6 +22,7 @@ import ctypes
 from typing import NamedTuple
 
 import torch
+from torch.nn.modules import module as nn_module
 
 from promptlang.runtime import native
 
@@ -124,14 +125,15 @@ class FusedDecoder:
         new_keys/new_values ([L, H_kv, Q, D] views into the buffer). None (nothing written)
         where pl_decoder does not apply."""
         q = int(input_ids.shape[0])
-        table = self._weights()
-        if (table is None or not _switch or not 0 < q <= MAX_TOKENS
-                or len(pieces) >= native.MAX_SEGMENTS or not native.enabled()
-                or not native.available() or self._hooked()
+        if (not _switch or not 0 < q <= MAX_TOKENS or len(pieces) >= native.MAX_SEGMENTS
+                or not native.enabled() or not native.available() or self._hooked()
                 or not all(_readable(t, self.kv_heads, self.head_dim, PIECE_DTYPES)
                            and p.keys.dtype == p.values.dtype for p in pieces for t in p)
                 or not all(_readable(t, self.kv_heads, self.head_dim, (torch.float32,))
                            for t in (new_keys, new_values))):
+            return None
+        table = self._weights()
+        if table is None:
             return None
         x = self.embed(input_ids).contiguous()                         # [Q, hidden]
         if x.dtype != torch.float32:
@@ -162,8 +164,6 @@ class FusedDecoder:
 
     def _hooked(self) -> bool:
         """Hooks on any of the model's modules would be skipped by the kernel."""
-        from torch.nn.modules import module as nn_module
-
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return True
         return any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)

@@ -45,7 +45,6 @@ from transformers.masking_utils import (AttentionMaskInterface, causal_mask_func
 
 from promptlang.errors import ModelError
 from promptlang.runtime import native
-from promptlang.runtime.fused import MAX_TOKENS as FUSED_MAX_TOKENS
 from promptlang.runtime.fused import FusedDecoder, past_pieces, slot_runs
 
 # model_type -> position scheme. Every entry is exercised by tests/runtime/test_oracle.py.
@@ -211,13 +210,13 @@ class ModelAdapter:
             past = Past(*self.empty_kv(q), positions.new_empty(0))
         if past.shared and not self.reads_shared:
             raise ValueError(f"{type(self).__name__} cannot read shared KV slots")
-        if allowed is not None or q > FUSED_MAX_TOKENS:
-            past = _widened(past)                # only the fused layers read other dtypes
         s = int(past.positions.shape[0])
         unmasked = allowed is None and self.sliding_window is None and self.unmasked_in_one_pass(s)
         if q > self.chunk_size and s + q <= past.keys.shape[2] and not unmasked and \
                 (allowed is None or not bool(allowed[:, s:].triu(1).any())):
-            return self._forward_chunked(input_ids, positions, past, allowed, logits_rows)
+            # chunks are never fused: 16-bit shared runs are widened once, not per chunk
+            return self._forward_chunked(input_ids, positions, _widened(past), allowed,
+                                         logits_rows)
         key_positions = torch.cat([past.positions, positions])        # [S + Q]
         if self.sliding_window is not None and allowed is None and q > 0:
             span = int(positions.max()) - int(key_positions.min())
@@ -580,14 +579,14 @@ def _widened(past: Past) -> Past:
     """`past` with its shared runs in another dtype than the buffer's (a bfloat16 store's
     units) copied into the buffer's own slots, which are stale and unused there."""
     dtype = past.keys.dtype
-    if all(seg.keys.dtype == dtype and seg.values.dtype == dtype for seg in past.shared):
+    own = [seg.keys.dtype == dtype and seg.values.dtype == dtype for seg in past.shared]
+    if all(own):
         return past
-    for seg in past.shared:
-        if seg.keys.dtype != dtype or seg.values.dtype != dtype:
+    for seg, ok in zip(past.shared, own):
+        if not ok:
             past.keys[:, :, seg.start:seg.end] = seg.keys
             past.values[:, :, seg.start:seg.end] = seg.values
-    return past._replace(shared=tuple(seg for seg in past.shared
-                                      if seg.keys.dtype == dtype and seg.values.dtype == dtype))
+    return past._replace(shared=tuple(seg for seg, ok in zip(past.shared, own) if ok))
 
 
 def _pieces(layer: int | None, shared, key, value, end: int):

@@ -5,8 +5,8 @@ against thousands of cached keys, and a handful of rows through each linear laye
 PyTorch's general kernels run at half the machine's matmul rate (docs/BENCHMARKS.md,
 "Performance work"): `attend` (pl_attend), `linear` (pl_linear), and `decoder` (pl_decoder:
 every layer of a Llama-family model, driven by runtime/fused.py). They need x86-64 with AVX2
-and FMA (and F16C, which every AVX2 CPU has), a C compiler (`cc`, or `$CC`) and float32 tensors; anything else, or
-`PROMPTLANG_NATIVE=0`, leaves every caller on PyTorch.
+and FMA (and F16C, which every AVX2 CPU has), a C compiler (`cc`, or `$CC`) and float32
+tensors; anything else, or `PROMPTLANG_NATIVE=0`, leaves every caller on PyTorch.
 
 The shared library is compiled once per source version into `<promptlang home>/native/`
 (about 3 s) and reused by later processes.
@@ -231,15 +231,15 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
 
     shape: ctypes longs (hidden, heads, kv_heads, head_dim, intermediate, layers); weights:
     ctypes pointers [layers][16] in kernels.c's order; cos, sin: [Q, D]; pieces: (keys,
-    values) pairs of past slots, [L, H_kv, n, D] each, float32, bfloat16 or float16; new_keys/new_values:
-    [L, H_kv, Q, D] float32, where the new tokens' keys/values are written.
+    values) pairs of past slots, [L, H_kv, n, D] each, float32, bfloat16 or float16;
+    new_keys/new_values: [L, H_kv, Q, D] float32, where the new tokens' keys/values go.
     """
     layers, nseg = shape[5], len(pieces)
     if nseg + 1 > MAX_SEGMENTS:
         raise ValueError(f"pl_decoder takes at most {MAX_SEGMENTS - 1} past pieces")
 
-    def per_layer(tensors):                       # [layer][piece] pointers
-        return (ctypes.c_void_p * (layers * nseg))(*[
+    def per_layer(tensors):                       # [layer][tensor] pointers
+        return (ctypes.c_void_p * (layers * len(tensors)))(*[
             t.data_ptr() + l * t.stride(0) * t.element_size()
             for l in range(layers) for t in tensors])
 
@@ -249,10 +249,7 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     vstride = (ctypes.c_long * max(nseg, 1))(*[p[1].stride(1) for p in pieces])
     lens = (ctypes.c_long * max(nseg, 1))(*[p[0].shape[2] for p in pieces])
     half = (ctypes.c_int * max(nseg, 1))(*[_HALF_KINDS.get(p[0].dtype, 0) for p in pieces])
-    newk = (ctypes.c_void_p * layers)(*[new_keys.data_ptr() + l * new_keys.stride(0) * 4
-                                        for l in range(layers)])
-    newv = (ctypes.c_void_p * layers)(*[new_values.data_ptr() + l * new_values.stride(0) * 4
-                                        for l in range(layers)])
+    newk, newv = per_layer([new_keys]), per_layer([new_values])
     status = (_lib or _load()).pl_decoder(
         x.data_ptr(), x.shape[0], shape, eps, scale, weights, cos.data_ptr(), sin.data_ptr(),
         nseg, keys, kstride, values, vstride, lens, half, newk, new_keys.stride(1), newv,

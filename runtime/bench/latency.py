@@ -35,6 +35,7 @@ transformers' own `generate()` on a stock copy of the model (its default attenti
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -243,30 +244,25 @@ def run_latency(llm: LLM, options: LatencyOptions = LatencyOptions(), *,
 
     points, decode_result, at_goal = [], None, None
     with tempfile.TemporaryDirectory(prefix=".kv-latency-", dir=workdir) as folder, \
-            Progress(total=steps, desc="latency", enabled=progress) as bar:
+            Progress(total=steps, desc="latency", enabled=progress) as bar, \
+            contextlib.ExitStack() as kept:       # the goal length's stores, until the end
         if cases:
             _warm_up(llm, Path(folder), options.seed)
-        try:
-            for case in cases:
+        for case in cases:
+            with contextlib.ExitStack() as this:
                 stores = _Stores(llm, Path(folder))
-                try:
-                    point = _measure(stores, case, options, bar, goal)
-                    points.append(point)
-                    bar.write(f"latency: {point.cached_tokens:,} cached tokens: baseline "
-                              f"{point.median('baseline'):.3f} s, cached "
-                              f"{point.median('device'):.4f} s")
-                    if case.length == goal:
-                        decode_result = _compare_decode(stores, case, options, model_source,
-                                                        bar)
-                        at_goal, stores = (stores, case, point), None     # kept for later
-                finally:
-                    if stores is not None:
-                        stores.close()
-            if at_goal is not None:
-                _device_again(*at_goal, options, bar)
-        finally:
-            if at_goal is not None:
-                at_goal[0].close()
+                this.callback(stores.close)
+                point = _measure(stores, case, options, bar, goal)
+                points.append(point)
+                bar.write(f"latency: {point.cached_tokens:,} cached tokens: baseline "
+                          f"{point.median('baseline'):.3f} s, cached "
+                          f"{point.median('device'):.4f} s")
+                if case.length == goal:
+                    decode_result = _compare_decode(stores, case, options, model_source, bar)
+                    at_goal = (stores, case, point)
+                    kept.push(this.pop_all())     # closed with the run, not now
+        if at_goal is not None:
+            _device_again(*at_goal, options, bar)
 
     # the rates again, now that the machine is warm; other load only ever slows a
     # measurement down, so the floor takes the better of the two
