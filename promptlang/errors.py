@@ -104,6 +104,10 @@ class SourceFileError(PromptLangError):
     """A `src=` file that is missing, unreadable, or outside the schema's folder."""
 
 
+class InputFileError(PromptLangError):
+    """An input file that is not a regular file, is over the size cap, or is not UTF-8."""
+
+
 class ContextLengthError(PromptLangError):
     """A layout or a request that needs more positions than the model has."""
 

@@ -1,13 +1,24 @@
-"""Where promptlang keeps files between runs: the default model, converted models, the KV disk tier.
+"""Where promptlang keeps files between runs, and the rules that keep them private.
 
 `PROMPTLANG_HOME` overrides the location (default: `$XDG_CACHE_HOME/promptlang`,
-else `~/.cache/promptlang`).
+else `~/.cache/promptlang`). It holds the default model, converted models, the KV
+disk tier and the compiled CPU kernels.
+
+Everything promptlang writes there is private to the user: folders 0700, files 0600,
+written to a temporary name and renamed into place. Everything it loads from there
+(a kernel library, a KV file) is first checked with `untrusted_reason`: a file that
+another user owns, or that others could have written, is never loaded.
 """
 
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 from pathlib import Path
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
 
 
 def promptlang_home() -> Path:
@@ -24,3 +35,88 @@ def models_dir() -> Path:
 
 def kv_dir() -> Path:
     return promptlang_home() / "kv"
+
+
+def native_dir() -> Path:
+    return promptlang_home() / "native"
+
+
+def private_dir(path: str | os.PathLike) -> Path:
+    """Create `path` (and missing parents) with mode 0700; tighten it if it is ours and looser.
+
+    Parents that already exist are left as they are (they may be the user's ~/.cache);
+    folders this call creates get 0700 whatever the umask.
+    """
+    path = Path(path)
+    missing = []
+    probe = path
+    while not probe.exists():
+        missing.append(probe)
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            pass
+        _tighten(folder)
+    if not missing:
+        _tighten(path)
+    return path
+
+
+def _tighten(folder: Path) -> None:
+    try:
+        info = folder.stat()
+        if info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) & 0o077:
+            folder.chmod(stat.S_IMODE(info.st_mode) & ~0o077)
+    except OSError:
+        pass                      # the caller's next write says what is wrong
+
+
+def write_private(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` as a 0600 file, atomically (temporary name, then rename)."""
+    path = Path(path)
+    private_dir(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:     # mkstemp creates it 0600
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def untrusted_reason(path: str | os.PathLike) -> str | None:
+    """Why the file at `path` must not be loaded, or None when it may be.
+
+    A file may be loaded when it is a regular file (not a link, FIFO or device), owned by
+    the current user, and neither it nor its folder is writable by group or others.
+    """
+    path = Path(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return "it does not exist"
+    except OSError as err:
+        return f"it cannot be read ({err.strerror})"
+    if not stat.S_ISREG(info.st_mode):
+        return "it is not a regular file"
+    if info.st_uid != os.getuid():
+        return f"it is owned by uid {info.st_uid}, not by the current user"
+    if info.st_mode & 0o022:
+        return "others can write to it"
+    try:
+        folder = os.stat(path.parent)
+    except OSError as err:
+        return f"its folder cannot be read ({err.strerror})"
+    if folder.st_uid != os.getuid():
+        return f"its folder is owned by uid {folder.st_uid}, not by the current user"
+    if folder.st_mode & 0o022:
+        return "others can write to its folder"
+    return None
