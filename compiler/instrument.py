@@ -7,11 +7,14 @@ The analysed `def` is rewritten so that the statements the IR knows report to
     question                  ->  _promptlang_rt.value(4, question)
     f"Hi {name:>8}"           ->  _promptlang_rt.fstring(5, (f'{name:>8}',))
     header(name, formal=True) ->  _promptlang_rt.call(6, header, name, formal=True)
-    if c: <body>              ->  if c: with _promptlang_rt.module(8): <body>
+    if c: <body>              ->  if c: _promptlang_rt.enter(8); <body>; _promptlang_rt.leave(8)
     with user(): <body>       ->  with _promptlang_rt.role(9, 10): <body>
 
 Calling it with the real arguments is how a call learns, with Python's own
-semantics, which arms run and what each hole holds.
+semantics, which arms run and what each hole holds. A module arm is marked by two
+calls, not a `with` block: the rewrite adds no block, so a body that CPython accepts
+(at most 20 statically nested blocks) still compiles; a module an early `return`
+leaves open is closed by the trace when the function returns.
 
 The rewrite works on CPython's `ast` (the analysis uses libcst) because an AST
 compiles with the original line and column of every expression: a traceback
@@ -111,10 +114,9 @@ class _Instrument(ast.NodeTransformer):
         return ast.copy_location(ast.Expr(ast.copy_location(call, value)), node)
 
     def module(self, item_id: int, body: list[ast.stmt]) -> list[ast.stmt]:
-        guard = ast.With(items=[ast.withitem(_rt("module", ast.Constant(item_id)))], body=body)
-        ast.copy_location(guard, body[0])
-        guard.end_lineno, guard.end_col_offset = body[-1].end_lineno, body[-1].end_col_offset
-        return [guard]
+        enter = ast.Expr(_rt("enter", ast.Constant(item_id)))
+        leave = ast.Expr(_rt("leave", ast.Constant(item_id)))
+        return [ast.copy_location(enter, body[0]), *body, ast.copy_location(leave, body[-1])]
 
     def visit_If(self, node: ast.If):
         else_id = self.at("else", node)    # before the visit: the orelse may change

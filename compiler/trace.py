@@ -67,8 +67,11 @@ class Hooks:
     def call(self, item: int, func, *args, **kwargs) -> None:
         self._trace().call(self.function.plan(), item, func, args, kwargs)
 
-    def module(self, item: int):
-        return self._trace().module(self.function.plan(), item)
+    def enter(self, item: int) -> None:
+        self._trace().enter(self.function.plan(), item)
+
+    def leave(self, item: int) -> None:
+        self._trace().leave(self.function.plan(), item)
 
     def role(self, open_item: int, close_item: int):
         return self._trace().role(self.function.plan(), open_item, close_item)
@@ -249,21 +252,27 @@ class Trace:
         run(*args, **kwargs)
         if self.doc is not None:         # it generated: finish_static closed the frame
             return
-        self.frames.pop()
-        self.frames[-1].children.append(self.close(frame))
+        self.close_to(frame)
 
-    @contextmanager
-    def module(self, plan: FunctionPlan, item: int):
-        if self.tail or item not in plan.module_names:
-            yield
-            return
-        frame = _Frame(plan, item, plan.module_names[item])
-        self.frames.append(frame)
-        yield
-        if self.doc is not None:         # it generated: finish_static closed the frame
-            return
-        self.frames.pop()
-        self.frames[-1].children.append(self.close(frame))
+    def close_to(self, frame: _Frame) -> None:
+        """Close the open frames down to `frame`, innermost first: arms a `return` left."""
+        while True:
+            inner = self.frames.pop()
+            self.frames[-1].children.append(self.close(inner))
+            if inner is frame:
+                return
+
+    def enter(self, plan: FunctionPlan, item: int) -> None:
+        """An arm that is a module starts running."""
+        if not self.tail and item in plan.module_names:
+            self.frames.append(_Frame(plan, item, plan.module_names[item]))
+
+    def leave(self, plan: FunctionPlan, item: int) -> None:
+        """An arm ran to its end; its module is closed unless `enter` opened none (the
+        tail had started) or a generation closed it already."""
+        frame = self.frames[-1] if self.frames else None
+        if self.doc is None and frame is not None and frame.plan is plan and frame.key == item:
+            self.close_to(frame)
 
     @contextmanager
     def role(self, plan: FunctionPlan, open_item: int, close_item: int):
