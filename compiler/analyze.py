@@ -20,6 +20,7 @@ Text rules (docs/COMPILER.md):
 from __future__ import annotations
 
 import ast
+import linecache
 import textwrap
 from dataclasses import dataclass, field
 
@@ -28,7 +29,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from promptlang.compiler import ir
 from promptlang.compiler.diagnostics import Diagnostic
-from promptlang.compiler.source import FunctionSource, function_source
+from promptlang.compiler.source import FunctionSource, deepest_span, function_source
 from promptlang.errors import Span
 from promptlang.pml.nodes import ROLES
 
@@ -48,18 +49,32 @@ class Analysis:
     places: dict[tuple, int | tuple[int, int]] = field(default_factory=dict)
 
 
-def analyze_function(fn) -> Analysis:
-    """Analyse `fn`'s body; never raises for problems in the user's code."""
+def analyze_function(fn, where: Span | None = None) -> Analysis:
+    """Analyse `fn`'s body; never raises for problems in the user's code. `where`: the
+    place it was decorated, for the diagnostics that have no source line of their own."""
     name = getattr(fn, "__qualname__", repr(fn))
     if fn.__name__ == "<lambda>":
         return Analysis(None, [Diagnostic("PL101", "a lambda cannot be a @prompt function: "
-                                                   "its body is one expression, not statements")])
+                                                   "its body is one expression, not statements",
+                                          where or _code_span(fn))])
     try:
         source = function_source(fn)
     except (OSError, TypeError) as e:
-        return Analysis(None, [Diagnostic("PL002", f"cannot read the source of {name}: {e}")])
+        return Analysis(None, [Diagnostic(
+            "PL002", f"cannot read the source of {name} (defined by exec or in a REPL?): {e}",
+            where or _code_span(fn))])
     try:
-        wrapper = MetadataWrapper(cst.parse_module(source.text))
+        return _analyze_source(fn, name, source)
+    except RecursionError:
+        span = deepest_span(source.text, source.file)
+        return Analysis(None, [Diagnostic(
+            "PL004", f"{name} nests too deeply for the compiler to analyse (a very long "
+                     "expression or deeply nested blocks)", span)], source)
+
+
+def _analyze_source(fn, name: str, source: FunctionSource) -> Analysis:
+    try:
+        wrapper = MetadataWrapper(cst.parse_module(source.text), unsafe_skip_copy=True)
     except cst.ParserSyntaxError as e:
         span = source.span(e.raw_line, e.raw_column)
         return Analysis(None, [Diagnostic(
@@ -75,6 +90,18 @@ def analyze_function(fn) -> Analysis:
             source.span(source.start, 0))])
     analyzer = _Analyzer(fn, source, module, top, wrapper.resolve(PositionProvider))
     return analyzer.run()
+
+
+def _code_span(fn) -> Span | None:
+    """The first line of `fn`'s code, when its file is one inspect can read."""
+    code = fn.__code__
+    text = linecache.getline(code.co_filename, code.co_firstlineno)
+    if not text:
+        return None
+    column = text.find("lambda") if fn.__name__ == "<lambda>" else -1
+    return Span(code.co_filename, code.co_firstlineno,
+                column + 1 if column >= 0 else len(text) - len(text.lstrip()) + 1,
+                text.rstrip("\r\n"))
 
 
 class _Analyzer:
@@ -193,7 +220,13 @@ class _Analyzer:
             return []           # reported as PL101
         if isinstance(value, (cst.Integer, cst.Float, cst.Imaginary)) or (
                 isinstance(value, cst.Name) and value.value in ("True", "False")):
-            item = ir.TextItem(self.new_id(), str(ast.literal_eval(value.value)), self.span(node))
+            try:
+                text = str(ast.literal_eval(value.value))
+            except ValueError as e:     # an int past the digit limit of str()
+                self.report("PL109", f"this number cannot be printed as text: {e}", value,
+                            "write the number as a string literal")
+                return []
+            item = ir.TextItem(self.new_id(), text, self.span(node))
             self.places[self.place("expr", node)] = item.id
             return [item]
         hole = ir.Hole(_normalise(self.code(value)),

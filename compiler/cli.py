@@ -3,9 +3,12 @@
     promptlang compile app.py [-o DIR] [--call 'f(x=1)']
     promptlang check app.py
 
-Both import the file (as the module its package folders make it), with @prompt
-collecting analysis errors instead of raising them, then lower every @prompt
-function defined in it and print every diagnostic, mypy-style. `compile` writes
+Both import the file (as the module its package folders make it): its top-level
+code RUNS, as `python FILE` would run it, so check only files you would run. @prompt
+collects analysis errors instead of raising them; then every @prompt function
+defined in the file is lowered and every diagnostic printed, mypy-style. Whatever
+the file raises while it is imported (SystemExit and KeyboardInterrupt included)
+is a diagnostic located at the file's line in the traceback. `compile` writes
 one schema per function (`DIR/<schema name>.pml`, or stdout) and, with `--call`,
 the PML prompt of that call, whose arguments must be Python literals.
 
@@ -17,33 +20,42 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib.util
+import io
 import os
 import sys
+import tokenize
 import traceback
 from dataclasses import dataclass, field
 
 from promptlang.compiler.decorator import PromptFunction, collecting
 from promptlang.compiler.diagnostics import CompileError, Diagnostic, errors, sort_key
-from promptlang.compiler.source import module_name_for_file
-from promptlang.errors import PromptLangError, Span
+from promptlang.compiler.source import deepest_span, module_name_for_file
+from promptlang.errors import InputFileError, PromptLangError, Span, span_in
+from promptlang.inputs import decode_utf8, read_bytes
 
 
 def register(subparsers) -> None:
     """Add `compile` and `check` to the `promptlang` command's subparsers."""
     compile_ = subparsers.add_parser(
-        "compile", help="compile the @prompt functions of a Python file to PML",
+        "compile", help="compile the @prompt functions of a Python file to PML "
+                        "(imports, i.e. runs, the file)",
         description="Write the PML schema of every @prompt function in FILE (one .pml each "
-                    "in DIR, or to stdout); with --call, also the PML prompt of that call.")
+                    "in DIR, or to stdout); with --call, also the PML prompt of that call. "
+                    "FILE is imported: its top-level code runs, as with `python FILE`.")
     compile_.add_argument("file", metavar="FILE", help="a Python file")
     compile_.add_argument("-o", "--output", metavar="DIR", help="folder for the .pml files")
     compile_.add_argument("--call", metavar="CALL",
                           help="a call with literal arguments, e.g. 'answer(city=\"Paris\")'")
     compile_.set_defaults(func=run_compile)
     check = subparsers.add_parser(
-        "check", help="report the diagnostics of a Python file's @prompt functions",
+        "check", help="report the diagnostics of a Python file's @prompt functions "
+                      "(imports, i.e. runs, the file)",
         description="Compile every @prompt function in FILE and print what cannot be "
-                    "cached, as file:line:col: severity: message [code].")
+                    "cached, as file:line:col: severity: message [code]. FILE is imported "
+                    "to find its @prompt functions: its top-level code runs, as with "
+                    "`python FILE`, so check only files you trust to run.")
     check.add_argument("file", metavar="FILE", help="a Python file")
     check.set_defaults(func=run_check)
 
@@ -94,7 +106,7 @@ def run_compile(args: argparse.Namespace) -> int:
         except PromptLangError as e:
             print(e, file=sys.stderr)
             return 1
-        except Exception as e:      # noqa: BLE001 - the user's code failed: say where, no trace
+        except BaseException as e:  # noqa: BLE001 - the user's code failed: say where, no trace
             print(_located(e, args.file, f"the call {args.call} raised"), file=sys.stderr)
             return 1
         outputs.append((f"{function.schema_name}.prompt.pml", result.prompt_pml()))
@@ -114,41 +126,37 @@ def run_compile(args: argparse.Namespace) -> int:
 
 
 def _compile_file(path: str) -> _Compiled:
-    if not os.path.isfile(path):
-        raise _UsageError(f"{path}: no such file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            source = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise _UsageError(f"{path}: cannot read it: {e}") from None
     compiled = _Compiled()
-    try:
-        compile(source, path, "exec", dont_inherit=True)
-    except SyntaxError as e:
-        line_text = (e.text or "").rstrip("\r\n")
-        compiled.diagnostics.append(Diagnostic(
-            "PL001", e.msg, Span(path, e.lineno or 1, e.offset or 1, line_text)))
+    source = _read_source(path, compiled)
+    if source is None or not _compiles(source, path, compiled):
         return compiled
     name = module_name_for_file(path)
     root = os.path.abspath(path)
     for _ in name.split("."):
         root = os.path.dirname(root)
+    here = os.path.abspath(path)
+    shadowed = sys.modules.get(name)      # a file named like a loaded module (json.py)
     sys.path.insert(0, root)
     try:
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         with collecting() as found:
+            imported = False
             try:
                 spec.loader.exec_module(module)
+                imported = True
             except CompileError as e:
                 compiled.diagnostics.extend(e.diagnostics)
-            except (Exception, SystemExit) as e:    # noqa: BLE001 - report it, located
+            except BaseException as e:    # noqa: BLE001 - the file's own code: report it, located
                 compiled.diagnostics.append(_import_failure(e, path))
+            finally:
+                if shadowed is not None:
+                    sys.modules[name] = shadowed
+                elif not imported:
+                    sys.modules.pop(name, None)
         compiled.module = module
-        here = os.path.abspath(path)
-        compiled.functions = [f for f in found
-                              if os.path.abspath(f.__wrapped__.__code__.co_filename) == here]
+        compiled.functions = [f for f in found if _defined_in(f, here)]
         for function in compiled.functions:
             compiled.diagnostics.extend(function.analysis.diagnostics)
             if function.analysis.ir is None:
@@ -157,12 +165,105 @@ def _compile_file(path: str) -> _Compiled:
                 function.plan()
             except CompileError as e:
                 compiled.diagnostics.extend(e.diagnostics)
+            except Exception as e:       # noqa: BLE001 - user code run while resolving names
+                compiled.diagnostics.append(Diagnostic(
+                    "PL003", f"compiling {function.__qualname__} ran code of the file that "
+                             f"raised {type(e).__name__}: {e}",
+                    _frame_span(e, path) or function.analysis.ir.span))
             else:
                 compiled.diagnostics.extend(function.diagnostics)
+        compiled.diagnostics.extend(_same_names(compiled.functions))
     finally:
         sys.path.remove(root)
-    compiled.diagnostics = sorted(set(compiled.diagnostics), key=sort_key)
+    compiled.diagnostics = sorted({_as_given(d, here, path) for d in compiled.diagnostics},
+                                  key=sort_key)
     return compiled
+
+
+def _read_source(path: str, compiled: _Compiled) -> str | None:
+    """The file's text, decoded as Python decodes it (UTF-8, a BOM dropped, or the
+    encoding its coding line declares); None, with a PL005 diagnostic, when it is not."""
+    try:
+        data = read_bytes(path)
+    except InputFileError as e:
+        raise _UsageError(e.message) from None
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError as e:          # an unknown codec, or a BOM with another coding line
+        compiled.diagnostics.append(Diagnostic("PL005", e.msg, Span(path, e.lineno or 1, 1)))
+        return None
+    try:
+        if encoding in ("utf-8", "utf-8-sig"):
+            return decode_utf8(data, path)
+        return data.decode(encoding)
+    except InputFileError as e:
+        compiled.diagnostics.append(Diagnostic("PL005", e.message, e.span))
+    except UnicodeDecodeError as e:
+        span = span_in(data[:e.start].decode(encoding, "replace"), e.start, path)
+        compiled.diagnostics.append(Diagnostic(
+            "PL005", f"not valid {encoding}, as its coding line declares", span))
+    return None
+
+
+def _compiles(source: str, path: str, compiled: _Compiled) -> bool:
+    """Whether CPython compiles the file; else a located diagnostic says why not."""
+    try:
+        compile(source, path, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        line_text = (e.text or "").rstrip("\r\n")
+        compiled.diagnostics.append(Diagnostic(
+            "PL001", e.msg, Span(path, e.lineno or 1, e.offset or 1, line_text)))
+    except ValueError as e:           # a NUL character
+        at = source.find("\0")
+        compiled.diagnostics.append(Diagnostic("PL001", str(e), span_in(source, max(at, 0),
+                                                                         path)))
+    except (RecursionError, MemoryError):
+        compiled.diagnostics.append(Diagnostic(
+            "PL004", "Python cannot compile this file: an expression or block nests too "
+                     "deeply", deepest_span(source, path)))
+    else:
+        return True
+    return False
+
+
+def _defined_in(function: PromptFunction, here: str) -> bool:
+    """Whether the file defines `function`: its code is in the file, or it was made by code
+    that has no file of its own (exec) which the file ran."""
+    file = function.__wrapped__.__code__.co_filename
+    if os.path.abspath(file) == here:
+        return True
+    where = function.defined_at
+    return (not os.path.isfile(file) and where is not None
+            and os.path.abspath(where.file) == here)
+
+
+def _same_names(functions: list[PromptFunction]) -> list[Diagnostic]:
+    """A warning for each function whose schema name an earlier one already has."""
+    first: dict[str, PromptFunction] = {}
+    found = []
+    for function in functions:
+        earlier = first.setdefault(function.schema_name, function)
+        if earlier is function:
+            continue
+        before = _def_span(earlier)
+        where = f"at line {before.line}" if before is not None else "earlier"
+        found.append(Diagnostic(
+            "PL302", f"schema {function.schema_name!r} is also the schema of the @prompt "
+                     f"function defined {where}", _def_span(function)))
+    return found
+
+
+def _def_span(function: PromptFunction) -> Span | None:
+    ir = function.analysis.ir
+    return ir.span if ir is not None else function.defined_at
+
+
+def _as_given(diagnostic: Diagnostic, here: str, path: str) -> Diagnostic:
+    """The diagnostic with the file named as the user named it on the command line."""
+    span = diagnostic.span
+    if span is None or span.file == path or os.path.abspath(span.file) != here:
+        return diagnostic
+    return dataclasses.replace(diagnostic, span=dataclasses.replace(span, file=path))
 
 
 def _parse_call(text: str):
@@ -210,14 +311,29 @@ def _dotted(node) -> str | None:
 
 
 def _import_failure(error: BaseException, path: str) -> Diagnostic:
-    return Diagnostic("PL003", f"importing the file raised {type(error).__name__}: {error}",
-                      _frame_span(error, path))
+    return Diagnostic("PL003", f"importing the file raised {_describe(error)}",
+                      _frame_span(error, path) or Span(path, 1, 1))
 
 
 def _located(error: BaseException, path: str, what: str) -> str:
     span = _frame_span(error, path)
     where = f"{span}: " if span is not None else ""
-    return f"{where}error: {what} {type(error).__name__}: {error}"
+    return f"{where}error: {what} {_describe(error)}"
+
+
+def _describe(error: BaseException, limit: int = 300) -> str:
+    """`Type: message`, the message's first line cut at `limit` characters; a message
+    that cannot be made (a __str__ that raises) is left out."""
+    try:
+        message = str(error)
+    except Exception:      # noqa: BLE001 - the user's __str__ failed: the type says enough
+        message = ""
+    lines = message.strip().splitlines()
+    message = lines[0] if lines else ""
+    if len(message) > limit or len(lines) > 1:
+        message = message[:limit] + " ..."
+    name = type(error).__name__
+    return f"{name}: {message}" if message else name
 
 
 def _frame_span(error: BaseException, path: str) -> Span | None:

@@ -34,8 +34,9 @@ from promptlang.compiler.analyze import analyze_function
 from promptlang.compiler.diagnostics import CompileError, Diagnostic, errors
 from promptlang.compiler.instrument import instrument
 from promptlang.compiler.prompt import Prompt
-from promptlang.compiler.source import module_name_for_file
+from promptlang.compiler.source import caller_span, deepest_span, module_name_for_file
 from promptlang.compiler.trace import Hooks, Trace
+from promptlang.errors import Span
 from promptlang.pml import nodes
 from promptlang.pml.writer import write
 
@@ -59,6 +60,10 @@ class PromptFunction:
 
     def __init__(self, fn: Callable, *, name: str | None = None,
                  params: Mapping[str, Any] | None = None):
+        where = caller_span()
+        if isinstance(fn, PromptFunction):
+            raise CompileError([Diagnostic(
+                "PL111", f"@prompt is applied twice to {fn.__qualname__}", where)])
         if isinstance(fn, (staticmethod, classmethod)):
             raise TypeError(f"put @prompt below @{type(fn).__name__}, directly on the def")
         if not inspect.isfunction(fn):
@@ -68,7 +73,8 @@ class PromptFunction:
         functools.update_wrapper(self, fn)
         self.options = {"name": name, "params": dict(params or {})}
         self.schema_name = name or default_schema_name(fn)
-        self.analysis = analyze_function(fn)
+        self.defined_at = where          # where it was decorated (an exec call, for exec'd code)
+        self.analysis = analyze_function(fn, where)
         self._plan: lower.FunctionPlan | None = None
         self._instrumented: types.FunctionType | None = None
         self._schema: nodes.Schema | None = None
@@ -86,11 +92,29 @@ class PromptFunction:
         if self._plan is None:
             with _PLANNING:
                 if self._plan is None:
-                    plan = lower.plan_function(self, stack)
-                    self._instrumented = instrument(self.__wrapped__, self.analysis,
-                                                    Hooks(self), set(plan.module_names))
-                    self._plan = plan
+                    try:
+                        plan = lower.plan_function(self, stack)
+                        instrumented = instrument(self.__wrapped__, self.analysis,
+                                                  Hooks(self), set(plan.module_names))
+                    except RecursionError:
+                        raise self._too_deep(None) from None
+                    except SyntaxError as e:     # CPython's limits on the rewritten body
+                        raise self._too_deep(e) from None
+                    self._instrumented, self._plan = instrumented, plan
         return self._plan
+
+    def _too_deep(self, error: SyntaxError | None) -> CompileError:
+        source = self.analysis.source
+        if error is not None and error.lineno:
+            span = source.span(error.lineno, 0)
+            span = Span(span.file, span.line, len(span.line_text) - len(span.line_text.lstrip())
+                        + 1, span.line_text)
+            why = f"CPython refuses the compiled body: {error.msg}"
+        else:
+            span = deepest_span(source.text, source.file)
+            why = "a very long expression or deeply nested blocks"
+        return CompileError([Diagnostic(
+            "PL004", f"{self.__qualname__} nests too deeply for the compiler ({why})", span)])
 
     def instrumented(self) -> types.FunctionType:
         self.plan()

@@ -40,6 +40,11 @@ CODES: dict[str, Code] = {c.code: c for c in (
          "define the function in a .py file (the compiler reads its source with inspect)"),
     Code("PL003", "error", "importing the file raised an exception",
          "the file must import cleanly for its @prompt functions to be compiled"),
+    Code("PL004", "error", "nested too deeply for the compiler",
+         "split the expression or the nested blocks: assign parts to variables, or move "
+         "inner branches into @prompt functions of their own"),
+    Code("PL005", "error", "the file is not text the compiler reads",
+         "save the file as UTF-8 (a UTF-8 BOM is fine)"),
     # -- constructs the compiler does not accept anywhere
     Code("PL101", "error", "unsupported kind of function",
          "make it a plain `def` (not async, not a generator)"),
@@ -64,6 +69,8 @@ CODES: dict[str, Code] = {c.code: c for c in (
     Code("PL110", "error", "gen() or select() called inside an expression",
          "call it as a statement (`gen(\"x\")`) or assign its result (`x = gen(\"x\")`), "
          "so that the compiler sees where generation starts"),
+    Code("PL111", "error", "@prompt applied twice",
+         "decorate the function once; pass name= and params= to that one @prompt"),
     # -- text that cannot be cached because of where it is
     Code("PL201", "error", "text emitted in a `for` loop before cached text",
          "move the loop after the last cached text, or give each item its own @prompt call "
@@ -90,6 +97,9 @@ CODES: dict[str, Code] = {c.code: c for c in (
     # -- warnings
     Code("PL301", "warning", "a length bound that no text hole uses",
          "remove the bound, or use the name as a text hole"),
+    Code("PL302", "warning", "two @prompt functions with the same schema name",
+         "rename one of them, or give it its own @prompt(name=...); the later definition "
+         "replaces the earlier one, and compile -o writes one .pml file for both"),
 )}
 
 

@@ -8,9 +8,13 @@ and no line is re-indented (re-indenting would change multi-line strings).
 
 from __future__ import annotations
 
+import ast
 import inspect
+import io
 import linecache
 import os
+import sys
+import tokenize
 from dataclasses import dataclass
 
 from promptlang.errors import Span
@@ -59,3 +63,77 @@ def module_name_for_file(path: str) -> str:
         parts.insert(0, os.path.basename(folder))
         folder = os.path.dirname(folder)
     return ".".join(parts)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def caller_span(skip: int = 1) -> Span | None:
+    """Where the user's code called into the compiler: the innermost frame outside this
+    package whose file is a real file (code run by `exec` is located at the `exec` call)."""
+    frame = sys._getframe(skip)
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if not os.path.abspath(file).startswith(_PACKAGE + os.sep) and os.path.isfile(file):
+            line = frame.f_lineno or 1
+            text = linecache.getline(file, line).rstrip("\r\n")
+            column = _frame_column(frame, text)
+            return Span(file, line, column, text)
+        frame = frame.f_back
+    return None
+
+
+def _frame_column(frame, text: str) -> int:
+    """The 1-based column of the expression the frame is running (1 when unknown)."""
+    positions = list(frame.f_code.co_positions())
+    index = frame.f_lasti // 2
+    if 0 <= index < len(positions) and positions[index][2] is not None:
+        return len(text.encode("utf-8")[:positions[index][2]].decode("utf-8", "replace")) + 1
+    return len(text) - len(text.lstrip()) + 1
+
+
+def deepest_span(text: str, file: str, first_line: int = 1) -> Span:
+    """The place in `text` (Python source) where the syntax tree nests deepest: where a
+    'too deeply nested' diagnostic points. Walks the tree without recursion."""
+    lines = text.split("\n")
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, RecursionError, MemoryError, ValueError):
+        return _longest_statement(text, lines, file, first_line)
+    best, best_depth = None, -1
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > best_depth and hasattr(node, "lineno"):
+            best, best_depth = node, depth
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    if best is None:
+        return _line_span(lines, file, first_line, 0)
+    return _line_span(lines, file, best.lineno, best.col_offset)
+
+
+def _longest_statement(text: str, lines, file: str, first_line: int) -> Span:
+    """Where the longest logical line starts: the likely culprit when even
+    `ast.parse` gives up (it nests as deeply as it is long)."""
+    best, best_count, start, count = (first_line, 0), 0, None, 0
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            if token.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
+                if start is not None and count > best_count:
+                    best, best_count = start, count
+                start, count = None, 0
+            elif token.type not in (tokenize.NL, tokenize.COMMENT, tokenize.INDENT,
+                                    tokenize.DEDENT):
+                start = start or token.start
+                count += len(token.string)
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    line, column = best
+    text_of_line = lines[line - 1].rstrip("\r") if 0 < line <= len(lines) else ""
+    return Span(file, line, column + 1, text_of_line)
+
+
+def _line_span(lines, file: str, line: int, byte_column: int) -> Span:
+    text = lines[line - 1].rstrip("\r") if 0 < line <= len(lines) else ""
+    column = len(text.encode("utf-8")[:byte_column].decode("utf-8", "replace"))
+    return Span(file, line, column + 1, text)
