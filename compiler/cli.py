@@ -209,14 +209,14 @@ def _compiles(source: str, path: str, compiled: _Compiled) -> bool:
     """Whether CPython compiles the file; else a located diagnostic says why not."""
     try:
         compile(source, path, "exec", dont_inherit=True)
-    except SyntaxError as e:
-        line_text = (e.text or "").rstrip("\r\n")
-        compiled.diagnostics.append(Diagnostic(
-            "PL001", e.msg, Span(path, e.lineno or 1, e.offset or 1, line_text)))
-    except ValueError as e:           # a NUL character
-        at = source.find("\0")
-        compiled.diagnostics.append(Diagnostic("PL001", str(e), span_in(source, max(at, 0),
-                                                                         path)))
+    except (SyntaxError, ValueError) as e:     # ValueError: a NUL character, in some versions
+        if not isinstance(e, SyntaxError) or e.lineno is None:
+            span = span_in(source, max(source.find("\0"), 0), path)
+            message = e.msg if isinstance(e, SyntaxError) else str(e)
+        else:
+            span = Span(path, e.lineno, e.offset or 1, (e.text or "").rstrip("\r\n"))
+            message = e.msg
+        compiled.diagnostics.append(Diagnostic("PL001", message, span))
     except (RecursionError, MemoryError):
         compiled.diagnostics.append(Diagnostic(
             "PL004", "Python cannot compile this file: an expression or block nests too "

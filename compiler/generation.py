@@ -27,6 +27,7 @@ import operator
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+from promptlang.compiler.markers import bad_token_count, token_count_problem
 from promptlang.errors import PromptLangError
 
 Normalise = Literal["sum", "mean"]
@@ -70,9 +71,8 @@ def gen(name: str | None = None, *, max_tokens: int = 256, stop: str | Sequence[
     stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
     if any(not isinstance(s, str) or not s for s in stops):
         raise PromptLangError(f"gen(stop=...) takes non-empty strings, not {stop!r}")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise PromptLangError(f"gen(max_tokens=...) must be a positive whole number, "
-                              f"not {max_tokens!r}")
+    if token_count_problem(max_tokens) is not None:
+        raise bad_token_count("gen(max_tokens=...)", max_tokens)
     for label, value in (("temperature", temperature), ("top_p", top_p)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value):

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from promptlang.compiler import ir
 from promptlang.compiler.diagnostics import CompileError, Diagnostic, errors
 from promptlang.compiler.generation import GENERATORS
-from promptlang.compiler.markers import MaxTokens, RoleHelper
+from promptlang.compiler.markers import MaxTokens, RoleHelper, token_count_problem
 from promptlang.errors import Span
 from promptlang.pml import nodes
 
@@ -177,9 +177,9 @@ class _Planner:
                 self.report("PL103", f"params= keys are names or hole expressions, not "
                                      f"{key!r}", at)
                 continue
-            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-                self.report("PL104", f"the bound for {key!r} must be a positive number of "
-                                     f"tokens, not {value!r}", at)
+            problem = token_count_problem(tokens)
+            if problem is not None:
+                self.report("PL104", f"the bound for {key!r} must be {problem}", at)
                 continue
             key = " ".join(key.split())
             if key not in known:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from promptlang.compiler.diagnostics import CompileError, Diagnostic
 from promptlang.pml import nodes
 from promptlang.pml.binding import BoundPrompt, bind
 from promptlang.pml.layout import lay_out
@@ -26,7 +27,9 @@ class Prompt:
     arguments: Mapping[str, Any]   # the call's arguments by parameter name, defaults applied
 
     def bind(self, tokenizer: Tokenizer) -> BoundPrompt:
-        """The request this prompt makes against its schema's layout."""
+        """The request this prompt makes against its schema's layout. A length bound
+        longer than the tokenizer's model context is a PL104 error at its hole."""
+        check_bounds(self.schema, tokenizer.max_positions)
         return bind(self.doc, lay_out(self.schema, tokenizer), tokenizer)
 
     def render(self, tokenizer: Tokenizer) -> str:
@@ -41,3 +44,23 @@ class Prompt:
 
     def __repr__(self) -> str:
         return f"<Prompt of {self.function}: {self.prompt_pml()}>"
+
+
+def check_bounds(schema: nodes.Schema, limit: int | None) -> None:
+    """Raise a located PL104 CompileError for each parameter that reserves more
+    positions than the model has (`limit`; None: unknown, nothing to check)."""
+    if limit is None:
+        return
+    found = [Diagnostic("PL104", f"the length bound of {p.name!r} is {p.length} tokens; the "
+                                 f"model has {limit} positions in all", p.span)
+             for p in _params(schema) if p.length > limit]
+    if found:
+        raise CompileError(found)
+
+
+def _params(node):
+    for child in getattr(node, "children", ()):
+        if isinstance(child, nodes.Param):
+            yield child
+        else:
+            yield from _params(child)
