@@ -56,7 +56,7 @@ def analyze_function(fn, where: Span | None = None) -> Analysis:
     if fn.__name__ == "<lambda>":
         return Analysis(None, [Diagnostic("PL101", "a lambda cannot be a @prompt function: "
                                                    "its body is one expression, not statements",
-                                          where or _code_span(fn))])
+                                          _code_span(fn) or where)])
     try:
         source = function_source(fn)
     except (OSError, TypeError) as e:

@@ -70,15 +70,15 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 def caller_span(skip: int = 1) -> Span | None:
     """Where the user's code called into the compiler: the innermost frame outside this
-    package whose file is a real file (code run by `exec` is located at the `exec` call)."""
+    package whose source lines can be read (code run by `exec` is located at the `exec`)."""
     frame = sys._getframe(skip)
     while frame is not None:
         file = frame.f_code.co_filename
-        if not os.path.abspath(file).startswith(_PACKAGE + os.sep) and os.path.isfile(file):
-            line = frame.f_lineno or 1
+        line = frame.f_lineno or 1
+        if not os.path.abspath(file).startswith(_PACKAGE + os.sep):
             text = linecache.getline(file, line).rstrip("\r\n")
-            column = _frame_column(frame, text)
-            return Span(file, line, column, text)
+            if text:
+                return Span(file, line, _frame_column(frame, text), text)
         frame = frame.f_back
     return None
 
