@@ -142,3 +142,32 @@ def test_every_example_compiles_and_its_schemas_parse(name, capsys):
     for chunk in out.split("<schema ")[1:]:
         schema = "<schema " + chunk[:chunk.index("</schema>") + len("</schema>")]
         parse_schema(schema)
+
+
+@pytest.mark.parametrize("command", ["check", "compile"])
+def test_help_says_the_file_is_imported_and_run(command, capsys):
+    assert run(command, "--help") == 0
+    assert "top-level code runs" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_file_with_a_utf8_bom_compiles_to_its_schema(tmp_path, capsys):
+    path = tmp_path / "bom_demo.py"
+    path.write_bytes(b"\xef\xbb\xbffrom promptlang import prompt\n\n@prompt\ndef f():\n"
+                     b'    "Doc."\n    "Hello"\n')
+    assert run("compile", str(path)) == 0
+    assert parse_schema(capsys.readouterr().out).name == "bom_demo.f"
+
+
+def test_diagnostics_name_the_file_as_the_command_line_does(tmp_path, capsys, monkeypatch):
+    write(tmp_path, "relative_app.py", """\
+        from promptlang import prompt
+
+        @prompt
+        def f(items):
+            for item in items:
+                item
+            "cached"
+        """)
+    monkeypatch.chdir(tmp_path)
+    assert run("check", "relative_app.py") == 1
+    assert capsys.readouterr().out.startswith("relative_app.py:5:5: error: ")

@@ -143,6 +143,11 @@ def helper(x):
         x
     """, [("PL104", 8, 9)]),
     ("""
+    @prompt(params={"x": 10**9})
+    def f(x):
+        x
+    """, [("PL104", 8, 9)]),
+    ("""
     @prompt(params={"x": 4})
     def f(x: Annotated[str, MaxTokens(2)]):
         x
@@ -263,3 +268,18 @@ def test_every_code_has_a_title_a_severity_and_a_suggestion():
         assert code == entry.code and code.startswith("PL") and len(code) == 5
         assert entry.severity in ("error", "warning")
         assert entry.title and entry.suggestion
+
+
+def test_the_hostile_input_codes_are_registered_with_their_severity():
+    assert {c: CODES[c].severity for c in ("PL004", "PL005", "PL111", "PL302")} == {
+        "PL004": "error", "PL005": "error", "PL111": "error", "PL302": "warning"}
+
+
+def test_a_lambda_error_is_located_at_the_lambda():
+    with collecting() as found:
+        load("""\
+            from promptlang import prompt
+            f = prompt(lambda: "x")
+            """)
+    (diagnostic,) = found[0].analysis.diagnostics
+    assert (diagnostic.code, diagnostic.span.line, diagnostic.span.col) == ("PL101", 2, 12)
