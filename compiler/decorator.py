@@ -36,7 +36,6 @@ from promptlang.compiler.instrument import instrument
 from promptlang.compiler.prompt import Prompt
 from promptlang.compiler.source import caller_span, deepest_span, module_name_for_file
 from promptlang.compiler.trace import Hooks, Trace
-from promptlang.errors import Span
 from promptlang.pml import nodes
 from promptlang.pml.writer import write
 
@@ -106,9 +105,8 @@ class PromptFunction:
     def _too_deep(self, error: SyntaxError | None) -> CompileError:
         source = self.analysis.source
         if error is not None and error.lineno:
-            span = source.span(error.lineno, 0)
-            span = Span(span.file, span.line, len(span.line_text) - len(span.line_text.lstrip())
-                        + 1, span.line_text)
+            text = source.span(error.lineno, 0).line_text
+            span = source.span(error.lineno, len(text) - len(text.lstrip()))
             why = f"CPython refuses the compiled body: {error.msg}"
         else:
             span = deepest_span(source.text, source.file)

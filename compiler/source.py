@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import inspect
 import io
+import itertools
 import linecache
 import os
 import sys
@@ -85,10 +86,10 @@ def caller_span(skip: int = 1) -> Span | None:
 
 def _frame_column(frame, text: str) -> int:
     """The 1-based column of the expression the frame is running (1 when unknown)."""
-    positions = list(frame.f_code.co_positions())
-    index = frame.f_lasti // 2
-    if 0 <= index < len(positions) and positions[index][2] is not None:
-        return len(text.encode("utf-8")[:positions[index][2]].decode("utf-8", "replace")) + 1
+    index = frame.f_lasti // 2       # one position per 2-byte code unit
+    position = next(itertools.islice(frame.f_code.co_positions(), index, None), None)
+    if position is not None and position[2] is not None:
+        return len(text.encode("utf-8")[:position[2]].decode("utf-8", "replace")) + 1
     return len(text) - len(text.lstrip()) + 1
 
 

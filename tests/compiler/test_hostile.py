@@ -359,3 +359,21 @@ def test_a_bound_longer_than_the_models_context_is_PL104_at_its_hole_when_bound(
 def test_check_help_says_the_file_is_run(capsys):
     assert run("check", "--help") == 0
     assert "top-level code runs" in capsys.readouterr().out
+
+
+def test_a_generation_inside_nested_arms_ends_the_static_part_with_them_open():
+    module = load("""\
+        from promptlang import prompt, gen
+
+        @prompt
+        def f(x):
+            "a"
+            if x:
+                "b"
+                if x > 1:
+                    "c"
+                    answer = gen("answer")
+                    "after"
+        """)
+    assert module.f(2).prompt_pml() == (
+        f'<prompt schema="{module.f.schema_name}"><f><x><x-gt-1/></x></f></prompt>')
