@@ -3,6 +3,7 @@ goal, the accuracy-against-TTFT plot, --recompute parsing, and the draft-verifie
 decoding (same tokens as `llm.generate`), on made-up scores and a tiny random model."""
 
 import argparse
+import math
 
 import pytest
 
@@ -282,8 +283,11 @@ def test_accuracy_on_a_tiny_model_runs_every_setting_and_the_cost(tiny_llm):
     assert "cached-bf16" in names
     assert {(s.setting, s.kind) for s in report.scores} == \
         {(n, k) for n in names for k in (*options.kinds, "all")}
+    assert "same-shape" in options.kinds
     for result in report.results:
         assert list(result.answers) == list(names)
+        assert all(math.isfinite(a.gold_logprob) and a.gold_logprob < 0 and a.kl >= -1e-12
+                   for a in result.answers.values())
         assert result.answers["cached+first:2"].recomputed > 0
         assert result.answers["cached"].recomputed == 0
         assert result.answers["scaffold"].same_as_baseline in (True, False)
@@ -299,6 +303,10 @@ def test_accuracy_on_a_tiny_model_runs_every_setting_and_the_cost(tiny_llm):
     assert any(s.title == "A bfloat16 store against a float32 one"
                for s in accuracy.sections(report))
     assert len(report.goals) == 1 and report.goals[0].name == accuracy.GOAL_NAME
+    assert {(c.setting, c.kind) for c in report.comparisons} == \
+        {(n, k) for n in names for k in (*options.kinds, "all")}
+    assert all(c.kl.n == len(report.results) for c in report.comparisons if c.kind == "all")
+    assert {"found_delta_low", "gold_logprob_delta", "kl_high"} <= set(report.rows()[0])
 
 
 def test_lookup_draft_continues_the_latest_match_of_the_longest_suffix():
@@ -341,3 +349,44 @@ def test_workers_give_the_same_answers_as_one_process(tiny_model_dir):
         assert {s: x.token_ids for s, x in a.answers.items()} == \
             {s: x.token_ids for s, x in b.answers.items()}
     assert "worker processes" in accuracy.sections(two)[0].lines[-1]
+
+
+# --- gold log-probabilities and KL on a tiny model ---------------------------------------
+
+def test_teacher_forced_gold_logprob_equals_one_plain_forward_for_the_baseline(tiny_llm):
+    import torch
+
+    item = qa.generate(1, seed=3, kind="same-shape", docs_per_item=2, doc_words=12)[0]
+    llms = accuracy._rule_llms(tiny_llm, 64 << 20)
+    llm, prompt, schema, baseline, spec = accuracy._requests(item, llms, ["baseline"])["baseline"]
+    gold = accuracy.gold_ids(llm, item) + [17, 4242]        # at least three tokens
+    got = accuracy.greedy_answer(llm, prompt, schema, baseline=True, max_new_tokens=4,
+                                 gold=gold)
+    ids = llm.bind(prompt, schema=schema).token_ids() + gold
+    with torch.inference_mode():
+        logits = tiny_llm.adapter.model(torch.tensor([ids])).logits[0].double()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    n = len(ids) - len(gold)
+    want = sum(float(logprobs[n - 1 + k, token]) for k, token in enumerate(gold))
+    assert got.gold_logprob == pytest.approx(want, abs=1e-4)
+    assert got.first_logprobs == pytest.approx(logprobs[n - 1].numpy(), abs=1e-4)
+    # the teacher-forced tokens were rolled back: the answer is generate's
+    want_answer = llm.generate(prompt, schema=schema, baseline=True, max_new_tokens=4)
+    assert got.token_ids == want_answer.token_ids
+
+
+def test_kl_is_about_zero_where_a_setting_computes_what_the_baseline_does(tiny_llm):
+    item = qa.generate(1, seed=4, kind="dependent", docs_per_item=2, doc_words=12)[0]
+    llms = accuracy._rule_llms(tiny_llm, 64 << 20)
+    options = accuracy.AccuracyOptions(max_new_tokens=3)
+    result = accuracy._answer(item, llms, options, ["baseline", "scaffold", "isolate"],
+                              accuracy._Quiet())
+    answers = result.answers
+    assert answers["baseline"].kl == 0.0
+    # one scaffold of every document computes the baseline's tokens exactly (up to float
+    # rounding); isolated documents do not (a random tiny model: small but far larger)
+    assert abs(answers["scaffold"].kl) < 1e-9
+    assert answers["isolate"].kl > 1e-7
+    assert answers["scaffold"].gold_logprob == pytest.approx(answers["baseline"].gold_logprob,
+                                                             abs=1e-4)
+    assert answers["baseline"].gold_tokens == len(accuracy.gold_ids(tiny_llm, item))
