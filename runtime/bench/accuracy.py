@@ -45,8 +45,10 @@ call that verifies decoding drafts; summed, and per token) and KL(baseline || se
 the next-token distribution at the first generated position. Per setting and kind, every
 metric is compared with the baseline item by item: the mean difference with a paired
 bootstrap 95% interval (metrics.py: `resamples` resamples of the items, seed
-`bootstrap_seed`), and the mean KL with its interval. Each item has a schema of its own, so positions start at 0 for every
-item and the only difference between the settings is what the document tokens attend to.
+`bootstrap_seed`), and the mean KL with its interval.
+
+Each item has a schema of its own, so positions start at 0 for every item and the only
+difference between the settings is what the document tokens attend to.
 
 Decoding is greedy and exact, but cheap: a setting's answer usually repeats most of the
 tokens another setting already produced ("The occupation of Cyprian Hargrove is a ..."),
@@ -1095,8 +1097,9 @@ def sections(report: AccuracyReport) -> list[Section]:
         parts.append(Section("Recompute: the cached-vs-baseline gap won back",
                              recovery_table(report), [
             "per kind: answer-in-output rate, then the share of the gap (baseline - "
-            "cached) the setting recovers: (setting - cached) / gap; exact match's "
-            "recovery in brackets; 'no gap' where cached is not worse than the baseline",
+            "cached) the setting recovers: (setting - cached) / gap, with its 95% paired "
+            "bootstrap interval (-inf: resamples without a gap); exact match's recovery in "
+            "brackets; 'no gap' where cached is not worse than the baseline",
             "isolate+SPEC is measured against the same cached (guaranteed context) gap"]))
     if report.cost is not None:
         c = report.cost

@@ -510,8 +510,8 @@ def _distractor_answers(people: Sequence[_Person], answer: str) -> tuple[str, ..
 def generate(n_items: int, seed: int = 0, kind: str = "single", docs_per_item: int = 4,
              doc_words: int | None = None) -> list[QAItem]:
     """`n_items` items of `kind` ("single", "cross", "dependent", "needle", "same-shape",
-    or "mixed": the kinds in turn), each with `docs_per_item` documents of at least `doc_words` words
-    (default: DEFAULT_DOC_WORDS[kind]). Item i depends only on (seed, i, kind, knobs)."""
+    or "mixed": the kinds in turn), each with `docs_per_item` documents of at least
+    `doc_words` words (default: DEFAULT_DOC_WORDS[kind]). Item i depends only on (seed, i, kind, knobs)."""
     if kind != "mixed" and kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}: choose from {', '.join(KINDS)} or 'mixed'")
     if docs_per_item < 1:
