@@ -7,6 +7,7 @@
                               [--doc-words W] [--max-new-tokens N] [--seed S]
                               [--recompute SPEC,...] [--recompute-rules cached,isolate]
                               [--no-scaffold] [--no-bf16] [--workers N] [--cost-tokens N] [--cost-repeats R]
+                              [--resamples B]
     promptlang bench all      (the three, one model load, one folder, one report.md)
 
 Every command takes --quick (tiny sizes, for tests), --out DIR (default bench-out/),
@@ -64,13 +65,14 @@ def register(subparsers: Any) -> None:
     accuracy.add_argument("--items", type=_positive, metavar="N",
                           help="items per question kind (default 10)")
     accuracy.add_argument("--kinds", type=_kinds, metavar="K,K,...",
-                          help="question kinds (default single,cross,dependent,needle)")
+                          help="question kinds (default single,cross,dependent,needle,"
+                               "same-shape)")
     accuracy.add_argument("--docs-per-item", type=_positive, metavar="D",
                           help="documents per item (default 4)")
     accuracy.add_argument("--doc-words", type=_positive, metavar="W",
                           help="words per document (default: 60, or 300 for needle)")
     accuracy.add_argument("--max-new-tokens", type=_positive, metavar="N",
-                          help="answer length cap (default 16)")
+                          help="answer length cap (default 32: room for a sentence)")
     accuracy.add_argument("--seed", type=int, metavar="S", help="item seed (default 0)")
     accuracy.add_argument("--recompute", type=_recompute_list, metavar="SPEC,SPEC,...",
                           help="recompute policies, each adding the settings cached+SPEC and "
@@ -92,6 +94,9 @@ def register(subparsers: Any) -> None:
                                "(default 6000; 0 skips it and the issue-8 goal)")
     accuracy.add_argument("--cost-repeats", type=_positive, metavar="R",
                           help="timed warm requests per setting in the cost section (default 3)")
+    accuracy.add_argument("--resamples", type=_positive, metavar="B",
+                          help="bootstrap resamples of the items for the paired intervals "
+                               "(default 2000)")
 
     for name, parents, func, short, text in (
             ("latency", [common, latency], _one(_run_latency),
@@ -104,10 +109,13 @@ def register(subparsers: Any) -> None:
              "of well-known models' shapes."),
             ("accuracy", [common, accuracy], _one(_run_accuracy),
              "exact match with and without caching",
-             "Exact match and answer-in-output on synthetic multi-document QA: baseline, "
+             "Exact match and answer-in-output (a distractor's answer first counts as "
+             "wrong) on synthetic multi-document QA: baseline, "
              "cached (guaranteed context), cached from a bfloat16 store, cached (isolate), "
              "scaffold, and both cached rules with each --recompute policy; agreement with "
-             "the baseline; the TTFT of "
+             "the baseline; the gold answer's teacher-forced log-probability and the "
+             "first-token KL from the baseline, each setting against the baseline with "
+             "paired bootstrap intervals; the TTFT of "
              "every setting at ~6k tokens, accuracy.png and the issue-8 goal."),
             ("all", [common, latency, accuracy], _all, "all three into one folder",
              "memory, latency and accuracy in one run (about 20 minutes on 2 cores at the "
@@ -281,7 +289,8 @@ def _accuracy_options(args):
         "doc_words": "doc_words", "max_new_tokens": "max_new_tokens", "seed": "seed",
         "recompute": "recompute", "recompute_rules": "recompute_rules", "scaffold": "scaffold",
         "store16": "store16",
-        "cost_tokens": "cost_tokens", "cost_repeats": "cost_repeats"})
+        "cost_tokens": "cost_tokens", "cost_repeats": "cost_repeats",
+        "resamples": "resamples"})
 
 
 def _run_latency(run: _Run):

@@ -17,6 +17,16 @@ and a one- or two-word answer for exact-match scoring. Kinds:
   states were computed without A.
 - ``needle``: long documents of filler; one fact hidden at a random depth of a
   random document.
+- ``same-shape``: every document has one template: one person with a job and a town,
+  the two facts at the same places among the same neutral sentences; only the name,
+  the job and the town differ. The question asks one person's job or town; the other
+  documents hold the answers to the same question about other people, so a model
+  that confuses documents answers with a distractor's value.
+
+Distractor answers. ``distractor_answers`` lists the values the other people of the
+item have for the asked attribute (their names, for a "Who ...?" question), each
+stated in some document. `answer_in_output` counts an output as right only when the
+gold answer occurs in it before any distractor answer does.
 
 For every item the answer is stated in ``answer_docs[-1]`` and in no document
 outside ``answer_docs``; ``answer_docs[0]`` of a cross/dependent item is the
@@ -43,9 +53,9 @@ from typing import Callable, Literal, Sequence
 
 from promptlang.pml import nodes
 
-KINDS = ("single", "cross", "dependent", "needle")
-Kind = Literal["single", "cross", "dependent", "needle"]
-DEFAULT_DOC_WORDS = {"single": 60, "cross": 60, "dependent": 60, "needle": 300}
+KINDS = ("single", "cross", "dependent", "needle", "same-shape")
+Kind = Literal["single", "cross", "dependent", "needle", "same-shape"]
+DEFAULT_DOC_WORDS = {"single": 60, "cross": 60, "dependent": 60, "needle": 300, "same-shape": 60}
 
 SYSTEM_PROMPT = ("You answer questions about the documents you are given. Reply with the "
                  "answer only: one or two words copied from the documents.")
@@ -65,6 +75,7 @@ class QAItem:
     question: str
     answer: str
     answer_docs: tuple[int, ...]   # documents needed; the answer is stated in the last one
+    distractor_answers: tuple[str, ...] = ()   # other people's values for the asked attribute
 
     @property
     def distractors(self) -> tuple[int, ...]:
@@ -76,7 +87,8 @@ class QAItem:
     @classmethod
     def from_dict(cls, data: dict) -> "QAItem":
         return cls(data["id"], data["kind"], tuple(Doc(**d) for d in data["documents"]),
-                   data["question"], data["answer"], tuple(data["answer_docs"]))
+                   data["question"], data["answer"], tuple(data["answer_docs"]),
+                   tuple(data.get("distractor_answers", ())))
 
 
 # --- scoring ---------------------------------------------------------------------------
@@ -101,9 +113,42 @@ def exact_match(prediction: str, answer: str) -> bool:
     return bool(want) and normalize(prediction)[:len(want)] == want
 
 
+def first_mention(text: str, phrase: str) -> int | None:
+    """Where `phrase` first occurs in `text` as whole words, ignoring case (None: nowhere)."""
+    found = re.search(rf"(?<!\w){re.escape(phrase)}(?!\w)", text, re.IGNORECASE)
+    return None if found is None else found.start()
+
+
 def mentions(text: str, phrase: str) -> bool:
     """Whether `phrase` occurs in `text` as whole words, ignoring case."""
-    return re.search(rf"(?<!\w){re.escape(phrase)}(?!\w)", text, re.IGNORECASE) is not None
+    return first_mention(text, phrase) is not None
+
+
+def first_distractor(text: str, distractors: Sequence[str]) -> int | None:
+    """Where the earliest of `distractors` first occurs in `text` (None: none does)."""
+    found = [at for at in (first_mention(text, d) for d in distractors) if at is not None]
+    return min(found, default=None)
+
+
+def answer_in_output(text: str, answer: str, distractors: Sequence[str] = ()) -> bool:
+    """The answer counts as found when it occurs in `text` as whole words and no
+    distractor answer occurs before its first occurrence: "Velmora" is right, "Brastow,
+    not Velmora" (a distractor first) and "Brastow" (a distractor only) are wrong, and
+    "Velmora; Brastow is another town" is right (the distractor comes after)."""
+    at = first_mention(text, answer)
+    if at is None:
+        return False
+    before = first_distractor(text, distractors)
+    return before is None or at < before
+
+
+def distracted(text: str, answer: str, distractors: Sequence[str]) -> bool:
+    """A distractor answer occurs in `text` before the gold answer, or without it."""
+    before = first_distractor(text, distractors)
+    if before is None:
+        return False
+    at = first_mention(text, answer)
+    return at is None or before < at
 
 
 # --- vocabulary: pools are pairwise disjoint and share no word with filler or templates ---
@@ -257,6 +302,7 @@ class _Draw:
     def __init__(self, rng: random.Random):
         self.rng = rng
         self.used: dict[tuple[str, ...], set[str]] = {}
+        self.people: list[_Person] = []     # everyone drawn, in order
 
     def _take(self, pool: tuple[str, ...]) -> str:
         used = self.used.setdefault(pool, set())
@@ -274,7 +320,13 @@ class _Draw:
     def person(self) -> _Person:
         female = self.rng.random() < 0.5
         first = self._take(FEMALE_NAMES if female else MALE_NAMES)
-        return _Person(first, self._take(SURNAMES), female, self.rng.choice(ANIMALS), {})
+        person = _Person(first, self._take(SURNAMES), female, self.rng.choice(ANIMALS), {})
+        self.people.append(person)
+        return person
+
+    def give(self, person: _Person, key: str) -> None:
+        """Give `person` a value for attribute `key`."""
+        person.values[key] = self._take(_BY_KEY[key].pool)
 
     def facts(self, person: _Person, count: int) -> list[str]:
         """Give `person` values for `count` attributes it has none for yet; their keys."""
@@ -283,12 +335,15 @@ class _Draw:
             raise ValueError("value pools exhausted: lower docs_per_item")
         chosen = self.rng.sample(keys, count)
         for key in chosen:
-            person.values[key] = self._take(_BY_KEY[key].pool)
+            self.give(person, key)
         return chosen
 
 
 def _statement(rng: random.Random, person: _Person, key: str, pronoun: bool = False) -> str:
-    template = rng.choice(_BY_KEY[key].statements)
+    return _render(rng.choice(_BY_KEY[key].statements), person, key, pronoun)
+
+
+def _render(template: str, person: _Person, key: str, pronoun: bool = False) -> str:
     value = person.values[key]
     if pronoun:
         subj, poss = ("she", "her") if person.female else ("he", "his")
@@ -408,15 +463,55 @@ def _needle(rng: random.Random, draw: _Draw, n_docs: int, words: int) -> _Built:
     return texts, _question(person.name, person, key), person.values[key], (target,), []
 
 
+SAME_SHAPE_KEYS = ("occupation", "city")     # the facts every same-shape document states
+
+
+def _same_shape(rng: random.Random, draw: _Draw, n_docs: int, words: int) -> _Built:
+    if n_docs < 2:
+        raise ValueError("a same-shape item needs docs_per_item >= 2")
+    templates = [rng.choice(_BY_KEY[key].statements) for key in SAME_SHAPE_KEYS]
+    facts_words = sum(len(t.split()) for t in templates) + 2 * len(templates)
+    filler: list[str] = []
+    while facts_words + sum(len(f.split()) for f in filler) < words:
+        filler.append(filler_sentence(rng))
+    slots = sorted(rng.randint(0, len(filler)) for _ in templates)   # the same in every doc
+    people = [draw.person() for _ in range(n_docs)]
+    texts = []
+    for person in people:
+        sentences = list(filler)
+        for key in SAME_SHAPE_KEYS:
+            draw.give(person, key)
+        for shift, (slot, template, key) in enumerate(zip(slots, templates, SAME_SHAPE_KEYS)):
+            sentences.insert(slot + shift, _render(template, person, key))
+        texts.append(" ".join(sentences))
+    target = rng.randrange(n_docs)
+    person, key = people[target], rng.choice(SAME_SHAPE_KEYS)
+    checks = [(person.name, (target,))]
+    return texts, _question(person.name, person, key), person.values[key], (target,), checks
+
+
 _BUILDERS: dict[str, Callable[[random.Random, _Draw, int, int], _Built]] = {
-    "single": _single, "cross": _cross, "dependent": _dependent, "needle": _needle}
+    "single": _single, "cross": _cross, "dependent": _dependent, "needle": _needle,
+    "same-shape": _same_shape}
+
+
+def _distractor_answers(people: Sequence[_Person], answer: str) -> tuple[str, ...]:
+    """What the other people have where the asked person has `answer`: their values of
+    the asked attribute, or their names when the answer is a name."""
+    for person in people:
+        if person.name == answer:
+            return tuple(p.name for p in people if p is not person)
+        key = next((k for k, v in person.values.items() if v == answer), None)
+        if key is not None:
+            return tuple(p.values[key] for p in people if p is not person and key in p.values)
+    raise AssertionError(f"answer {answer!r} belongs to nobody drawn")
 
 
 def generate(n_items: int, seed: int = 0, kind: str = "single", docs_per_item: int = 4,
              doc_words: int | None = None) -> list[QAItem]:
-    """`n_items` items of `kind` ("single", "cross", "dependent", "needle", or "mixed":
-    the four in turn), each with `docs_per_item` documents of at least `doc_words` words
-    (default: DEFAULT_DOC_WORDS[kind]). Item i depends only on (seed, i, kind, knobs)."""
+    """`n_items` items of `kind` ("single", "cross", "dependent", "needle", "same-shape",
+    or "mixed": the kinds in turn), each with `docs_per_item` documents of at least
+    `doc_words` words (default: DEFAULT_DOC_WORDS[kind]). Item i depends only on (seed, i, kind, knobs)."""
     if kind != "mixed" and kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}: choose from {', '.join(KINDS)} or 'mixed'")
     if docs_per_item < 1:
@@ -426,11 +521,13 @@ def generate(n_items: int, seed: int = 0, kind: str = "single", docs_per_item: i
         item_kind = KINDS[index % len(KINDS)] if kind == "mixed" else kind
         words = DEFAULT_DOC_WORDS[item_kind] if doc_words is None else doc_words
         rng = random.Random(f"promptlang.bench.qa:{seed}:{index}:{item_kind}")
+        draw = _Draw(rng)
         texts, question, answer, answer_docs, checks = _BUILDERS[item_kind](
-            rng, _Draw(rng), docs_per_item, words)
+            rng, draw, docs_per_item, words)
         item_id = f"{item_kind}-s{seed}-{index:04d}"
         documents = tuple(Doc(f"{item_id}-doc{j}", text) for j, text in enumerate(texts))
-        item = QAItem(item_id, item_kind, documents, question, answer, answer_docs)
+        item = QAItem(item_id, item_kind, documents, question, answer, answer_docs,
+                      _distractor_answers(draw.people, answer))
         _verify(item, checks)
         items.append(item)
     return items
@@ -453,6 +550,11 @@ def _verify(item: QAItem, checks: list[tuple[str, tuple[int, ...]]]) -> None:
         for i, doc in enumerate(item.documents):
             if i not in allowed and mentions(doc.text, phrase):
                 fail(f"{phrase!r} appears in document {i}, outside {allowed}")
+    for other in item.distractor_answers:
+        if normalize(other) == normalize(item.answer) or mentions(item.answer, other):
+            fail(f"distractor answer {other!r} cannot be told from the answer")
+        if not any(mentions(doc.text, other) for doc in item.documents):
+            fail(f"distractor answer {other!r} is stated in no document")
 
 
 # --- PML -------------------------------------------------------------------------------

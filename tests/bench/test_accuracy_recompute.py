@@ -3,6 +3,7 @@ goal, the accuracy-against-TTFT plot, --recompute parsing, and the draft-verifie
 decoding (same tokens as `llm.generate`), on made-up scores and a tiny random model."""
 
 import argparse
+import math
 
 import pytest
 
@@ -23,20 +24,25 @@ def test_settings_pair_every_policy_with_both_rules_in_canonical_form():
 
 # --- gap, recovery, goal ----------------------------------------------------------------
 
-def fake_report(found, exact=None, n=10, speed=None, kinds=("dependent",)):
-    """A report whose `dependent` cells have found[setting] hits out of n (exact match:
-    exact[setting], default the same), and a cost section where setting s is speed[s]
-    times faster than a 20 s baseline."""
+def fake_report(found, exact=None, n=100, speed=None, kinds=("dependent",)):
+    """A report whose `dependent` cells have found[setting] hits out of n, on the first
+    items (exact match: exact[setting], default the same; gold log-prob -1 where found,
+    else -3), and a cost section where setting s is speed[s] times faster than a 20 s
+    baseline."""
     exact = exact or found
     items = qa.generate(n, seed=2, kind="dependent")
     results = []
     for i, item in enumerate(items):
         answers = {s: accuracy.Answer("x", [1], i < exact[s], i < found[s], s == "baseline",
-                                      0.1, 0.0, 4 if "+" in s else 0) for s in found}
+                                      0.1, 0.0, 4 if "+" in s else 0,
+                                      gold_logprob=-1.0 if i < found[s] else -3.0,
+                                      gold_tokens=2, kl=0.0 if s == "baseline" else 0.5)
+                   for s in found}
         results.append(accuracy.ItemResult(item, 100, answers))
     options = accuracy.AccuracyOptions(kinds=kinds, recompute=("first:4", "deviation:0.15"))
     report = accuracy.AccuracyReport(options, "m", results, 1.0)
     report.scores = accuracy.score(results, kinds)
+    report.comparisons = accuracy.compare(results, kinds)
     speed = speed or {s: 50.0 for s in found}
     points = [accuracy.CostPoint(s, [20.0 / speed[s]] * 3, 4) for s in found if s != "baseline"]
     report.cost = accuracy.CostReport(6012, 5990, 4, [20.0], points, 6000)
@@ -44,29 +50,52 @@ def fake_report(found, exact=None, n=10, speed=None, kinds=("dependent",)):
     return report
 
 
-SCORES = {"baseline": 8, "cached": 4, "cached+first:4": 7, "cached+deviation:0.15": 5,
-          "isolate": 3, "isolate+first:4": 4, "isolate+deviation:0.15": 3, "scaffold": 8}
+SCORES = {"baseline": 80, "cached": 40, "cached+first:4": 70, "cached+deviation:0.15": 50,
+          "isolate": 30, "isolate+first:4": 40, "isolate+deviation:0.15": 30, "scaffold": 80}
+SMALL = {s: v // 10 for s, v in SCORES.items()}     # the same rates on 10 items
 
 
-def test_recovery_is_the_share_of_the_gap_won_back():
+def test_recovery_is_the_share_of_the_gap_won_back_with_its_interval():
     report = fake_report(SCORES)
     r = accuracy.recovery(report, "cached+first:4", "dependent")
     assert (r.baseline, r.cached, r.value) == (0.8, 0.4, 0.7)
     assert r.gap == pytest.approx(0.4)
     assert r.recovery == pytest.approx(0.75)
+    assert r.interval.low < 0.75 < r.interval.high and r.interval.low > 0.5
     assert accuracy.recovery(report, "cached+deviation:0.15", "dependent").recovery == \
         pytest.approx(0.25)
     assert accuracy.recovery(report, "isolate", "dependent").recovery == pytest.approx(-0.25)
     assert accuracy.recovery(report, "cached+first:4", "needle") is None     # not measured
+    by_logprob = accuracy.recovery(report, "cached+first:4", "dependent", "gold_logprob")
+    assert by_logprob.recovery == pytest.approx(0.75)      # -1/-3 mirror found here
 
 
-def test_goal_passes_on_the_best_fast_setting_and_gives_the_figures():
+def test_goal_passes_when_the_best_fast_settings_interval_clears_half():
     goal = fake_report(SCORES).goals[0]
     assert goal.name == accuracy.GOAL_NAME and goal.passed is True
-    assert "best at >= 10x: cached+first:4 70.0% recovers 75% of the 40.0-point gap" in \
-        goal.detail
+    assert "best at >= 10x: cached+first:4 70.0% recovers 75% [+" in goal.detail
+    assert "of the 40.0-point gap" in goal.detail
     assert "answer in output" in goal.detail and "exact match" in goal.detail
+    assert "gold log-prob recovers 75% [" in goal.detail
     assert "50.0x faster than the baseline at ~6,012 tokens" in goal.detail
+    assert "intervals at 98.75% (Bonferroni over 4 settings)" in goal.detail
+
+
+def test_goal_fails_when_half_is_inside_the_interval_though_the_estimate_clears_it():
+    report = fake_report(SMALL, n=10)                 # 8 / 4 / 7 of 10: 75% recovered
+    r = accuracy.recovery(report, "cached+first:4", "dependent")
+    assert r.recovery == pytest.approx(0.75) and r.interval.low < 0.5
+    assert report.goals[0].passed is False
+
+
+def test_goal_interval_level_accounts_for_the_number_of_fast_settings():
+    speed = {s: 5.0 for s in SCORES} | {"cached+first:4": 50.0}
+    goal = fake_report(SCORES, speed=speed).goals[0]
+    assert "intervals at 95% (Bonferroni over 1 settings)" in goal.detail
+    wide = accuracy.recovery(fake_report(SCORES), "cached+first:4", "dependent",
+                             level=accuracy.metrics.bonferroni(0.95, 4))
+    narrow = accuracy.recovery(fake_report(SCORES), "cached+first:4", "dependent")
+    assert wide.interval.low <= narrow.interval.low and wide.interval.high >= narrow.interval.high
 
 
 def test_goal_ignores_settings_slower_than_10x_and_fails_below_half():
@@ -80,7 +109,7 @@ def test_goal_ignores_settings_slower_than_10x_and_fails_below_half():
 
 
 def test_goal_is_not_passed_when_there_is_no_gap():
-    for cached in (8, 9):                        # equal to, or better than, the baseline
+    for cached in (80, 90):                      # equal to, or better than, the baseline
         goal = fake_report(SCORES | {"cached": cached}).goals[0]
         assert goal.passed is None and str(goal).startswith("N/A  ")
         assert "no gap to recover" in goal.detail
@@ -90,10 +119,10 @@ def test_goal_is_not_passed_when_there_is_no_gap():
 
 
 def test_goal_uses_answer_in_output_and_reports_exact_match_beside_it():
-    exact = {s: 0 for s in SCORES} | {"baseline": 2}
+    exact = {s: 0 for s in SCORES} | {"baseline": 20}
     goal = fake_report(SCORES, exact=exact).goals[0]
     assert goal.passed is True
-    assert "exact match 0.0%, recovers 0%" in goal.detail
+    assert "exact match 0.0%, recovers 0% [" in goal.detail
     no_exact_gap = fake_report(SCORES, exact={s: 0 for s in SCORES}).goals[0]
     assert "exact match 0.0%, no gap" in no_exact_gap.detail
 
@@ -105,21 +134,41 @@ def test_goal_without_dependent_items_or_cost_is_not_measured():
     assert "--cost-tokens 0" in accuracy.recovery_goal(report).detail
 
 
-def test_tables_show_recovery_and_cost_verdicts():
+def test_tables_show_recovery_with_intervals_and_cost_verdicts():
     speed = {s: 50.0 for s in SCORES} | {"cached+deviation:0.15": 4.0}
     report = fake_report(SCORES, speed=speed)
     rows = {r["setting"]: r for r in accuracy.recovery_table(report)}
     assert set(rows) == {s for s in SCORES if "+" in s}
-    assert rows["cached+first:4"]["dependent"] == "70.0% +75% (+75%)"
+    cell = rows["cached+first:4"]["dependent"]
+    assert cell.startswith("70.0% +75% [+") and cell.endswith("] (+75%)")
     cost = {r["setting"]: r for r in accuracy.cost_table(report.cost)}
     assert cost["cached+first:4"][">= 10x"] == "PASS"
     assert cost["cached+deviation:0.15"][">= 10x"] == "FAIL"
     assert cost["cached+deviation:0.15"]["baseline / setting"] == 4.0
     titles = [s.title for s in accuracy.sections(report)]
     assert "Recompute cost at ~6,012 tokens" in titles and "Goal (issue 8)" in titles
+    assert "Against the baseline, item by item" in titles
     table = accuracy.accuracy_table(report)
     assert [r["setting"] for r in table] == list(SCORES)
     assert table[2]["recomputed"] == 4
+
+
+def test_paired_table_gives_deltas_and_kl_with_intervals_per_kind_and_setting():
+    report = fake_report(SCORES)
+    rows = {(r["kind"], r["setting"]): r for r in accuracy.paired_table(report)}
+    assert ("dependent", "baseline") not in rows
+    assert set(rows) == {(k, s) for k in ("dependent", "all") for s in SCORES if s != "baseline"}
+    row = rows[("dependent", "cached")]
+    assert row["answer in output"] == "40/100 (40%)"
+    assert row["delta pts [95% CI]"].startswith("-40.0 [-")
+    assert row["gold log-prob delta"].startswith("-0.80 [-")      # 40 of 100 lose 2 nats
+    assert row["per token"].startswith("-0.400 [-")
+    assert row["KL nats [95% CI]"] == "0.5000 [0.5000, 0.5000]"   # constant: zero width
+    csv_row = next(r for r in report.rows() if r["setting"] == "cached"
+                   and r["kind"] == "dependent")
+    assert csv_row["found_delta"] == pytest.approx(-0.4)
+    assert csv_row["found_delta_low"] < -0.4 < csv_row["found_delta_high"]
+    assert csv_row["mean_kl"] == 0.5 and csv_row["kl_low"] == csv_row["kl_high"] == 0.5
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -234,8 +283,11 @@ def test_accuracy_on_a_tiny_model_runs_every_setting_and_the_cost(tiny_llm):
     assert "cached-bf16" in names
     assert {(s.setting, s.kind) for s in report.scores} == \
         {(n, k) for n in names for k in (*options.kinds, "all")}
+    assert "same-shape" in options.kinds
     for result in report.results:
         assert list(result.answers) == list(names)
+        assert all(math.isfinite(a.gold_logprob) and a.gold_logprob < 0 and a.kl >= -1e-12
+                   for a in result.answers.values())
         assert result.answers["cached+first:2"].recomputed > 0
         assert result.answers["cached"].recomputed == 0
         assert result.answers["scaffold"].same_as_baseline in (True, False)
@@ -251,6 +303,10 @@ def test_accuracy_on_a_tiny_model_runs_every_setting_and_the_cost(tiny_llm):
     assert any(s.title == "A bfloat16 store against a float32 one"
                for s in accuracy.sections(report))
     assert len(report.goals) == 1 and report.goals[0].name == accuracy.GOAL_NAME
+    assert {(c.setting, c.kind) for c in report.comparisons} == \
+        {(n, k) for n in names for k in (*options.kinds, "all")}
+    assert all(c.kl.n == len(report.results) for c in report.comparisons if c.kind == "all")
+    assert {"found_delta_low", "gold_logprob_delta", "kl_high"} <= set(report.rows()[0])
 
 
 def test_lookup_draft_continues_the_latest_match_of_the_longest_suffix():
@@ -293,3 +349,44 @@ def test_workers_give_the_same_answers_as_one_process(tiny_model_dir):
         assert {s: x.token_ids for s, x in a.answers.items()} == \
             {s: x.token_ids for s, x in b.answers.items()}
     assert "worker processes" in accuracy.sections(two)[0].lines[-1]
+
+
+# --- gold log-probabilities and KL on a tiny model ---------------------------------------
+
+def test_teacher_forced_gold_logprob_equals_one_plain_forward_for_the_baseline(tiny_llm):
+    import torch
+
+    item = qa.generate(1, seed=3, kind="same-shape", docs_per_item=2, doc_words=12)[0]
+    llms = accuracy._rule_llms(tiny_llm, 64 << 20)
+    llm, prompt, schema, baseline, spec = accuracy._requests(item, llms, ["baseline"])["baseline"]
+    gold = accuracy.gold_ids(llm, item) + [17, 4242]        # at least three tokens
+    got = accuracy.greedy_answer(llm, prompt, schema, baseline=True, max_new_tokens=4,
+                                 gold=gold)
+    ids = llm.bind(prompt, schema=schema).token_ids() + gold
+    with torch.inference_mode():
+        logits = tiny_llm.adapter.model(torch.tensor([ids])).logits[0].double()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    n = len(ids) - len(gold)
+    want = sum(float(logprobs[n - 1 + k, token]) for k, token in enumerate(gold))
+    assert got.gold_logprob == pytest.approx(want, abs=1e-4)
+    assert got.first_logprobs == pytest.approx(logprobs[n - 1].numpy(), abs=1e-4)
+    # the teacher-forced tokens were rolled back: the answer is generate's
+    want_answer = llm.generate(prompt, schema=schema, baseline=True, max_new_tokens=4)
+    assert got.token_ids == want_answer.token_ids
+
+
+def test_kl_is_about_zero_where_a_setting_computes_what_the_baseline_does(tiny_llm):
+    item = qa.generate(1, seed=4, kind="dependent", docs_per_item=2, doc_words=12)[0]
+    llms = accuracy._rule_llms(tiny_llm, 64 << 20)
+    options = accuracy.AccuracyOptions(max_new_tokens=3)
+    result = accuracy._answer(item, llms, options, ["baseline", "scaffold", "isolate"],
+                              accuracy._Quiet())
+    answers = result.answers
+    assert answers["baseline"].kl == 0.0
+    # one scaffold of every document computes the baseline's tokens exactly (up to float
+    # rounding); isolated documents do not (a random tiny model: small but far larger)
+    assert abs(answers["scaffold"].kl) < 1e-9
+    assert answers["isolate"].kl > 1e-7
+    assert answers["scaffold"].gold_logprob == pytest.approx(answers["baseline"].gold_logprob,
+                                                             abs=1e-4)
+    assert answers["baseline"].gold_tokens == len(accuracy.gold_ids(tiny_llm, item))

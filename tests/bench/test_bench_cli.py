@@ -90,20 +90,24 @@ def test_accuracy_quick_scores_every_setting_and_kind(tmp_path, capsys):
     out = bench(capsys, "accuracy", "--out", str(tmp_path))
     rows = read_csv(tmp_path / "accuracy.csv")
     assert {(r["setting"], r["kind"]) for r in rows} == {
-        (s, k) for s in QUICK_SETTINGS for k in ("single", "cross", "dependent", "needle", "all")}
+        (s, k) for s in QUICK_SETTINGS
+        for k in ("single", "cross", "dependent", "needle", "same-shape", "all")}
     assert {"accuracy", "found_rate", "agreement", "ci95_low", "mean_ttft_s",
             "mean_recomputed_tokens"} <= set(rows[0])
     baseline_all = next(r for r in rows if r["setting"] == "baseline" and r["kind"] == "all")
-    assert baseline_all["items"] == "4" and baseline_all["agreement"] == "1.0"
+    assert baseline_all["items"] == "5" and baseline_all["agreement"] == "1.0"
+    assert baseline_all["found_delta"] == "0.0" and float(baseline_all["mean_gold_logprob"]) < 0
     assert all(float(r["mean_recomputed_tokens"]) > 0 for r in rows
                if r["setting"].endswith("first:2"))
     items = json.loads((tmp_path / "accuracy-items.json").read_text())
-    assert [item["kind"] for item in items] == ["single", "cross", "dependent", "needle"]
+    assert [item["kind"] for item in items] == ["single", "cross", "dependent", "needle",
+                                                "same-shape"]
     for item in items:
         assert tuple(item["settings"]) == QUICK_SETTINGS
         assert item["prompt_tokens"] > 0
     assert "Exact match by question kind" in out and "Same greedy output" in out
     assert "Recompute cost at ~" in out and "the cached-vs-baseline gap won back" in out
+    assert "Against the baseline, item by item" in out
     assert (tmp_path / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(goals(out)) == {ACCURACY_GOAL}
     data = json.loads((tmp_path / "accuracy.json").read_text())

@@ -244,3 +244,77 @@ def test_bench_modules_that_run_no_model_import_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"
+
+
+# --- distractor answers and the answer-in-output rule -------------------------------------
+
+@pytest.mark.parametrize("text, right, wrong", [
+    ("Velmora", True, False),
+    ("She lives in Velmora.", True, False),
+    ("Velmora; Brastow is another town.", True, False),    # a distractor after the gold
+    ("Brastow, not Velmora.", False, True),                # a distractor first
+    ("Brastow", False, True),                              # a distractor instead
+    ("Brastowe and Velmora", True, False),                 # not a whole-word distractor
+    ("somewhere else", False, False),
+    ("", False, False),
+])
+def test_answer_counts_only_when_no_distractor_comes_first(text, right, wrong):
+    assert qa.answer_in_output(text, "Velmora", ("Brastow", "Quenhall")) is right
+    assert qa.distracted(text, "Velmora", ("Brastow", "Quenhall")) is wrong
+
+
+def test_without_distractors_the_rule_is_a_whole_word_mention():
+    assert qa.answer_in_output("It is Velmora.", "Velmora")
+    assert not qa.answer_in_output("Velmoras", "Velmora")
+    assert qa.first_mention("a pilot, the pilot", "pilot") == 2
+    assert qa.first_distractor("x Brastow y Quenhall", ("Quenhall", "Brastow")) == 2
+
+
+def test_distractor_answers_are_other_peoples_values_for_the_asked_attribute(items_by_kind):
+    for kind, items in items_by_kind.items():
+        for item in items:
+            assert item.answer not in item.distractor_answers
+            assert len(set(item.distractor_answers)) == len(item.distractor_answers)
+            for other in item.distractor_answers:      # each stated in some document
+                assert any(words_in(d.text, other) for d in item.documents), (item.id, other)
+            if kind == "needle":                       # one person per item
+                assert item.distractor_answers == ()
+    single = [i for i in items_by_kind["single"] if i.answer.count(" ") == 1 and
+              PERSON.fullmatch(i.answer)]              # "Who ...?" items: names
+    assert single and all(PERSON.fullmatch(d) for i in single for d in i.distractor_answers)
+
+
+# --- same-shape -------------------------------------------------------------------------
+
+def test_same_shape_documents_share_one_template_and_differ_in_person_job_and_town():
+    for item in qa.generate(10, seed=8, kind="same-shape", docs_per_item=4):
+        assert len(item.documents) == 4 and item.answer_docs != ()
+        named = [people(d.text) for d in item.documents]
+        assert all(len(p) == 1 for p in named)
+        everyone = [next(iter(p)) for p in named]
+        assert len(set(everyone)) == 4                       # distinct people
+        jobs = [[w for w in qa.OCCUPATIONS if words_in(d.text, w)] for d in item.documents]
+        towns = [[c for c in qa.CITIES if words_in(d.text, c)] for d in item.documents]
+        assert all(len(j) == 1 for j in jobs) and all(len(t) == 1 for t in towns)
+        assert len({j[0] for j in jobs}) == 4 and len({t[0] for t in towns}) == 4
+        # one shape: masking the name, the job (and its article) and the town leaves the
+        # same text
+        masked = {d.text.replace(who, "P").replace(job[0], "J").replace(town[0], "T")
+                  .replace(" an J", " a J")
+                  for d, who, job, town in zip(item.documents, everyone, jobs, towns)}
+        assert len(masked) == 1
+        # the question names the answer document's person; distractors: the others' values
+        (target,) = item.answer_docs
+        assert people(item.question) == named[target]
+        asked = jobs if item.answer in qa.OCCUPATIONS else towns
+        assert item.answer == asked[target][0]
+        assert set(item.distractor_answers) == {a[0] for i, a in enumerate(asked) if i != target}
+
+
+def test_same_shape_is_deterministic_asks_both_attributes_and_needs_two_documents():
+    items = qa.generate(12, seed=4, kind="same-shape")
+    assert items == qa.generate(12, seed=4, kind="same-shape")
+    assert dump(items) != dump(qa.generate(12, seed=5, kind="same-shape"))
+    assert {i.answer in qa.OCCUPATIONS for i in items} == {True, False}
+    with pytest.raises(ValueError, match="docs_per_item"):
+        qa.generate(1, kind="same-shape", docs_per_item=1)
