@@ -305,17 +305,17 @@ class _Walker:
                         raise SchemaError(f"parameter {child.name!r} must reserve a positive "
                                           f"whole number of positions, not {length!r}",
                                           child.span)
+                    if pos + length > self.limit:
+                        raise ContextLengthError(
+                            f"parameter {child.name!r} reserves {length} positions: with the "
+                            f"parameters before it the schema needs at least {pos + length}; "
+                            f"{self.limit_text}", child.span)
                     total += length
                     if total > nodes.MAX_POSITIONS:
                         raise ContextLengthError(
                             f"the schema's parameters reserve more than {nodes.MAX_POSITIONS} "
                             f"positions in all (union members and modules counted one by "
                             f"one), passed at parameter {child.name!r}", child.span)
-                    if pos + length > self.limit:
-                        raise ContextLengthError(
-                            f"parameter {child.name!r} reserves {length} positions from "
-                            f"position {pos} or later, to {pos + length}; {self.limit_text}",
-                            child.span)
                     pos += length
                 elif isinstance(child, nodes.Module):
                     pos = walk(child.children, pos)
