@@ -606,8 +606,9 @@ class _Parser:
                       f"only), not {text[:40]!r}{'...' if len(text) > 40 else ''}",
                       attr.value_offset, SchemaError)
         if len(digits) > MAX_NUMBER_DIGITS or int(digits or "0") > maximum:
-            shown = digits if len(digits) <= 20 else f"a {len(digits)}-digit number"
-            self.fail(f"{attr.name}={shown} is too large: at most {maximum} {unit}",
+            shown = (f"{attr.name}={digits}" if len(digits) <= 20
+                     else f"{attr.name} ({len(digits)} digits)")
+            self.fail(f"{shown} is too large: at most {maximum} {unit}",
                       attr.value_offset, SchemaError)
         return int(digits)
 
