@@ -7,10 +7,10 @@ import tracemalloc
 
 import pytest
 
-from promptlang.errors import ContextLengthError, SchemaError
+from promptlang.errors import ContextLengthError, PMLSyntaxError, SchemaError
 from promptlang.pml import nodes as n
 from promptlang.pml.layout import lay_out
-from promptlang.pml.parser import MAX_NUMBER_DIGITS, parse, parse_prompt, parse_schema
+from promptlang.pml.parser import MAX_NUMBER_DIGITS, parse_prompt, parse_schema
 from promptlang.tokenizer import WordTokenizer
 
 
@@ -139,7 +139,7 @@ def test_twenty_thousand_attributes_parse_and_a_late_duplicate_is_located():
     attrs = " ".join(f'a{i}="v"' for i in range(20_000))
     (ref,) = parse_prompt(f'<prompt schema="s"><m {attrs}/></prompt>').children
     assert len(ref.args) == 20_000
-    with pytest.raises(Exception, match="duplicate attribute 'a7'") as info:
+    with pytest.raises(PMLSyntaxError, match="duplicate attribute 'a7'") as info:
         parse_prompt(f'<prompt schema="s"><m {attrs} a7="again"/></prompt>')
     assert info.value.span.col == len(f'<prompt schema="s"><m {attrs} ') + 1
 
@@ -173,6 +173,4 @@ def test_parse_scaling_cases_build_valid_documents():
     from promptlang.runtime.bench import parse_scaling
 
     for _, _, build in parse_scaling.CASES:
-        result = build(5)()
-        assert result is not None
-    assert parse("<schema name='s'/>").name == "s"
+        assert build(5)() is not None       # parses, lays out or binds without an error
