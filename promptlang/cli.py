@@ -3,6 +3,9 @@
     promptlang --help | --version
     promptlang pml check FILE... [--tokenizer NAME_OR_PATH] [--no-layout] [--schema FILE]
 
+`pml check` lays out each schema and binds each prompt against the schema of the same
+call that it names (or `--schema`); parse warnings print as `file:line:col: warning: ...`.
+
 Command groups live next to the code they drive: a module that exposes
 `register(subparsers)` adds its subcommands, each with
 `set_defaults(func=handler)` where `handler(args) -> int` is the exit status.
@@ -93,14 +96,19 @@ def _register_pml(commands: Any) -> None:
     check = pml_commands.add_parser(
         "check", help="parse PML files; lay out schemas and bind prompts",
         description="Parse each FILE. A schema is laid out with the tokenizer and its "
-                    "modules' positions are printed; a prompt is bound against --schema.")
+                    "modules' positions are printed; a prompt is bound against --schema, "
+                    "else against the schema among the FILEs that it names (e.g. "
+                    "`promptlang pml check SCHEMA PROMPT`). Warnings go to stderr as "
+                    "file:line:col: warning: message.")
     check.add_argument("files", nargs="+", metavar="FILE", help="schema or prompt files")
     check.add_argument("--tokenizer", metavar="NAME_OR_PATH",
                        help="tokenizer (model id or folder) for the layout; default: the "
                             "default model's")
     check.add_argument("--no-layout", action="store_true",
                        help="only parse (no tokenizer, no layout, no binding)")
-    check.add_argument("--schema", metavar="FILE", help="schema to bind prompt files against")
+    check.add_argument("--schema", metavar="FILE",
+                       help="schema to bind every prompt file against (default: the schema "
+                            "among the FILEs that the prompt names)")
     check.set_defaults(func=_pml_check)
 
 
@@ -132,37 +140,77 @@ def _pml_check(args: argparse.Namespace) -> int:
 
     tokenizer = _LazyTokenizer(args.tokenizer)
     failed = False
-    schema_layout = None
-    if args.schema and not args.no_layout:
+
+    def parse(path: str) -> Any:
+        """The parsed document, or the error (printed once, when its file is reported)."""
         try:
-            schema = parse_file(args.schema)
-            if not isinstance(schema, nodes.Schema):
-                raise PromptLangError(f"{args.schema}: --schema needs a <schema> file, "
-                                      "not a <prompt>")
+            return parse_file(path)
+        except PromptLangError as err:
+            return err
+
+    documents = {path: parse(path) for path in dict.fromkeys(args.files)}
+    explicit = None                 # --schema: what every prompt is bound against
+    if args.schema and not args.no_layout:
+        explicit = documents.get(args.schema) or parse(args.schema)
+        if isinstance(explicit, nodes.PromptDoc):
+            explicit = PromptLangError(f"{args.schema}: --schema needs a <schema> file, "
+                                       "not a <prompt>")
+        if isinstance(explicit, PromptLangError):
+            print(explicit, file=sys.stderr)
+            failed = True
+            explicit = None
+    schemas = [(path, doc) for path, doc in documents.items() if isinstance(doc, nodes.Schema)]
+    layouts: dict[str, Any] = {}    # schema file -> its layout, or the error it raised
+
+    def layout_of(path: str, schema: Any) -> Any:
+        if path not in layouts:
             from promptlang.pml.layout import lay_out
 
-            schema_layout = lay_out(schema, tokenizer())
-        except PromptLangError as err:
-            print(err, file=sys.stderr)
-            failed = True
+            try:
+                layouts[path] = lay_out(schema, tokenizer())
+            except PromptLangError as err:
+                layouts[path] = err
+        return layouts[path]
+
+    def schema_for(prompt: Any) -> tuple[str, Any] | None:
+        """--schema; else the schema in this call that the prompt names; else the only
+        schema in this call (binding then says the names differ)."""
+        if explicit is not None:
+            return args.schema, explicit
+        named = [(path, doc) for path, doc in schemas if doc.name == prompt.schema]
+        return (named or (schemas if len(schemas) == 1 else [None]))[0]
 
     for path in args.files:
+        document = documents[path] if path in documents else parse(path)
         try:
-            document = parse_file(path)
+            if isinstance(document, PromptLangError):
+                raise document
+            for warning in document.warnings:
+                print(warning, file=sys.stderr)
             if isinstance(document, nodes.Schema):
                 print(f"{path}: schema {document.name!r}: valid")
                 if not args.no_layout:
-                    from promptlang.pml.layout import lay_out
+                    layout = layout_of(path, document)
+                    if isinstance(layout, PromptLangError):
+                        raise layout
+                    print(format_layout(layout, tokenizer()))
+                continue
+            print(f"{path}: prompt for schema {document.schema!r}: valid")
+            if args.no_layout:
+                continue
+            found = schema_for(document)
+            if found is None:
+                print(f"  (not bound: no schema {document.schema!r} in this call; pass its "
+                      "file too, or --schema FILE)")
+                continue
+            layout = layout_of(*found)
+            if isinstance(layout, PromptLangError):
+                print(f"  (not bound: schema file {found[0]} has errors)")
+                failed = True
+                continue
+            from promptlang.pml.binding import bind
 
-                    print(format_layout(lay_out(document, tokenizer()), tokenizer()))
-            else:
-                print(f"{path}: prompt for schema {document.schema!r}: valid")
-                if schema_layout is not None:
-                    from promptlang.pml.binding import bind
-
-                    print(format_binding(bind(document, schema_layout, tokenizer())))
-                elif not args.no_layout and not args.schema:
-                    print("  (pass --schema FILE to bind it)")
+            print(format_binding(bind(document, layout, tokenizer())))
         except PromptLangError as err:
             print(err, file=sys.stderr)
             failed = True

@@ -199,8 +199,8 @@ class _Binder:
     def _import(self, ref: nodes.ModuleRef, parent: ModulePath) -> None:
         layout = self.layout
         path = parent + (ref.name,)
-        module = layout.modules.get(path)
-        if module is None or path not in layout.modules[parent].children:
+        module = layout.modules.get(path)      # parent + (name,): a child of parent if present
+        if module is None:
             where = f"module {'/'.join(parent)!r}" if parent else f"schema {layout.schema.name!r}"
             known = ", ".join(p[-1] for p in layout.modules[parent].children) or "none"
             hint = ""
@@ -262,15 +262,18 @@ class _Binder:
 
     def _units(self, modules: tuple[ModulePath, ...]) -> tuple[str, ...]:
         layout = self.layout
-        units = []
+        units, seen, whole = [], set(), {}
         for path in modules:
             module = layout.modules[path]
             if not module.cache:
                 continue
             scaffold = module.scaffold
-            if scaffold is not None and all(m in self.imported for m in layout.scaffolds[scaffold]):
+            if scaffold is not None and scaffold not in whole:      # once per scaffold
+                whole[scaffold] = all(m in self.imported for m in layout.scaffolds[scaffold])
+            if scaffold is not None and whole[scaffold]:
                 unit = scaffold_unit_id(scaffold)
-                if unit not in units:
+                if unit not in seen:
+                    seen.add(unit)
                     units.append(unit)
             else:
                 units.append(module_unit_id(path))

@@ -13,6 +13,12 @@ tokens, not its children's) and one per scaffold (its modules' tokens, encoded
 jointly). A unit's `context` lists the units its tokens may attend to under the
 guaranteed-context rule: the schema root and the module's ancestors.
 
+Size is checked before it is built: a first pass sums what the parameters reserve
+(no tokenizing, no allocation) and fails at the parameter that passes the model's
+context, or `nodes.MAX_POSITIONS` in all (the same bound stands in for the context
+when the tokenizer does not know it); the walk checks each slot again before filling
+it, and slots without `scaffold=` text share one filler tuple per length.
+
 `lay_out` is pure and memoised per (schema, tokenizer fingerprint).
 """
 
@@ -155,12 +161,19 @@ class _Walker:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tok = tokenizer
+        known = tokenizer.max_positions
+        self.limit = min(known, nodes.MAX_POSITIONS) if known else nodes.MAX_POSITIONS
+        self.limit_text = (f"the model has {known}" if known else
+                           f"a layout holds at most {nodes.MAX_POSITIONS} when the model's "
+                           "context is unknown")
+        self.fillers: dict[int, tuple[int, ...]] = {}   # placeholder runs, shared per length
         self.modules: dict[ModulePath, ModuleLayout] = {}
         self.unions: list[UnionLayout] = []
         self.scaffolds: dict[str, tuple[ModulePath, ...]] = {}
 
     def run(self, schema: nodes.Schema) -> SchemaLayout:
         prefix = tuple(self.tok.prefix_ids)
+        self._check_reservation(schema, len(prefix))
         own = [Segment(prefix, 0, "prefix", text=self.tok.decode(prefix))] if prefix else []
         params: list[ParamSlot] = []
         children: list[ModulePath] = []
@@ -169,11 +182,11 @@ class _Walker:
         root = ModuleLayout((), 0, end, tuple(own), (), tuple(children), True, None, None,
                             schema.span)
         modules = {(): root, **self.modules}
-        limit = self.tok.max_positions
-        if limit is not None and end > limit:
+        if end > self.limit:
+            over = next((seg.span for m in modules.values() for seg in m.segments
+                         if seg.end > self.limit and seg.span is not None), schema.span)
             raise ContextLengthError(
-                f"schema {schema.name!r} needs {end} positions; the model has {limit}",
-                schema.span)
+                f"schema {schema.name!r} needs {end} positions; {self.limit_text}", over)
         return SchemaLayout(schema, self.tok.fingerprint, modules, tuple(self.unions),
                             dict(self.scaffolds), self._units(modules), end)
 
@@ -207,6 +220,11 @@ class _Walker:
                 pos = segment.end
             elif isinstance(child, nodes.Param):
                 pos = flush(pos)
+                if pos + child.length > self.limit:
+                    raise ContextLengthError(
+                        f"parameter {child.name!r} reserves {child.length} positions from "
+                        f"position {pos}, to {pos + child.length}; {self.limit_text}",
+                        child.span)
                 ids = self._placeholder(child)
                 own.append(Segment(ids, pos, "param", param=child.name, span=child.span))
                 params.append(ParamSlot(child.name, pos, child.length, child.span))
@@ -260,12 +278,55 @@ class _Walker:
         return end
 
     def _placeholder(self, param: nodes.Param) -> tuple[int, ...]:
-        ids = self.tok.encode(param.scaffold) if param.scaffold else []
+        if not param.scaffold:
+            filler = self.fillers.get(param.length)
+            if filler is None:
+                filler = self.fillers[param.length] = (self.tok.placeholder_id,) * param.length
+            return filler
+        ids = self.tok.encode(param.scaffold)
         if len(ids) > param.length:
             raise SchemaError(
                 f"the scaffold text of parameter {param.name!r} has {len(ids)} tokens; "
                 f"the parameter reserves {param.length}", param.span)
         return tuple(ids) + (self.tok.placeholder_id,) * (param.length - len(ids))
+
+    def _check_reservation(self, schema: nodes.Schema, start: int) -> None:
+        """Fail at the first parameter whose slot passes the limit, counting parameter
+        slots only (text is tokenized later), or past MAX_POSITIONS reserved in all --
+        before a token is encoded or a slot allocated."""
+        total = 0
+
+        def walk(children, pos: int) -> int:
+            nonlocal total
+            for child in children:
+                if isinstance(child, nodes.Param):
+                    length = child.length
+                    if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+                        raise SchemaError(f"parameter {child.name!r} must reserve a positive "
+                                          f"whole number of positions, not {length!r}",
+                                          child.span)
+                    if pos + length > self.limit:
+                        raise ContextLengthError(
+                            f"parameter {child.name!r} reserves {length} positions: with the "
+                            f"parameters before it the schema needs at least {pos + length}; "
+                            f"{self.limit_text}", child.span)
+                    total += length
+                    if total > nodes.MAX_POSITIONS:
+                        raise ContextLengthError(
+                            f"the schema's parameters reserve more than {nodes.MAX_POSITIONS} "
+                            f"positions in all (union members and modules counted one by "
+                            f"one), passed at parameter {child.name!r}", child.span)
+                    pos += length
+                elif isinstance(child, nodes.Module):
+                    pos = walk(child.children, pos)
+                elif isinstance(child, nodes.Scaffold):
+                    for member in child.members:
+                        pos = walk(member.children, pos)
+                elif isinstance(child, nodes.Union):
+                    pos = max((walk(m.children, pos) for m in child.members), default=pos)
+            return pos
+
+        walk(schema.children, start)
 
     def _units(self, modules: dict[ModulePath, ModuleLayout]) -> dict[str, Unit]:
         units: dict[str, Unit] = {}

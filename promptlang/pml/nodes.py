@@ -24,11 +24,31 @@ from typing import Iterator, Literal, Union as TypingUnion
 from promptlang.errors import Span
 
 ROLES = ("system", "user", "assistant")
+# The most positions a parameter may reserve, and a layout may hold when the tokenizer
+# does not know its model's context: past every context promptlang runs (2**24).
+MAX_POSITIONS = 1 << 24
 Role = Literal["system", "user", "assistant"]
 
 
 def _span() -> Span | None:
     return field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class ParseWarning:
+    """Something the parser accepted but the author may not have meant (a bare `<`
+    read as text). Prints as `file:line:col: warning: message`."""
+
+    message: str
+    span: Span | None = None
+
+    def __str__(self) -> str:
+        return f"{self.span}: warning: {self.message}" if self.span else \
+            f"warning: {self.message}"
+
+
+def _warnings() -> tuple[ParseWarning, ...]:
+    return field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -118,13 +138,15 @@ class Scaffold:
 class Schema:
     """`<schema name>`: everything that may be reused, in document order.
     `base_dir` is where `src=` paths were resolved from (not compared); `recompute` is
-    the schema's default recompute policy, normalized text (promptlang/pml/recompute.py)."""
+    the schema's default recompute policy, normalized text (promptlang/pml/recompute.py);
+    `warnings` are the parser's (not compared)."""
 
     name: str
     children: tuple["SchemaChild", ...] = ()
     span: Span | None = _span()
     base_dir: str | None = field(default=None, compare=False, repr=False)
     recompute: str | None = None
+    warnings: tuple[ParseWarning, ...] = _warnings()
 
 
 @dataclass(frozen=True)
@@ -157,11 +179,13 @@ class ScaffoldRef:
 
 @dataclass(frozen=True)
 class PromptDoc:
-    """`<prompt schema="name">`: imports, arguments and new (uncached) text."""
+    """`<prompt schema="name">`: imports, arguments and new (uncached) text; `warnings`
+    are the parser's (not compared)."""
 
     schema: str
     children: tuple["PromptChild", ...] = ()
     span: Span | None = _span()
+    warnings: tuple[ParseWarning, ...] = _warnings()
 
 
 ModuleChild = TypingUnion[Text, Comment, RoleOpen, RoleClose, Module, Union, Param]

@@ -22,8 +22,13 @@ Lexical grammar::
     NAME       := ( letter | digit | '-' | '_' | '.' )+
     WS         := ' ' | '\\t' | '\\r' | '\\n'
 
-Any other `&name;` is an error (no custom entities, ever), and so is a bare `&` or
-`<` that starts no valid construct. `<!DOCTYPE`, `<!ENTITY` (and the other DTD
+Any other `&name;` is an error (no custom entities, ever), and so is a bare `&`.
+A `<` that cannot start markup -- followed by whitespace, `=`, a digit, or the end
+of the input, as in code such as `0 <= i < n` -- is text, as HTML parsers read it
+(a digit still starts a tag when a tag follows: `<0/>`, `<1 a="x">` import modules
+named with digits),
+and the parse result carries a located warning for it (`warnings`); any other `<`
+that starts no valid construct is an error. `<!DOCTYPE`, `<!ENTITY` (and the other DTD
 declarations) are rejected the moment they are met, so entity bombs and
 external-entity documents die at once, in flat memory. Processing instructions
 other than the leading declaration are errors.
@@ -41,6 +46,13 @@ two pieces of markup -- tags, role tags, comments):
   gives no node; adjacent text and CDATA pieces give one `Text`; a comment ends a
   run. `\\r\\n` counts as one newline.
 
+Numbers (`len`, `length`): ASCII digits only, at most MAX_NUMBER_DIGITS of them,
+from 1 to nodes.MAX_POSITIONS; checked before anything is built from them.
+
+Cost: the lexer and the parser are linear in the input (each character is scanned
+a bounded number of times; spans come from a line-start index and share one copy
+of each line's text).
+
 Structure: the root is `<schema name>` or `<prompt schema>`; the rules for what
 may appear where are in docs/PML.md and enforced below (`parse_<element>`
 methods). Every error is raised at the first problem found, located at the most
@@ -54,15 +66,18 @@ import os
 import re
 from typing import Callable, NoReturn
 
-from promptlang.errors import (PMLSyntaxError, PromptLangError, SchemaError, SourceFileError,
-                               Span, TextNotAllowedError, span_in)
+from promptlang.errors import (InputFileError, PMLSyntaxError, PromptLangError, SchemaError,
+                               SourceFileError, Span, TextNotAllowedError, span_in)
+from promptlang.inputs import read_text
 from promptlang.pml import nodes
 from promptlang.pml.recompute import Recompute, RecomputeSpecError
 
-__all__ = ["parse", "parse_schema", "parse_prompt", "parse_file", "strip_formatting",
-           "is_name", "MAX_DEPTH"]
+__all__ = ["parse", "parse_schema", "parse_prompt", "parse_file", "read_pml",
+           "strip_formatting", "is_name", "MAX_DEPTH", "MAX_NUMBER_DIGITS", "MAX_WARNINGS"]
 
 MAX_DEPTH = 100                     # elements nested deeper than this are refused (stack safety)
+MAX_NUMBER_DIGITS = 9               # digits of a numeric attribute (int() of them stays cheap)
+MAX_WARNINGS = 100                  # warnings kept per document; the rest are counted
 
 _WS = " \t\r\n"
 _NAME = re.compile(r"[\w.-]+")      # \w on str: Unicode letters and digits, and '_'
@@ -152,6 +167,8 @@ class _End:
 
 _Token = _Chars | _CommentToken | _Tag | _End
 _Fail = Callable[..., None]
+_Warn = Callable[[str, int], None]
+_DIGITS = "0123456789"
 
 
 def _unescape(raw: str, offset: int, fail: _Fail) -> str:
@@ -181,8 +198,8 @@ def _unescape(raw: str, offset: int, fail: _Fail) -> str:
 class _Lexer:
     """Splits PML source into tokens; reports malformed markup through `fail`."""
 
-    def __init__(self, source: str, fail: _Fail):
-        self.source, self.fail = source, fail
+    def __init__(self, source: str, fail: _Fail, warn: _Warn):
+        self.source, self.fail, self.warn = source, fail, warn
         self.pos = 0
         if source.startswith("\ufeff"):
             self.pos = 1
@@ -197,12 +214,8 @@ class _Lexer:
         s, pos = self.source, self.pos
         if pos >= len(s):
             return _End(pos)
-        if s[pos] != "<":
-            end = s.find("<", pos)
-            end = len(s) if end == -1 else end
-            raw = s[pos:end]
-            self.pos = end
-            return _Chars(raw, _unescape(raw, pos, self.fail), pos, cdata=False)
+        if s[pos] != "<" or self._bare_lt(pos):
+            return self._text(pos)
         if s.startswith("<!--", pos):
             return self._comment(pos)
         if s.startswith("<![CDATA[", pos):
@@ -222,6 +235,52 @@ class _Lexer:
             self.fail("processing instructions are not allowed (only a leading "
                       "<?xml ...?> declaration)", pos)
         return self._tag(pos)
+
+    def _bare_lt(self, at: int) -> bool:
+        """Whether the '<' at `at` cannot start markup, and so is text (the HTML rule);
+        warns when it is."""
+        s = self.source
+        after = s[at + 1:at + 2]
+        if after and after not in _WS and after != "=" and after not in _DIGITS:
+            return False
+        if after and after in _DIGITS and self._digit_tag(at + 1):
+            return False
+        what = ("the end of the input" if not after else "whitespace" if after in _WS
+                else f"'{after}'")
+        self.warn(f"'<' followed by {what} is read as text; write &lt; to say so "
+                  "(or put the text in <![CDATA[...]]>)", at)
+        return True
+
+    def _digit_tag(self, at: int) -> bool:
+        """Whether the name starting with a digit at `at` opens a tag (a module may be
+        named `0`): it is followed by '>', '/>', or an attribute (`name=`)."""
+        s = self.source
+        end = _NAME.match(s, at).end()
+        if s.startswith((">", "/>"), end):
+            return True
+        after = _SPACE.match(s, end).end()
+        if after == end:
+            return False
+        m = _NAME.match(s, after)
+        if m is None:
+            return s.startswith((">", "/>"), after)
+        return s.startswith("=", _SPACE.match(s, m.end()).end())
+
+    def _text(self, start: int) -> _Chars:
+        """Escaped text from `start` up to the next '<' that can start markup."""
+        s = self.source
+        end = start + 1 if s[start] == "<" else start      # a bare '<' checked by next()
+        while True:
+            end = s.find("<", end)
+            if end == -1:
+                end = len(s)
+                break
+            if not self._bare_lt(end):
+                break
+            end += 1
+        raw = s[start:end]
+        self.pos = end
+        return _Chars(raw, _unescape(raw, start, self.fail), start, cdata=False)
 
     def _comment(self, start: int) -> _CommentToken:
         s = self.source
@@ -248,6 +307,7 @@ class _Lexer:
         name, pos = m.group(), m.end()
         shown = f"</{name}>" if closing else f"<{name}>"
         attrs: list[_Attr] = []
+        seen: set[str] = set()             # attribute names so far: the duplicate check is O(1)
         while True:
             after = _SPACE.match(s, pos).end()
             if after >= len(s):
@@ -265,14 +325,15 @@ class _Lexer:
             if am is None:
                 fail(f"unexpected {c!r} in tag {shown} (if this is text, write '<' as &lt; "
                      "or use <![CDATA[...]]>)", after)
-            attrs.append(self._attribute(am, shown, attrs))
+            attrs.append(self._attribute(am, shown, seen))
             pos = self.pos
 
-    def _attribute(self, m: re.Match, shown: str, attrs: list[_Attr]) -> _Attr:
+    def _attribute(self, m: re.Match, shown: str, seen: set[str]) -> _Attr:
         s, fail = self.source, self.fail
         name = m.group()
-        if any(a.name == name for a in attrs):
+        if name in seen:
             fail(f"duplicate attribute '{name}' in {shown}", m.start())
+        seen.add(name)
         eq = _SPACE.match(s, m.end()).end()
         if not s.startswith("=", eq):
             fail(f"attribute '{name}' in {shown} needs a value: {name}=\"...\"", eq)
@@ -303,7 +364,10 @@ class _Parser:
         self.source, self.file = source, file
         self.base_dir = os.path.abspath(base_dir) if base_dir is not None else None
         self._line_starts = [0] + [m.end() for m in re.finditer("\n", source)]
-        self.lexer = _Lexer(source, self.fail)
+        self._line_texts: dict[int, str] = {}      # one copy of each line's text, shared by spans
+        self.warnings: list[nodes.ParseWarning] = []
+        self._unreported = 0                        # warnings past MAX_WARNINGS
+        self.lexer = _Lexer(source, self.fail, self.warn)
         self.depth = 0
 
     # -- locations and failure ---------------------------------------------------------------
@@ -312,9 +376,27 @@ class _Parser:
         """`span_in(source, offset, file)`, in O(log lines) instead of O(offset)."""
         index = bisect.bisect_right(self._line_starts, offset) - 1
         start = self._line_starts[index]
-        end = (self._line_starts[index + 1] - 1 if index + 1 < len(self._line_starts)
-               else len(self.source))
-        return Span(self.file, index + 1, offset - start + 1, self.source[start:end])
+        text = self._line_texts.get(index)
+        if text is None:            # sliced once per line: a one-line file stays linear
+            end = (self._line_starts[index + 1] - 1 if index + 1 < len(self._line_starts)
+                   else len(self.source))
+            text = self._line_texts[index] = self.source[start:end]
+        return Span(self.file, index + 1, offset - start + 1, text)
+
+    def warn(self, message: str, offset: int) -> None:
+        if len(self.warnings) < MAX_WARNINGS:
+            self.warnings.append(nodes.ParseWarning(message, self.span(offset)))
+        else:
+            self._unreported += 1
+
+    def collected_warnings(self) -> tuple[nodes.ParseWarning, ...]:
+        """The warnings so far; past MAX_WARNINGS, one more that counts the rest."""
+        if not self._unreported:
+            return tuple(self.warnings)
+        last = self.warnings[-1]
+        more = nodes.ParseWarning(f"{self._unreported} more warning"
+                                  f"{'s' if self._unreported > 1 else ''} not shown", last.span)
+        return (*self.warnings, more)
 
     def fail(self, message: str, offset: int,
              error: type[PromptLangError] = PMLSyntaxError) -> NoReturn:
@@ -384,7 +466,8 @@ class _Parser:
 
         children = () if tag.self_closing else self.content(tag, child, roles=True)
         return nodes.Schema(name.value, tuple(children), self.span(tag.offset),
-                            base_dir=self.base_dir, recompute=recompute)
+                            base_dir=self.base_dir, recompute=recompute,
+                            warnings=self.collected_warnings())
 
     def parse_prompt(self, tag: _Tag) -> nodes.PromptDoc:
         attrs = self.attributes(tag, required=("schema",))
@@ -398,7 +481,8 @@ class _Parser:
             return self.parse_module_ref(t)
 
         children = () if tag.self_closing else self.content(tag, child, roles=True)
-        return nodes.PromptDoc(schema.value, tuple(children), self.span(tag.offset))
+        return nodes.PromptDoc(schema.value, tuple(children), self.span(tag.offset),
+                               warnings=self.collected_warnings())
 
     # -- schema elements ---------------------------------------------------------------------
 
@@ -506,13 +590,27 @@ class _Parser:
             self.fail(f"duplicate parameter name {name.value!r} in this module (first defined "
                       f"at line {params[name.value]})", name.value_offset, SchemaError)
         params[name.value] = self.line_of(tag.offset)
-        if not _POSITIVE_INT.fullmatch(length.value) or int(length.value) == 0:
-            self.fail(f"{length.name} must be a positive whole number of tokens, not "
-                      f"{length.value!r}", length.value_offset, SchemaError)
+        tokens = self.number(length, "tokens", nodes.MAX_POSITIONS)
         if not tag.self_closing:
             self.expect_empty(tag, f"<{tag.name}> takes no content", SchemaError)
         scaffold = attrs["scaffold"].value if "scaffold" in attrs else None
-        return nodes.Param(name.value, int(length.value), scaffold, self.span(tag.offset))
+        return nodes.Param(name.value, tokens, scaffold, self.span(tag.offset))
+
+    def number(self, attr: _Attr, unit: str, maximum: int) -> int:
+        """The value of a numeric attribute: ASCII digits, at most MAX_NUMBER_DIGITS of
+        them, from 1 to `maximum` -- checked before anything is built from it."""
+        text = attr.value
+        digits = text.lstrip("0")
+        if not _POSITIVE_INT.fullmatch(text) or not digits:
+            self.fail(f"{attr.name} must be a positive whole number of {unit} (digits "
+                      f"only), not {text[:40]!r}{'...' if len(text) > 40 else ''}",
+                      attr.value_offset, SchemaError)
+        if len(digits) > MAX_NUMBER_DIGITS or int(digits or "0") > maximum:
+            shown = (f"{attr.name}={digits}" if len(digits) <= 20
+                     else f"{attr.name} ({len(digits)} digits)")
+            self.fail(f"{shown} is too large: at most {maximum} {unit}",
+                      attr.value_offset, SchemaError)
+        return int(digits)
 
     def module_name(self, attr: _Attr, siblings: dict[str, int]) -> str:
         name = attr.value
@@ -548,15 +646,11 @@ class _Parser:
         if not inside:
             self.fail(f"src {src!r} resolves outside the schema's folder {real_base} "
                       f"(to {target})", at, SourceFileError)
-        if not os.path.isfile(target):
-            what = "is not a regular file" if os.path.exists(target) else "does not exist"
-            self.fail(f"src file {src!r} {what} (looked in {real_base})", at, SourceFileError)
-        try:
-            with open(target, encoding="utf-8-sig") as f:
-                text = f.read()
-        except (OSError, UnicodeError) as e:
-            self.fail(f"cannot read src file {src!r}: {e}", at, SourceFileError)
+        if not os.path.exists(target):
+            self.fail(f"src file {src!r} does not exist (looked in {real_base})", at,
+                      SourceFileError)
         shown = os.path.join(self.base_dir, src) if self.base_dir is not None else src
+        text = read_pml(target, error=SourceFileError, span=self.span(at), file=shown)
         return text, span_in(text, 0, shown)
 
     def unknown_schema_tag(self, tag: _Tag):
@@ -729,13 +823,19 @@ def parse_prompt(text: str, file: str = "<string>") -> nodes.PromptDoc:
     return _Parser(text, file, None).parse_document("prompt")
 
 
+def read_pml(path: str | os.PathLike, *, error: type[PromptLangError] = InputFileError,
+             span: Span | None = None, file: str | None = None) -> str:
+    """The text of a PML or `src=` file through `promptlang.inputs.read_text` (a regular
+    file, under the input cap, UTF-8 with located errors, a BOM dropped), its line
+    endings normalised to '\\n'."""
+    text = read_text(path, error=error, span=span, file=file)
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return text
+
+
 def parse_file(path: str | os.PathLike) -> nodes.Schema | nodes.PromptDoc:
     """Parse a PML file: spans name `path`; `src=` files are read from its folder.
-    Line endings are normalised to '\\n' and a UTF-8 BOM is dropped."""
+    Line endings are normalised to '\\n' and a UTF-8 BOM is dropped (`read_pml`)."""
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            text = f.read()
-    except (OSError, UnicodeError) as e:
-        raise PromptLangError(f"cannot read PML file {path}: {e}") from e
-    return parse(text, file=path, base_dir=os.path.dirname(os.path.abspath(path)))
+    return parse(read_pml(path), file=path, base_dir=os.path.dirname(os.path.abspath(path)))

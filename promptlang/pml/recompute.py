@@ -24,6 +24,8 @@ from typing import Literal
 
 Kind = Literal["none", "first", "deviation"]
 KINDS = ("none", "first", "deviation")
+MAX_SPEC_CHARS = 64         # longer policy text is refused before it is read
+MAX_TOKENS_DIGITS = 9       # digits of K in first:K (int() of them stays cheap)
 
 
 class RecomputeSpecError(ValueError):
@@ -40,6 +42,9 @@ class Recompute:
         if isinstance(text, Recompute):
             return text
         spec = str(text).strip().lower()
+        if len(spec) > MAX_SPEC_CHARS:
+            raise RecomputeSpecError(f"bad recompute policy ({len(spec)} characters): a "
+                                     f"policy is at most {MAX_SPEC_CHARS}")
         if spec in ("none", "off", "0", ""):
             return cls()
         kind, _, amount = spec.partition(":")
@@ -47,10 +52,14 @@ class Recompute:
         if kind not in KINDS or not amount:
             raise RecomputeSpecError(f"bad recompute policy {text!r}: {expected}")
         if kind == "first":
-            if not amount.isdigit():
+            digits = amount.lstrip("0")
+            if not amount.isascii() or not amount.isdigit():
                 raise RecomputeSpecError(f"bad recompute policy {text!r}: K must be a "
                                          "whole number of tokens")
-            return cls("first", int(amount)) if int(amount) else cls()
+            if len(digits) > MAX_TOKENS_DIGITS:
+                raise RecomputeSpecError(f"bad recompute policy {text!r}: K has more than "
+                                         f"{MAX_TOKENS_DIGITS} digits")
+            return cls("first", int(digits)) if digits else cls()
         percent = amount.endswith("%")
         try:
             fraction = float(amount[:-1] if percent else amount) / (100 if percent else 1)

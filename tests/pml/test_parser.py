@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from promptlang.errors import (PMLSyntaxError, PromptLangError, SchemaError, SourceFileError,
-                               TextNotAllowedError, span_in)
+from promptlang.errors import (InputFileError, PMLSyntaxError, PromptLangError, SchemaError,
+                               SourceFileError, TextNotAllowedError, span_in)
 from promptlang.pml import nodes as n
 from promptlang.pml.parser import (MAX_DEPTH, _Parser, parse, parse_file, parse_prompt,
                                    parse_schema, strip_formatting)
@@ -288,7 +288,7 @@ def test_src_defaults_to_the_current_directory(tmp_path, monkeypatch):
     ("sub/../../outside.txt", "resolves outside the schema's folder"),
     ("/etc/passwd", "must be a path relative"),
     ("missing.txt", "does not exist"),
-    ("sub", "is not a regular file"),
+    ("sub", "only regular files are read"),
     ("", "src may not be empty"),
 ])
 def test_src_errors_are_located_at_the_attribute(tmp_path, src, message):
@@ -328,7 +328,7 @@ def test_src_module_with_content_is_a_schema_error(tmp_path):
 
 
 def test_parse_file_reports_an_unreadable_file(tmp_path):
-    with pytest.raises(PromptLangError, match="cannot read PML file"):
+    with pytest.raises(InputFileError, match="no such file"):
         parse_file(tmp_path / "nope.pml")
 
 
@@ -346,7 +346,7 @@ def test_parse_file_reports_an_unreadable_file(tmp_path):
      1, 35),
     ('<schema name="s"><module name="m">&#99999999999999999999999;</module></schema>',
      "not a valid character", 1, 35),
-    ('<schema name="s">\n<module name="m">if a < b</module></schema>', "bare '<'", 2, 23),
+    ('<schema name="s">\n<module name="m">if a <(b)</module></schema>', "bare '<'", 2, 23),
     ('<schema name="s">\n<module name="m">if a<b) c</module></schema>',
      "unexpected ')' in tag <b>", 2, 24),
     ('<schema name="s">\n<module name="m">x</schema>',
@@ -493,3 +493,61 @@ def test_text_where_only_modules_belong(text, message, line, col):
 def test_whitespace_and_comments_are_fine_where_text_is_not():
     tree = parse_schema('<schema name="s"><union> <!--c-->\n <module name="a"/>\t</union></schema>')
     assert tree.children == (n.Union((n.Comment("c"), n.Module("a"))),)
+
+
+# ---------------------------------------------------------------------------------------------
+# a '<' that cannot start markup is text, with a located warning
+
+PYTHON_MODULE = '<schema name="s"><module name="code">\ndef f(x, n):\n    return 0 <= x < n\n</module></schema>'
+
+
+def test_bare_less_than_in_code_is_text_with_a_warning_at_each():
+    schema = parse_schema(PYTHON_MODULE, file="code.pml")
+    assert schema.children[0].children == (n.Text("def f(x, n):\n    return 0 <= x < n"),)
+    assert [(w.span.line, w.span.col) for w in schema.warnings] == [(3, 14), (3, 19)]
+    assert str(schema.warnings[0]).startswith("code.pml:3:14: warning: '<' followed by '='")
+    assert "followed by whitespace" in schema.warnings[1].message
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("a <3 b", "a <3 b"),             # a digit that opens no tag
+    ("x<=y", "x<=y"),
+    ("a < b &lt; c", "a < b < c"),
+    ("tab <\tx", "tab <\tx"),
+])
+def test_less_than_before_space_equals_or_digit_is_text(text, expected):
+    (body,) = module_body(text)
+    assert body == n.Text(expected)
+
+
+def test_less_than_at_the_end_of_the_input_is_text_then_the_element_is_unclosed():
+    with pytest.raises(PMLSyntaxError, match="never closed"):
+        parse('<schema name="s"><module name="m">a <')
+
+
+def test_a_digit_still_starts_a_tag_when_a_tag_follows():
+    prompt = parse_prompt('<prompt schema="s"><0/><1 a="x"></1><2>\n</2></prompt>')
+    assert [c.name for c in prompt.children] == ["0", "1", "2"]
+    assert prompt.warnings == ()
+
+
+def test_other_bare_less_than_is_still_an_error():
+    with pytest.raises(PMLSyntaxError, match="bare '<'"):
+        parse('<schema name="s"><module name="m">a <(b)</module></schema>')
+    with pytest.raises(PMLSyntaxError, match="'<' in an attribute value"):
+        parse('<prompt schema="s"><m a="0 < 1"/></prompt>')
+
+
+def test_warnings_past_the_cap_are_counted_in_one_more():
+    from promptlang.pml.parser import MAX_WARNINGS
+
+    schema = parse_schema('<schema name="s"><module name="m">'
+                          + "a < b\n" * (MAX_WARNINGS + 50) + "</module></schema>")
+    assert len(schema.warnings) == MAX_WARNINGS + 1
+    assert schema.warnings[-1].message == "50 more warnings not shown"
+
+
+def test_warnings_do_not_take_part_in_equality():
+    assert parse_schema(PYTHON_MODULE) == parse_schema(
+        '<schema name="s"><module name="code">def f(x, n):\n    return 0 &lt;= x &lt; n'
+        '</module></schema>')

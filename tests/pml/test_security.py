@@ -1,6 +1,8 @@
 """Hostile documents: entity bombs, external entities, deep nesting and garbage die quickly,
-in flat memory, with a located PromptLangError -- never another exception."""
+in flat memory, with a located PromptLangError -- never another exception. Hostile input
+files (devices, FIFOs, oversized, not UTF-8) are refused before they are read."""
 
+import os
 import time
 import tracemalloc
 
@@ -8,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from promptlang.errors import PMLSyntaxError, PromptLangError, SourceFileError
+from promptlang.errors import (InputFileError, PMLSyntaxError, PromptLangError, SchemaError,
+                               SourceFileError)
 from promptlang.pml import nodes as n
-from promptlang.pml.parser import parse, parse_schema
+from promptlang.pml.parser import parse, parse_file, parse_schema
 
 BILLION_LAUGHS = """<?xml version="1.0"?>
 <!DOCTYPE lolz [
@@ -117,7 +120,8 @@ _FRAGMENTS = ['<schema name="s">', "</schema>", '<prompt schema="s">', "</prompt
               '<param name="p" len="2"/>', '<parameter name="p" length="0"/>', "<user>",
               "</user>", "<system/>", "<a>", "</a>", '<b c="d">', "<!--", "-->", "<![CDATA[",
               "]]>", "&", "&amp;", "&lt", "&#x41;", "&#0;", "&bad;", "<", ">", "<?", "?>",
-              "<!DOCTYPE", "<!ENTITY", "'", '"', "=", "/", " ", "\n", "text", "é"]
+              "<!DOCTYPE", "<!ENTITY", "'", '"', "=", "/", " ", "\n", "text", "é", "0", "<0",
+              '<param name="p" len="', '99999999999', "< ", "<="]
 
 
 @settings(max_examples=300, deadline=None)
@@ -130,3 +134,77 @@ def test_garbage_gives_a_tree_or_a_located_promptlang_error(text):
         assert 1 <= e.span.line <= text.count("\n") + 1
     else:
         assert isinstance(tree, (n.Schema, n.PromptDoc))
+
+
+# --- hostile input files: every read goes through promptlang.inputs.read_text --------------
+
+def test_dev_zero_is_refused_before_anything_is_read():
+    with pytest.raises(InputFileError, match="not a regular file"):
+        parse_file("/dev/zero")
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "schema.pml"
+    os.mkfifo(fifo)
+    with pytest.raises(InputFileError, match="not a regular file"):
+        parse_file(fifo)
+
+
+def test_a_file_over_the_input_cap_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "big.pml"
+    path.write_text('<schema name="s">' + "x" * 200 + "</schema>", encoding="utf-8")
+    monkeypatch.setenv("PROMPTLANG_MAX_INPUT_BYTES", "100")
+    with pytest.raises(InputFileError, match="over the input cap of 100 bytes"):
+        parse_file(path)
+
+
+def test_invalid_utf8_is_located_by_line_and_column(tmp_path):
+    path = tmp_path / "bad.pml"
+    path.write_bytes(b'<schema name="s">\n<module name="m">caf\xe9</module></schema>')
+    with pytest.raises(InputFileError, match="invalid UTF-8") as info:
+        parse_file(path)
+    assert (info.value.span.file, info.value.span.line, info.value.span.col) == (
+        str(path), 2, 21)
+
+
+def test_crlf_files_read_as_newlines_and_a_bom_is_dropped(tmp_path):
+    path = tmp_path / "crlf.pml"
+    path.write_bytes(b'\xef\xbb\xbf<schema name="s">\r\n<module name="m">a\r\nb</module>'
+                     b'</schema>\r\n')
+    assert parse_file(path).children[0].children == (n.Text("a\nb"),)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: os.mkfifo(p), "not a regular file"),
+    (lambda p: p.write_bytes(b"ok\n\xff"), "invalid UTF-8"),
+    (lambda p: p.write_bytes(b"x" * 200), "over the input cap"),
+])
+def test_src_files_are_read_like_inputs_and_keep_their_error_class(tmp_path, monkeypatch, make,
+                                                                   message):
+    make(tmp_path / "doc.txt")
+    monkeypatch.setenv("PROMPTLANG_MAX_INPUT_BYTES", "100")
+    with pytest.raises(SourceFileError, match=message) as info:
+        parse_schema('<schema name="s">\n  <module name="m" src="doc.txt"/></schema>',
+                     file="t.pml", base_dir=tmp_path)
+    if message == "invalid UTF-8":
+        assert (info.value.span.line, info.value.span.col) == (2, 1)   # inside doc.txt
+        assert info.value.span.file.endswith("doc.txt")
+    else:
+        assert (info.value.span.file, info.value.span.line, info.value.span.col) == (
+            "t.pml", 2, 25)
+
+
+_NUMBERS = st.one_of(st.integers(min_value=-10, max_value=10**30).map(str),
+                     st.text(alphabet="0123456789+-.e \u0663", max_size=40))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_NUMBERS)
+def test_any_len_value_gives_a_param_or_a_located_schema_error(value):
+    text = f'<schema name="s"><module name="m"><param name="p" len="{value}"/></module></schema>'
+    try:
+        schema = parse_schema(text, file="n.pml")
+    except SchemaError as e:
+        assert e.span is not None and (e.span.line, e.span.col) == (1, 56)
+    else:
+        assert 1 <= schema.children[0].children[0].length <= n.MAX_POSITIONS

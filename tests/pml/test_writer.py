@@ -248,3 +248,13 @@ def test_random_prompts_round_trip(doc):
     written = write(doc)
     assert parse(written) == doc
     assert write(parse(written)) == written
+
+
+def test_bare_less_than_read_as_text_is_escaped_on_write_and_round_trips():
+    source = ('<schema name="s"><module name="code">for i in range(n):\n'
+              '    if 0 <= i < n: print(i)</module></schema>')
+    tree = parse(source)
+    written = write(tree)
+    assert "0 &lt;= i &lt; n" in written
+    again = parse(written)
+    assert again == tree and again.warnings == ()
