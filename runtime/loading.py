@@ -90,7 +90,6 @@ def _convert_default_model(folder: Path, converted: Path) -> None:
     try:
         # shared tensors (tied embeddings) are written once; from_pretrained re-ties them
         save_model(model, str(work / "model.safetensors"), metadata={"format": "pt"})
-        (work / "model.safetensors").chmod(0o644)
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config          # the copy is plain float, not GGUF
@@ -102,8 +101,7 @@ def _convert_default_model(folder: Path, converted: Path) -> None:
         for item in tokenizer_dir.iterdir():
             if item.is_file() and item.name != "config.json":
                 shutil.copy2(item, work / item.name)
-        shutil.rmtree(converted, ignore_errors=True)    # an incomplete copy
-        os.replace(work, converted)
+        default_model.publish(work, converted)          # 0700/0600, replacing an incomplete copy
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _say(f"converted in {time.perf_counter() - began:.0f} s, saved to {converted}")

@@ -9,7 +9,17 @@ and FMA (and F16C, which every AVX2 CPU has), a C compiler (`cc`, or `$CC`) and 
 tensors; anything else, or `PROMPTLANG_NATIVE=0`, leaves every caller on PyTorch.
 
 The shared library is compiled once per source version into `<promptlang home>/native/`
-(about 3 s) and reused by later processes.
+(about 3 s) and reused by later processes. Loading a library runs its code, so a stored one
+is loaded only when `untrusted_reason` finds nothing wrong with it (ours, not writable by
+others, in a folder that is ours and private) and its bytes match the SHA-256 recorded
+privately next to it when it was built; otherwise it is rebuilt. A build writes into a
+private temporary folder and renames the finished file into place.
+
+Kernels that cannot be had (no compiler, a failed build, a library that does not load or
+lacks a kernel) leave the runtime on PyTorch with one warning -- or, with
+`PROMPTLANG_REQUIRE_NATIVE=1` on an x86-64 CPU with AVX2, raise `NativeKernelsError`
+(CI sets it, so a broken kernels.c fails the build instead of skipping the kernel tests).
+`PROMPTLANG_NATIVE=0` still turns the kernels off, even where they are required.
 """
 
 from __future__ import annotations
@@ -28,22 +38,40 @@ from pathlib import Path
 
 import torch
 
-from promptlang.home import promptlang_home
+from promptlang.errors import PromptLangError
+from promptlang.home import native_dir, private_dir, untrusted_reason, write_private
 
 _SOURCE = Path(__file__).with_name("kernels.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
 MAX_HEAD_DIM = 256     # kernels.c MAXD
 MAX_SEGMENTS = 64      # pl_attend's segment count limit
+REQUIRE_ENV = "PROMPTLANG_REQUIRE_NATIVE"
+_TRUE = ("1", "true", "yes", "on")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_error: "NativeKernelsError | None" = None     # why required kernels are missing
 _tried = False
 _P, _L = ctypes.c_void_p, ctypes.c_long
+
+
+class NativeKernelsError(PromptLangError):
+    """PROMPTLANG_REQUIRE_NATIVE is set and the CPU kernels cannot be built or loaded."""
+
+
+class _Unavailable(Exception):
+    """Why the kernels cannot be had on this machine now (a sentence)."""
 
 
 def off_by_env(environ=os.environ) -> bool:
     """Whether PROMPTLANG_NATIVE turns the kernels off (read once, when this module loads)."""
     return environ.get("PROMPTLANG_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def required(environ=os.environ) -> bool:
+    """Whether PROMPTLANG_REQUIRE_NATIVE makes missing kernels an error on a CPU that can
+    run them (read when the kernels are first needed)."""
+    return environ.get(REQUIRE_ENV, "0").strip().lower() in _TRUE and _supported_cpu()
 
 
 class Switch:
@@ -80,18 +108,25 @@ def enabled() -> bool:
 
 
 def available() -> bool:
-    """Whether the kernels are built and loaded (building them on the first call)."""
+    """Whether the kernels are built and loaded (building them on the first call). Raises
+    NativeKernelsError instead of answering False where they are required."""
     return _load() is not None
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
-    if _tried or not enabled():
-        return _lib if enabled() else None
-    with _lock:
-        if not _tried:
-            _lib = _build_and_load()
-            _tried = True
+    global _lib, _error, _tried
+    if not enabled():
+        return None
+    if not _tried:
+        with _lock:
+            if not _tried:
+                try:
+                    _lib = _build_and_load()
+                except NativeKernelsError as exc:
+                    _error = exc
+                _tried = True
+    if _error is not None:
+        raise _error
     return _lib
 
 
@@ -101,38 +136,109 @@ def _supported_cpu() -> bool:
 
 
 def _build_and_load() -> ctypes.CDLL | None:
+    """The kernel library, or None (with a warning where the CPU could run it); raises
+    NativeKernelsError instead where PROMPTLANG_REQUIRE_NATIVE is set."""
     if not _supported_cpu():
         return None
+    try:
+        return _bind(_trusted_library())
+    except _Unavailable as exc:
+        if required():
+            raise NativeKernelsError(f"the CPU kernels are required ({REQUIRE_ENV} is set) "
+                                     f"but unavailable: {exc}") from None
+        warnings.warn(f"promptlang: {exc}; using PyTorch kernels (slower)", RuntimeWarning,
+                      stacklevel=4)
+        return None
+
+
+def _trusted_library() -> Path:
+    """The built library for this kernels.c, checked right before it is loaded; an
+    untrusted or altered one is rebuilt (with a warning), a missing one built."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        warnings.warn("promptlang: no C compiler found; using PyTorch kernels (slower)",
-                      RuntimeWarning, stacklevel=3)
-        return None
+        raise _Unavailable("no C compiler found (install one, or name it in $CC)")
     source = _SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    target = promptlang_home() / "native" / f"kernels-{digest}.so"
     try:
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE), "-lm"],
-                               check=True, capture_output=True, text=True, timeout=120)
-                os.replace(built, target)        # atomic: concurrent builders agree
-        lib = ctypes.CDLL(str(target))
+        folder = private_dir(native_dir())
+    except OSError as exc:
+        raise _Unavailable(f"cannot create {native_dir()} ({exc.strerror})") from None
+    target = folder / f"kernels-{digest}.so"
+    stale = _distrust(target)
+    if stale is None:
+        return target
+    if target.exists() or target.is_symlink():
+        warnings.warn(f"promptlang: not loading {target}: {stale}; rebuilding it",
+                      RuntimeWarning, stacklevel=5)
+    _build(compiler, target)
+    stale = _distrust(target)
+    if stale is not None:
+        raise _Unavailable(f"the freshly built {target} cannot be loaded safely: {stale}")
+    return target
+
+
+def _record(library: Path) -> Path:
+    """The file that holds the SHA-256 of `library`'s bytes as it was built."""
+    return library.with_name(library.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _distrust(library: Path) -> str | None:
+    """Why the stored `library` must not be loaded, or None when it may be."""
+    reason = untrusted_reason(library)
+    if reason is not None:
+        return reason
+    record = _record(library)
+    if untrusted_reason(record) is not None:
+        return "its build record is missing or untrusted"
+    try:
+        if record.read_text().strip() != _sha256(library):
+            return "its bytes differ from the digest recorded when it was built"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"it cannot be checked ({exc})"
+    return None
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile kernels.c into a private temporary folder beside `target`, record the
+    result's digest (0600), then rename it into place (atomic: concurrent builders agree)."""
+    try:
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:  # 0700
+            built = Path(tmp) / target.name
+            subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE), "-lm"],
+                           check=True, capture_output=True, text=True, timeout=120,
+                           stdin=subprocess.DEVNULL)
+            built.chmod(0o600)                       # the linker makes it 0755
+            write_private(_record(target), (_sha256(built) + "\n").encode())
+            os.replace(built, target)
+    except subprocess.CalledProcessError as exc:
+        detail = (exc.stderr or exc.stdout or "").strip()[:300]
+        raise _Unavailable(f"could not build the CPU kernels ({compiler} exited with "
+                           f"{exc.returncode}: {detail})") from None
     except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        warnings.warn(f"promptlang: could not build the CPU kernels ({detail.strip()[:300]}); "
-                      "using PyTorch kernels (slower)", RuntimeWarning, stacklevel=3)
-        return None
-    lib.pl_linear.argtypes = [_P, _L, _L, _P, _L, _P, _P, ctypes.c_int]
-    lib.pl_linear.restype = None
-    lib.pl_attend.argtypes = [_P, _L, _L, _L, ctypes.c_float, _L, _P, _P, _P, _P, _P, _P, _L,
-                              _P, _P, ctypes.c_int]
-    lib.pl_attend.restype = ctypes.c_int
-    lib.pl_decoder.argtypes = [_P, _L, _P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _L, _P, _P,
-                               _P, _P, _P, _P, _P, _L, _P, _L, ctypes.c_int]
-    lib.pl_decoder.restype = ctypes.c_int
+        raise _Unavailable(f"could not build the CPU kernels ({exc})") from None
+
+
+def _bind(library: Path) -> ctypes.CDLL:
+    """Load `library` and declare its kernels' signatures."""
+    try:
+        lib = ctypes.CDLL(str(library))
+    except OSError as exc:
+        raise _Unavailable(f"could not load {library} ({exc})") from None
+    try:
+        lib.pl_linear.argtypes = [_P, _L, _L, _P, _L, _P, _P, ctypes.c_int]
+        lib.pl_linear.restype = None
+        lib.pl_attend.argtypes = [_P, _L, _L, _L, ctypes.c_float, _L, _P, _P, _P, _P, _P, _P,
+                                  _L, _P, _P, ctypes.c_int]
+        lib.pl_attend.restype = ctypes.c_int
+        lib.pl_decoder.argtypes = [_P, _L, _P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _L,
+                                   _P, _P, _P, _P, _P, _P, _P, _L, _P, _L, ctypes.c_int]
+        lib.pl_decoder.restype = ctypes.c_int
+    except AttributeError as exc:                 # "...: undefined symbol: pl_attend"
+        raise _Unavailable(f"{library} lacks a kernel ({exc})") from None
     return lib
 
 

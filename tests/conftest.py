@@ -28,7 +28,8 @@ def kernels(request):
     layers of Llama-family models (runtime/fused.py), with the kernels but the fused layers
     off (transformers' layers calling pl_attend and pl_linear), and with PyTorch's kernels
     alone (the path of every other machine). The first two are skipped where the kernels
-    cannot be built."""
+    cannot be built, and fail instead under PROMPTLANG_REQUIRE_NATIVE=1 (as in CI):
+    `native.available()` then raises NativeKernelsError."""
     from promptlang.runtime import fused, native
 
     if request.param != "pytorch" and not native.available():

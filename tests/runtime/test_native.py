@@ -1,10 +1,17 @@
 """The CPU kernels (runtime/kernels.c) against PyTorch, and the runtime's use of them.
 
 Skipped where the kernels cannot be built (no AVX2/FMA, no C compiler, PROMPTLANG_NATIVE=0);
-the oracle tests then cover the PyTorch paths instead.
+the oracle tests then cover the PyTorch paths instead. Under PROMPTLANG_REQUIRE_NATIVE=1 (CI)
+kernels that cannot be built are an error, so this file fails to collect instead of skipping.
 """
 
 from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,8 +180,127 @@ def test_linears_are_plain_outside_the_adapter(monkeypatch):
     assert used == []
 
 
-def test_without_a_working_compiler_the_runtime_falls_back_with_a_warning(monkeypatch, tmp_path):
-    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path))
+# --- building and loading the library ----------------------------------------------------------
+
+@pytest.fixture
+def home(monkeypatch, tmp_path):
+    """A fresh PROMPTLANG_HOME, kernels not required (CI requires them for the real home)."""
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv(native.REQUIRE_ENV, raising=False)
+    return tmp_path / "home"
+
+
+def _library(home) -> Path:
+    (library,) = (home / "native").glob("kernels-*.so")
+    return library
+
+
+def _plant(tmp_path, library: Path, *, kernels=("pl_linear", "pl_attend", "pl_decoder")) -> Path:
+    """Replace `library` by one whose constructor leaves a marker file when it is loaded;
+    returns the marker's path."""
+    marker = tmp_path / "planted-code-ran"
+    source = tmp_path / "planted.c"
+    source.write_text("#include <stdio.h>\n"
+                      "__attribute__((constructor)) static void planted(void) {\n"
+                      f"    FILE *f = fopen(\"{marker}\", \"w\"); if (f) fclose(f);\n}}\n"
+                      + "".join(f"void {name}(void) {{}}\n" for name in kernels))
+    built = tmp_path / "planted.so"
+    subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-o", str(built),
+                    str(source)], check=True, capture_output=True)
+    built.chmod(0o600)
+    os.replace(built, library)      # a new file: the loaded one is mapped, never rewrite it
+    return marker
+
+
+def _kernels_work(lib) -> bool:
+    x, w = torch.randn(2, 8), torch.randn(3, 8)
+    y = torch.empty(2, 3)
+    lib.pl_linear(x.data_ptr(), 2, 8, w.data_ptr(), 3, None, y.data_ptr(), 1)
+    return torch.allclose(y, x @ w.T, atol=1e-5)
+
+
+def test_a_built_library_its_record_and_its_folders_are_private(home):
+    lib = native._build_and_load()
+    assert lib is not None and _kernels_work(lib)
+    library = _library(home)
+    for folder in (home, home / "native"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    for path in (library, native._record(library)):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert sorted(p.name for p in (home / "native").iterdir()) == [library.name,
+                                                                  library.name + ".sha256"]
+
+
+def test_a_group_writable_library_is_not_loaded_but_rebuilt_with_a_warning(home, tmp_path):
+    native._build_and_load()
+    library = _library(home)
+    marker = _plant(tmp_path, library)
+    library.chmod(0o620)
+    with pytest.warns(RuntimeWarning, match="others can write to it; rebuilding it"):
+        lib = native._build_and_load()
+    assert not marker.exists()                        # its constructor never ran
+    assert lib is not None and _kernels_work(lib)
+    assert stat.S_IMODE(library.stat().st_mode) == 0o600
+    assert native._distrust(library) is None
+
+
+def test_a_library_in_a_folder_others_can_write_is_not_loaded_but_rebuilt(home, tmp_path,
+                                                                         monkeypatch):
+    native._build_and_load()
+    library = _library(home)
+    marker = _plant(tmp_path, library)
+    monkeypatch.setattr(native, "private_dir", lambda path: path)   # a folder left loose
+    (home / "native").chmod(0o777)
+    with pytest.warns(RuntimeWarning, match="others can write to its folder; rebuilding it"):
+        lib = native._build_and_load()
+    assert not marker.exists()
+    assert lib is not None and _kernels_work(lib)
+    assert stat.S_IMODE((home / "native").stat().st_mode) == 0o700    # tightened on the way
+
+
+def test_a_library_owned_by_another_user_is_never_loaded(home, tmp_path, monkeypatch):
+    native._build_and_load()
+    library = _library(home)
+    marker = _plant(tmp_path, library)
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(library).st_uid + 1)  # we are someone else
+    with pytest.warns(RuntimeWarning) as caught:
+        assert native._build_and_load() is None
+    messages = " | ".join(str(w.message) for w in caught)
+    assert f"not loading {library}: it is owned by uid" in messages
+    assert "using PyTorch kernels" in messages
+    assert not marker.exists()
+
+
+def test_a_library_whose_bytes_differ_from_its_build_record_is_rebuilt(home, tmp_path):
+    native._build_and_load()
+    library = _library(home)
+    marker = _plant(tmp_path, library)                # ours, 0600: only the digest tells
+    with pytest.warns(RuntimeWarning, match="differ from the digest recorded"):
+        lib = native._build_and_load()
+    assert not marker.exists()
+    assert lib is not None and _kernels_work(lib)
+
+
+def test_a_library_lacking_a_kernel_falls_back_to_pytorch_with_a_warning(home, tmp_path,
+                                                                        monkeypatch):
+    source = tmp_path / "kernels.c"
+    source.write_text("void pl_linear(void) {}\nvoid pl_attend(void) {}\n")
+    monkeypatch.setattr(native, "_SOURCE", source)
+    with pytest.warns(RuntimeWarning, match="lacks a kernel .*pl_decoder.*using PyTorch"):
+        assert native._build_and_load() is None
+
+
+def test_a_library_that_does_not_load_falls_back_to_pytorch_with_a_warning(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.delenv(native.REQUIRE_ENV, raising=False)
+    junk = tmp_path / "kernels-junk.so"
+    junk.write_bytes(b"not an ELF file")
+    monkeypatch.setattr(native, "_trusted_library", lambda: junk)
+    with pytest.warns(RuntimeWarning, match="could not load .*using PyTorch"):
+        assert native._build_and_load() is None
+
+
+def test_without_a_working_compiler_the_runtime_falls_back_with_a_warning(monkeypatch, home):
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     with pytest.warns(RuntimeWarning, match="no C compiler"):
@@ -182,4 +308,45 @@ def test_without_a_working_compiler_the_runtime_falls_back_with_a_warning(monkey
     monkeypatch.setenv("CC", "false")                  # a compiler that fails
     with pytest.warns(RuntimeWarning, match="could not build the CPU kernels"):
         assert native._build_and_load() is None
-    assert not list((tmp_path / "native").glob("*.so"))
+    assert not list((home / "native").iterdir())       # no library, no record, no temp folder
+
+
+def test_required_kernels_that_cannot_be_had_are_an_error(monkeypatch, home, tmp_path):
+    monkeypatch.setenv(native.REQUIRE_ENV, "1")
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(native.NativeKernelsError, match="required .*could not build"):
+        native._build_and_load()
+    monkeypatch.delenv("CC")
+    source = tmp_path / "kernels.c"
+    source.write_text("void pl_linear(void) {}\n")
+    monkeypatch.setattr(native, "_SOURCE", source)
+    with pytest.raises(native.NativeKernelsError, match="lacks a kernel"):
+        native._build_and_load()
+    # through available(): an error on every call, never a quiet False
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_error", None)
+    for _ in range(2):
+        with pytest.raises(native.NativeKernelsError):
+            native.available()
+
+
+def test_the_require_variable_is_read_as_a_flag():
+    assert native.required({native.REQUIRE_ENV: "1"})
+    assert native.required({native.REQUIRE_ENV: " Yes "})
+    assert not native.required({native.REQUIRE_ENV: "0"})
+    assert not native.required({})
+
+
+def test_required_kernels_that_cannot_be_built_fail_the_kernel_tests_instead_of_skipping(
+        tmp_path):
+    env = {**os.environ, native.REQUIRE_ENV: "1", "CC": "false",
+           "PROMPTLANG_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    env.pop("PROMPTLANG_NATIVE", None)
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "tests/runtime/test_fused.py"], cwd=root, env=env,
+                            capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert result.returncode not in (0, 5), result.stdout[-2000:]
+    assert "NativeKernelsError" in result.stdout
+    assert "skipped" not in result.stdout
