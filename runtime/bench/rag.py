@@ -85,8 +85,9 @@ class RagRequest:
 
 def plan_requests(n_docs: int, k: int, count: int, seed: int = 0) -> list[RagRequest]:
     """`count` requests of `k` of `n_docs` documents following PLAN (the first is new);
-    a repeated order asks another of its documents' questions while one is left. When the wanted kind is impossible (every set used; k=1 cannot be reordered) the
-    next one down is drawn; the label always says what the request is."""
+    a repeated order asks another of its documents' questions while one is left. When
+    the wanted kind is impossible (every set used; k=1 cannot be reordered) the next one
+    down is drawn; the label always says what the request is."""
     if not 1 <= k <= n_docs:
         raise ValueError(f"need 1 <= k <= n_docs, got k={k}, n_docs={n_docs}")
     rng = random.Random(f"promptlang.bench.rag:{seed}:{n_docs}:{k}")
