@@ -22,7 +22,8 @@ def point(cached, baseline, device, encode=1.0, floor=0.05, agree=True):
         device = [device, device * 1.1, device * 0.9]
     p = latency.Point(target=cached, prompt_tokens=cached + 14, cached_tokens=cached,
                       uncached_tokens=14, encode=encode, cold=encode + device[0],
-                      disk_write=0.0, baseline=baseline, device=device, rates=[1.0] * 3, bandwidths=[1.0] * 3,
+                      disk_write=0.0, baseline=baseline, device=device, rates=[1.0] * 3,
+                      bandwidths=[1.0] * 3,
                       held=[1.0], host=[1.0], disk=[1.0], flops=floor / 2, read_bytes=floor)
     logits = torch.tensor([0.0, 1.0, 0.5])
     for _ in range(3):
