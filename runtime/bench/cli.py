@@ -1,7 +1,8 @@
 """`promptlang bench`: the benchmarks, each printing its tables and writing raw numbers.
 
-    promptlang bench latency  [--lengths 256,512,...] [--repeats R] [--baseline-repeats B]
-                              [--decode-tokens N] [--goal-length L]
+    promptlang bench latency  [--lengths 256,512,...] [--samples S] [--repeats R]
+                              [--decode-tokens N] [--decode-samples D] [--goal-length L]
+                              [--rag-docs N] [--rag-k K] [--rag-requests R]
     promptlang bench memory
     promptlang bench accuracy [--items N] [--kinds single,cross,...] [--docs-per-item D]
                               [--doc-words W] [--max-new-tokens N] [--seed S]
@@ -13,8 +14,9 @@
 Every command takes --quick (tiny sizes, for tests), --out DIR (default bench-out/),
 --model PATH_OR_ID (default: the embedded SmolLM2-135M) and --no-progress. Tables go
 to stdout, progress bars to stderr; the folder gets NAME.csv, NAME.json, NAME.md (and
-latency.png, accuracy.png, accuracy-items.json). Each PASS/FAIL goal line is printed
-whether it passes or not.
+latency.png, rag.csv, rag.json, accuracy.png, accuracy-items.json). Each PASS/FAIL goal
+line is printed whether it passes or not; `latency` and `all` exit with 1 when the cached
+and baseline first tokens disagree (a correctness check, not a speed goal).
 """
 
 from __future__ import annotations
@@ -52,14 +54,24 @@ def register(subparsers: Any) -> None:
     latency.add_argument("--lengths", type=_int_list, metavar="N,N,...",
                          help="document lengths in tokens (default "
                               "256,512,1024,2048,4096,6400,8000)")
+    latency.add_argument("--samples", type=_positive, metavar="S",
+                         help="interleaved rounds of (floor, cached request, baseline) per "
+                              "length; the goals are judged on them (default 5)")
     latency.add_argument("--repeats", type=_positive, metavar="R",
-                         help="timed requests per cached tier and length (default 5)")
-    latency.add_argument("--baseline-repeats", type=_positive, metavar="B",
-                         help="timed baseline requests per length (default 1)")
+                         help="timed requests per held, host and disk tier and length "
+                              "(default 5)")
     latency.add_argument("--decode-tokens", type=_at_least_two, metavar="N",
                          help="tokens for the decode comparison (default 32)")
+    latency.add_argument("--decode-samples", type=_positive, metavar="D",
+                         help="interleaved decode runs on each side (default 5)")
     latency.add_argument("--goal-length", type=_positive, metavar="L",
                          help="the length the goals are checked at (default 6400)")
+    latency.add_argument("--rag-docs", type=_positive, metavar="N",
+                         help="documents of the RAG workload (default 8, ~700 tokens each)")
+    latency.add_argument("--rag-k", type=_positive, metavar="K",
+                         help="documents per RAG request (default 4)")
+    latency.add_argument("--rag-requests", type=_non_negative, metavar="R",
+                         help="timed RAG requests (default 12; 0 skips the RAG section)")
 
     accuracy = argparse.ArgumentParser(add_help=False)
     accuracy.add_argument("--items", type=_positive, metavar="N",
@@ -103,7 +115,9 @@ def register(subparsers: Any) -> None:
              "time to first token, baseline vs cached",
              "Time to first token, baseline against cached, over prompt length, with "
              "modules in the device, host and disk tiers; encode cost, break-even, the "
-             "machine's floor, the decode comparison and the latency goals."),
+             "machine's floor, the decode comparison, the first-token agreement check, "
+             "the latency goals, and a RAG workload (k of N documents per request) "
+             "against a prefix-cache policy on the same engine."),
             ("memory", [common], _one(_run_memory), "KV bytes per token",
              "KV bytes per token: the model's, its store's in 32 and 16 bits, and a table "
              "of well-known models' shapes."),
@@ -251,7 +265,8 @@ class _Run:
         m = machine_facts(self.machine)
         return [f"CPU: {m['cpu'] or 'unknown'}; {m['usable_cores']} usable cores "
                 f"({m['logical_cores']} logical), torch threads {m['torch_threads']}",
-                f"measured in this run: float32 matmul {m['matmul_gflops']} GFLOP/s, "
+                f"measured in this run: float32 matmul {m['matmul_gflops']} GFLOP/s (best "
+                f"sustained sgemm: {m['matmul_sgemm']}), "
                 f"memory copy {m['copy_gb_per_s']} GB/s (read + write)",
                 f"python {m['python']}, torch {m['torch']}, transformers {m['transformers']}",
                 f"CPU kernels: {m['kernels']}"]
@@ -277,8 +292,16 @@ def _latency_options(args):
     from promptlang.runtime.bench.latency import LatencyOptions
 
     return _options(LatencyOptions, args, {
-        "lengths": "lengths", "repeats": "repeats", "baseline_repeats": "baseline_repeats",
-        "decode_tokens": "decode_tokens", "goal_length": "goal_length"})
+        "lengths": "lengths", "samples": "samples", "repeats": "repeats",
+        "decode_tokens": "decode_tokens", "decode_samples": "decode_samples",
+        "goal_length": "goal_length"})
+
+
+def _rag_options(args):
+    from promptlang.runtime.bench.rag import RagOptions
+
+    return _options(RagOptions, args, {"rag_docs": "docs", "rag_k": "k",
+                                       "rag_requests": "requests"})
 
 
 def _accuracy_options(args):
@@ -294,14 +317,21 @@ def _accuracy_options(args):
 
 
 def _run_latency(run: _Run):
-    from promptlang.runtime.bench import latency
+    from promptlang.runtime.bench import latency, rag
     from promptlang.runtime.bench.report import render_markdown, render_text, write_csv, \
         write_json
 
     report = latency.run_latency(run.llm, _latency_options(run.args),
                                  model_source=run.args.model, model_name=run.model_name,
-                                 machine=run.machine, workdir=run.out, progress=run.progress)
-    parts = latency.sections(report)
+                                 workdir=run.out, progress=run.progress)
+    parts = latency.sections(report, run.llm.tokenizer)
+    rag_options = _rag_options(run.args)
+    if rag_options.requests:
+        workload = rag.run_rag(run.llm, rag_options, model_name=run.model_name,
+                               progress=run.progress)
+        parts += rag.sections(workload)
+        run.write("rag.csv", lambda p: write_csv(p, workload.rows()))
+        run.write("rag.json", lambda p: write_json(p, rag.to_json(workload)))
     print(render_text(parts))
     run.write("latency.csv", lambda p: write_csv(p, report.rows()))
     run.write("latency.json", lambda p: write_json(p, latency.to_json(report)))
@@ -359,14 +389,24 @@ def _header(run: _Run) -> list[str]:
 
 
 def _one(bench: Callable[[_Run], Any]) -> Callable[[argparse.Namespace], int]:
-    """The command that runs one benchmark: header, the benchmark, the files written."""
+    """The command that runs one benchmark: header, the benchmark, the files written;
+    1 when the report says its results are not correct (see `_status`)."""
     def command(args: argparse.Namespace) -> int:
         with _Run(args) as run:
             _header(run)
-            bench(run)
+            report, _ = bench(run)
             _done(run)
-        return 0
+        return _status([report])
     return command
+
+
+def _status(reports) -> int:
+    """1 when a report's `correct` is False (latency: cached and baseline picked different
+    first tokens), else 0. Speed goals that FAIL do not change it: they are measurements."""
+    wrong = [r for r in reports if getattr(r, "correct", True) is False]
+    if wrong:
+        _say("FAIL: cached and baseline first tokens disagree (see the goal lines)")
+    return 1 if wrong else 0
 
 
 def _all(args: argparse.Namespace) -> int:
@@ -384,11 +424,12 @@ def _run_all(run: _Run) -> int:
     header = _header(run)
     timings = {}
     parts: dict[str, list] = {}
-    goals = []
+    goals, reports = [], []
     for name, bench in (("memory", _run_memory), ("latency", _run_latency),
                         ("accuracy", _run_accuracy)):
         started = time.perf_counter()
         report, parts[name] = bench(run)
+        reports.append(report)
         goals += getattr(report, "goals", [])
         timings[name] = round(time.perf_counter() - started, 1)
     total = time.perf_counter() - began
@@ -412,7 +453,7 @@ def _run_all(run: _Run) -> int:
     run.write("report.md", lambda p: p.write_text("\n".join(document)))
     _say(timing_line)
     _done(run)
-    return 0
+    return _status(reports)
 
 
 def _done(run: _Run) -> None:

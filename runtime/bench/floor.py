@@ -5,10 +5,15 @@ once, and do the arithmetic of its uncached tokens:
 
     floor = max(FLOPs_uncached / matmul_rate, (weight_bytes + kv_bytes) / bandwidth)
 
-`measure_machine` gets the rate from a large float32 matmul and the bandwidth from
-a large tensor copy, each the best of a few repeats (best, not mean: other load on
-the machine only ever slows a run down). Both use torch's current thread setting,
-so measure under the same `torch.set_num_threads` as the benchmark.
+The matmul rate is the machine's best *sustained* float32 matmul (sgemm): `best_sgemm`
+times each candidate shape in a loop of a fixed length (not one call: a burst can beat
+what the cores keep up) and keeps the fastest shape. The candidates are large squares
+and the model's own projections at a prefill's row count (`workload_shapes`), so a weak
+reference shape cannot make the floor look high. The bandwidth is a large tensor copy
+(bytes read plus written), the best of a few. `FloorSampler` measures both again, with
+the chosen shape, as often as a benchmark takes a sample, so each request's floor comes
+from the same minutes as the request. Everything runs under torch's current thread
+setting: measure under the same `torch.set_num_threads` as the benchmark.
 """
 
 from __future__ import annotations
@@ -17,18 +22,37 @@ import os
 import platform
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from promptlang.runtime.bench.shapes import ModelShape, shape_from_config
 
+SQUARE_SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048))   # (M, K, N)
+PREFILL_ROWS = 2048        # rows of the workload shapes: a prefill chunk of the baseline
+
+
+@dataclass(frozen=True)
+class Sgemm:
+    """One sgemm shape, C[M, N] = A[M, K] @ B[K, N], and its sustained rate."""
+
+    m: int
+    k: int
+    n: int
+    flops_per_s: float
+    what: str = ""             # where the shape comes from ("square", "MLP up", ...)
+
+    @property
+    def name(self) -> str:
+        return f"{self.m}x{self.k}x{self.n}"
+
 
 @dataclass(frozen=True)
 class Machine:
-    matmul_flops_per_s: float
-    copy_bytes_per_s: float     # bytes read plus bytes written
+    matmul_flops_per_s: float  # the best sustained sgemm's
+    copy_bytes_per_s: float    # bytes read plus bytes written
     threads: int
+    sgemm: str = ""            # which shape gave the rate (MxKxN, and what it is)
 
 
 def _best_seconds(run: Callable[[], None], repeats: int) -> float:
@@ -41,13 +65,39 @@ def _best_seconds(run: Callable[[], None], repeats: int) -> float:
     return best
 
 
-def measure_matmul_rate(n: int = 1024, repeats: int = 3) -> float:
-    """FLOP/s of an n x n by n x n float32 matmul (2 n^3 FLOPs)."""
-    a = torch.randn(n, n)
-    b = torch.randn(n, n)
-    out = torch.empty(n, n)
-    seconds = _best_seconds(lambda: torch.matmul(a, b, out=out), repeats)
-    return 2 * n**3 / seconds
+def workload_shapes(shape: ModelShape, rows: int = PREFILL_ROWS) -> list[tuple[int, int, int, str]]:
+    """(M, K, N, what) of the matmuls a prefill of `rows` tokens runs in every layer of
+    `shape`: the query projection and the MLP's up and down projections."""
+    return [(rows, shape.hidden, shape.heads * shape.head_dim, "query projection"),
+            (rows, shape.hidden, shape.intermediate, "MLP up"),
+            (rows, shape.intermediate, shape.hidden, "MLP down")]
+
+
+def sgemm_rate(m: int, k: int, n: int, seconds: float = 0.1) -> float:
+    """FLOP/s of A[m, k] @ B[k, n] (2 m k n FLOPs) run back to back for at least
+    `seconds` after one untimed call: a sustained rate, not the best single call."""
+    a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+    torch.matmul(a, b, out=out)
+    calls, began = 0, time.perf_counter()
+    while True:
+        torch.matmul(a, b, out=out)
+        calls += 1
+        elapsed = time.perf_counter() - began
+        if elapsed >= seconds:
+            return 2 * m * k * n * calls / elapsed
+
+
+def best_sgemm(shapes: Sequence[tuple[int, int, int, str]], seconds: float = 0.2
+               ) -> tuple[Sgemm, list[Sgemm]]:
+    """(the fastest, all of them) of `shapes`, each timed by `sgemm_rate`."""
+    measured = [Sgemm(m, k, n, sgemm_rate(m, k, n, seconds), what) for m, k, n, what in shapes]
+    return max(measured, key=lambda s: s.flops_per_s), measured
+
+
+def candidate_shapes(shape: ModelShape | None = None) -> list[tuple[int, int, int, str]]:
+    """The squares, and the model's prefill matmuls when a model shape is given."""
+    squares = [(m, k, n, "square") for m, k, n in SQUARE_SHAPES]
+    return squares + (workload_shapes(shape) if shape is not None else [])
 
 
 def measure_bandwidth(nbytes: int = 64 << 20, repeats: int = 3) -> float:
@@ -59,11 +109,32 @@ def measure_bandwidth(nbytes: int = 64 << 20, repeats: int = 3) -> float:
     return 2 * src.numel() * 4 / seconds
 
 
-def measure_machine(matmul_n: int = 1024, copy_bytes: int = 64 << 20,
+def measure_machine(shapes: Sequence[tuple[int, int, int, str]] | None = None,
+                    copy_bytes: int = 64 << 20, seconds: float = 0.2,
                     repeats: int = 3) -> Machine:
-    """Both measurements; well under 2 s on a 2-core machine at the default sizes."""
-    return Machine(measure_matmul_rate(matmul_n, repeats),
-                   measure_bandwidth(copy_bytes, repeats), torch.get_num_threads())
+    """The best sustained sgemm over `shapes` (default: the squares) and the copy
+    bandwidth; a few seconds on a 2-core machine at the defaults."""
+    best, _ = best_sgemm(shapes or candidate_shapes(), seconds)
+    return Machine(best.flops_per_s, measure_bandwidth(copy_bytes, repeats),
+                   torch.get_num_threads(), f"{best.name} ({best.what})")
+
+
+class FloorSampler:
+    """One sgemm shape and one copy, measured again on every `sample()` call: the rates
+    of the moment, for a floor interleaved with the requests it judges."""
+
+    def __init__(self, sgemm: Sgemm, copy_bytes: int = 64 << 20, seconds: float = 0.05,
+                 copies: int = 3):
+        self.sgemm, self.seconds, self.copies = sgemm, seconds, copies
+        self._src = torch.ones(copy_bytes // 4)
+        self._dst = torch.empty_like(self._src)
+
+    def sample(self) -> tuple[float, float]:
+        """(matmul FLOP/s, copy bytes/s) measured now."""
+        s = self.sgemm
+        rate = sgemm_rate(s.m, s.k, s.n, self.seconds)
+        seconds = _best_seconds(lambda: self._dst.copy_(self._src), self.copies)
+        return rate, 2 * self._src.numel() * 4 / seconds
 
 
 def floor_seconds(flops_uncached: float, weight_bytes: float, kv_bytes: float,
@@ -127,6 +198,7 @@ def machine_facts(machine: Machine) -> dict[str, Any]:
         "usable_cores": usable,
         "torch_threads": machine.threads,
         "matmul_gflops": round(machine.matmul_flops_per_s / 1e9, 1),
+        "matmul_sgemm": machine.sgemm,
         "copy_gb_per_s": round(machine.copy_bytes_per_s / 1e9, 2),
         "python": sys.version.split()[0],
         "torch": torch.__version__,

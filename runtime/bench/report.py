@@ -1,4 +1,5 @@
-"""Reporting helpers for the benchmarks: tables, raw numbers, plots, fits, goals, progress."""
+"""Reporting helpers for the benchmarks: tables, raw numbers, plots, fits, goals, per-sample
+ratios and their spread, progress."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import csv
 import dataclasses
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, TextIO
@@ -77,6 +79,47 @@ class Goal:
 
     def __str__(self) -> str:
         return f"{self.verdict}  {self.name}: {self.detail}"
+
+
+def ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:
+    """Per-sample ratios numerators[i] / denominators[i] of samples taken side by side
+    (the same round of an interleaved measurement), never a ratio of two summaries."""
+    if len(numerators) != len(denominators):
+        raise ValueError(f"ratios need paired samples: {len(numerators)} against "
+                         f"{len(denominators)}")
+    if any(d <= 0 for d in denominators):
+        raise ValueError("ratios need positive denominators")
+    return [n / d for n, d in zip(numerators, denominators)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """The median of some samples, with their spread: min-max, the quartiles (inclusive
+    method: they lie between min and max), and how many samples there were."""
+
+    median: float
+    low: float
+    high: float
+    q1: float
+    q3: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "Spread":
+        if not values:
+            raise ValueError("a spread needs at least one sample")
+        ordered = sorted(values)
+        if len(ordered) == 1:
+            q1 = q3 = ordered[0]
+        else:
+            q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+        return cls(statistics.median(ordered), ordered[0], ordered[-1], q1, q3, len(ordered))
+
+    def describe(self, number: str = "{:.2f}", unit: str = "") -> str:
+        """'1.50x (min-max 1.20-1.90, IQR 1.40-1.60, n=5)' for number "{:.2f}", unit "x"."""
+        f = lambda v: number.format(v) + unit  # noqa: E731
+        return (f"{f(self.median)} (min-max {f(self.low)}-{f(self.high)}, "
+                f"IQR {f(self.q1)}-{f(self.q3)}, n={self.n})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,8 @@ from promptlang.runtime.assembler import SHARE_MIN_TOKENS
 GOAL_LINE = re.compile(r"^(PASS|FAIL|N/A)  (.+?): ", re.M)
 LATENCY_GOALS = {"cached TTFT <= 2x floor", "cached >= 100x faster than baseline",
                  "cached TTFT exponent <= 1.2", "cached beats baseline at 512 cached tokens",
-                 "decode per token <= 1.5x transformers generate"}
+                 "decode per token <= 1.5x transformers generate",
+                 "cached first token == baseline's at every length"}
 MEMORY_GOAL = "a 16-bit store halves KV bytes per token"
 ACCURACY_GOAL = "recompute recovers >= half the cached-vs-baseline gap at >= 10x"
 QUICK_SETTINGS = ("baseline", "cached", "cached+first:2", "cached+deviation:0.2", "cached-bf16",
@@ -49,8 +50,14 @@ def test_latency_quick_writes_every_tier_and_prints_the_goals(tmp_path, capsys):
         assert int(row["cached_tokens"]) >= int(row["target_tokens"])
         assert int(row["prompt_tokens"]) == int(row["cached_tokens"]) + int(row["uncached_tokens"])
         assert row["break_even_requests"] == "" or int(row["break_even_requests"]) >= 1
+        assert int(row["samples"]) == 2                     # the quick run's declared rounds
+        assert float(row["device_x_floor_min"]) <= float(row["device_x_floor"]) <= \
+            float(row["device_x_floor_max"])
     assert (tmp_path / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(goals(out)) == LATENCY_GOALS
+    # the default model's cached and baseline first tokens agree at every length
+    assert goals(out)["cached first token == baseline's at every length"] == "PASS"
+    assert "Cached against baseline: the first token" in out and "max |logit diff|" in out
     data = json.loads((tmp_path / "latency.json").read_text())
     assert data["machine"]["matmul_gflops"] > 0 and data["machine"]["copy_gb_per_s"] > 0
     for point in data["points"]:
@@ -63,11 +70,19 @@ def test_latency_quick_writes_every_tier_and_prints_the_goals(tmp_path, capsys):
             assert checks["device_copied_tokens"] < point["target_tokens"]
         assert checks["host_hits"] >= 1 and checks["disk_hits"] >= 2
         assert len(point["disk"]) == 2
-        late = checks.get("device_late_samples", 0)      # the goal length's, at the end
-        assert len(point["device"]) == 2 + late
-        assert late == (2 if point["target_tokens"] == 256 else 0)
-    assert data["decode"]["tokens"] >= 2 and data["decode"]["hf_per_token"] > 0
+        # every goal sample has its baseline and floor from the same round, declared count
+        assert len(point["device"]) == len(point["baseline"]) == len(point["floors"]) == 2
+        assert point["x_floor"]["n"] == 2 and point["agreement"]["samples"] == 2
+    decode = data["decode"]
+    assert decode["tokens"] >= 2 and len(decode["ours"]) == len(decode["hf"]) == 2
+    assert data["machine"]["matmul_sgemm"] in {s["name"] + f" ({s['what']})"
+                                               for s in data["sgemm_candidates"]}
     assert not list(tmp_path.glob(".kv-*"))          # the disk tier's files are gone
+    rag_rows = read_csv(tmp_path / "rag.csv")        # the RAG section, quick-sized
+    assert len(rag_rows) == 4 and {r["kind"] for r in rag_rows} == {"new", "reordered",
+                                                                     "repeat"}
+    assert all(r["prefix_agrees_with_full"] == "True" for r in rag_rows)
+    assert "RAG: 2 of 3 documents per request" in out
 
 
 def test_memory_quick_measures_both_stores_and_the_table(tmp_path, capsys):
@@ -132,8 +147,31 @@ def test_all_quick_writes_one_folder_with_a_report_and_every_goal(tmp_path, caps
     assert set(goals(out)) == LATENCY_GOALS | {MEMORY_GOAL, ACCURACY_GOAL}
 
 
+def test_latency_exits_1_when_cached_and_baseline_first_tokens_disagree(tmp_path, capsys,
+                                                                         monkeypatch):
+    from promptlang.runtime.bench import latency
+    from tests.bench.test_bench_logic import point
+
+    def fake_run(llm, options, **kwargs):     # a run whose 6.4k point picked another token
+        points = [point(512, 10.0, 0.1), point(6400, 30.0, 0.1, agree=False)]
+        report = latency.LatencyReport(options, "fake", {"matmul_gflops": 1.0,
+                                                         "copy_gb_per_s": 1.0}, 0, 0, points,
+                                       [], None, [], 0.0)
+        report.goals = latency.latency_goals(report)
+        return report
+
+    monkeypatch.setattr(latency, "run_latency", fake_run)
+    code = main(["bench", "latency", "--quick", "--no-progress", "--rag-requests", "0",
+                 "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert goals(captured.out)["cached first token == baseline's at every length"] == "FAIL"
+    assert "first tokens disagree" in captured.err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["latency", "--lengths", "0,64"], "positive token counts"),
+    (["latency", "--rag-k", "0"], "at least 1"),
     (["accuracy", "--kinds", "trivia"], "unknown kind"),
     (["accuracy", "--recompute", "first:4,deviation:7"], "between 0 and 1"),
     (["latency", "--decode-tokens", "1"], "at least 2"),

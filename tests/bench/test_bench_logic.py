@@ -1,21 +1,33 @@
 """The arithmetic behind the bench reports, on made-up measurements: break-even, the
-goals' verdicts, exponents, score tables, option merging and the latency document."""
+goals' verdicts on per-round ratios, the first-token agreement check, exponents, score
+tables, option merging and the latency document."""
 
 import argparse
 import math
+from dataclasses import replace
 
 import pytest
+import torch
 
 from promptlang.runtime.bench import accuracy, latency, qa
 from promptlang.runtime.bench.report import Goal, Section, markdown_table, render_markdown
 
 
-def point(cached, baseline, device, encode=1.0, floor=0.05):
+def point(cached, baseline, device, encode=1.0, floor=0.05, agree=True):
+    """Three rounds (a number stands for three samples around it); every round's rates
+    give the same floor (memory-bound)."""
+    if isinstance(baseline, float):
+        baseline = [baseline] * 3
+    if isinstance(device, float):
+        device = [device, device * 1.1, device * 0.9]
     p = latency.Point(target=cached, prompt_tokens=cached + 14, cached_tokens=cached,
-                      uncached_tokens=14, encode=encode, cold=encode + device, disk_write=0.0,
-                      baseline=[baseline], device=[device, device * 1.1, device * 0.9],
-                      held=[device], host=[device], disk=[device])
-    p.floor_compute, p.floor_memory = floor / 2, floor
+                      uncached_tokens=14, encode=encode, cold=encode + device[0],
+                      disk_write=0.0, baseline=baseline, device=device, rates=[1.0] * 3,
+                      bandwidths=[1.0] * 3,
+                      held=[1.0], host=[1.0], disk=[1.0], flops=floor / 2, read_bytes=floor)
+    logits = torch.tensor([0.0, 1.0, 0.5])
+    for _ in range(3):
+        p.agreement.add(logits, logits if agree else torch.tensor([0.0, 1.0, 1.5]))
     return p
 
 
@@ -38,26 +50,77 @@ def test_medians_and_speedup_use_the_device_tier():
     p = point(2000, baseline=20.0, device=0.1)
     assert p.median("device") == pytest.approx(0.1)
     assert p.best("device") == pytest.approx(0.09)
-    assert p.speedup == pytest.approx(200.0)
+    assert p.speedup.median == pytest.approx(200.0)
+    assert p.speedup.n == 3 and p.speedup.low == pytest.approx(20.0 / 0.11)
+
+
+def test_floor_and_its_ratio_are_per_round():
+    p = point(1000, baseline=1.0, device=[0.2, 0.2, 0.2], floor=0.1)
+    p.bandwidths = [1.0, 2.0, 0.5]            # round 2 copied twice as fast, round 3 half
+    assert p.floors() == pytest.approx([0.1, 0.05, 0.2])
+    assert p.floor == pytest.approx(0.1)
+    assert [p.x_floor.low, p.x_floor.median, p.x_floor.high] == pytest.approx([1.0, 2.0, 4.0])
+
+
+def test_a_goal_is_judged_on_the_median_of_per_round_ratios():
+    # per round 150x, 150x, 30x: median 150x PASS (the ratio of the medians would be 75x)
+    p = point(6400, baseline=[150.0, 300.0, 90.0], device=[1.0, 2.0, 3.0])
+    goal = report([p])["cached >= 100x faster than baseline"]
+    assert goal.passed is True and "150x (min-max 30x-150x" in goal.detail
+    assert "n=3" in goal.detail
+
+
+def test_agreement_counts_rounds_that_pick_different_first_tokens():
+    a = latency.Agreement()
+    a.add(torch.tensor([0.0, 2.0, 1.0]), torch.tensor([0.0, 2.0, 1.25]))
+    assert a.agrees and a.max_logit_diff == pytest.approx(0.25)
+    a.add(torch.tensor([0.0, 2.0, 1.0]), torch.tensor([0.0, 2.0, 3.0]))
+    assert not a.agrees and a.disagreements == 1 and a.samples == 2
+    assert (a.baseline_token, a.cached_token) == (1, 2)
+    assert a.max_logit_diff == pytest.approx(2.0)
+    assert not latency.Agreement().agrees              # no rounds: nothing shown to agree
+
+
+def test_a_first_token_disagreement_is_a_fail_line_and_marks_the_report_wrong():
+    points = [point(512, 10.0, 0.1), point(6400, 30.0, 0.1, agree=False)]
+    r = latency.LatencyReport(latency.LatencyOptions(), "m", {}, 0, 0, points, [], None, [],
+                              0.0)
+    r.goals = latency.latency_goals(r)
+    goal = {g.name: g for g in r.goals}[latency.AGREE_GOAL]
+    assert str(goal).startswith("FAIL  ") and "6,400 cached tokens (3 of 3 rounds" in goal.detail
+    assert r.correct is False
+    points[1] = point(6400, 30.0, 0.1)
+    assert latency.agreement_goal(points).passed is True
+    assert "max |logit diff| 0" in latency.agreement_goal(points).detail
+
+
+def test_rounds_rotate_which_part_runs_first():
+    parts = ("floor", "device", "baseline")
+    orders = [latency.rotated(parts, i) for i in range(3)]
+    assert [o[0] for o in orders] == list(parts)
+    assert all(sorted(o) == sorted(parts) for o in orders)
+    assert latency.rotated(parts, 3) == orders[0]
 
 
 def test_goals_pass_when_every_target_is_met():
     points = [point(n, baseline=3e-6 * n**2, device=0.04 + 2e-6 * n, floor=0.03)
               for n in (512, 1024, 2048, 4096, 6400, 8000)]
-    decode = latency.DecodeComparison(6414, 32, 0.030, 0.025, 20.0, "sdpa")
+    decode = latency.DecodeComparison(6414, 32, [0.030, 0.031], [0.025, 0.026], 20.0, "sdpa")
     goals = report(points, decode)
     assert {name: g.passed for name, g in goals.items()} == {name: True for name in goals}
-    assert len(goals) == 5
+    assert len(goals) == 6
     assert "6,400 cached tokens" in goals["cached TTFT <= 2x floor"].detail
 
 
 def test_goals_fail_and_say_by_how_much():
     points = [point(n, baseline=1e-3 * n, device=1e-4 * n, floor=0.01)
               for n in (512, 2048, 6400)]
-    decode = latency.DecodeComparison(6414, 32, 0.09, 0.03, 20.0, "sdpa")
+    decode = latency.DecodeComparison(6414, 32, [0.09, 0.12], [0.03, 0.03], 20.0, "sdpa")
     goals = report(points, decode)
     assert goals["cached TTFT <= 2x floor"].passed is False
-    assert "64.00x the floor" in goals["cached TTFT <= 2x floor"].detail
+    assert "64.00x (min-max 57.60x-70.40x" in goals["cached TTFT <= 2x floor"].detail
+    assert "3.50x (min-max 3.00x-4.00x" in \
+        goals["decode per token <= 1.5x transformers generate"].detail
     assert goals["cached >= 100x faster than baseline"].passed is False
     assert goals["cached TTFT exponent <= 1.2"].passed is True       # linear: exponent 1
     assert goals["decode per token <= 1.5x transformers generate"].passed is False
@@ -136,13 +199,19 @@ def test_make_items_interleaves_kinds_deterministically():
 def test_quick_options_take_command_line_overrides():
     from promptlang.runtime.bench import cli
 
-    args = argparse.Namespace(quick=True, lengths=(32, 64), repeats=None, baseline_repeats=None,
-                              decode_tokens=None, goal_length=None)
+    args = argparse.Namespace(quick=True, lengths=(32, 64), samples=None, repeats=None,
+                              decode_tokens=None, decode_samples=3, goal_length=None,
+                              rag_docs=None, rag_k=3, rag_requests=None)
     options = cli._latency_options(args)
-    assert options.lengths == (32, 64)
-    assert options.repeats == latency.LatencyOptions.quick().repeats
+    assert options.lengths == (32, 64) and options.decode_samples == 3
+    assert options.samples == latency.LatencyOptions.quick().samples
     args.quick = False
-    assert cli._latency_options(args).repeats == latency.LatencyOptions().repeats
+    assert cli._latency_options(args).samples == latency.LatencyOptions().samples
+    from promptlang.runtime.bench.rag import RagOptions
+
+    assert cli._rag_options(args) == RagOptions(k=3)
+    args.quick = True
+    assert cli._rag_options(args) == replace(RagOptions.quick(), k=3)
 
 
 def test_command_line_is_rebuilt_from_the_given_options():

@@ -161,10 +161,37 @@ def test_prefill_flops_grow_linearly_in_context_for_a_fixed_question():
 
 
 def test_measured_machine_numbers_are_positive_and_finite():
-    machine = floor.measure_machine(matmul_n=128, copy_bytes=1 << 20, repeats=1)
+    machine = floor.measure_machine([(64, 64, 64, "square")], copy_bytes=1 << 20,
+                                    seconds=0.01, repeats=1)
     assert 0 < machine.matmul_flops_per_s < float("inf")
     assert 0 < machine.copy_bytes_per_s < float("inf")
     assert machine.threads >= 1
+    assert machine.sgemm == "64x64x64 (square)"
+
+
+def test_workload_shapes_are_the_models_prefill_matmuls():
+    shapes = floor.workload_shapes(PUBLISHED["SmolLM2-135M"], rows=2048)
+    assert [(m, k, n) for m, k, n, _ in shapes] == [(2048, 576, 576), (2048, 576, 1536),
+                                                    (2048, 1536, 576)]
+    candidates = floor.candidate_shapes(PUBLISHED["SmolLM2-135M"])
+    assert [c[:3] for c in candidates[:2]] == list(floor.SQUARE_SHAPES)
+    assert candidates[2:] == floor.workload_shapes(PUBLISHED["SmolLM2-135M"])
+
+
+def test_best_sgemm_keeps_the_fastest_shape_and_every_measurement(monkeypatch):
+    # the rate of a shape is made up here: the floor must take the best, not the first
+    monkeypatch.setattr(floor, "sgemm_rate", lambda m, k, n, seconds: float(m * 10 + n))
+    best, measured = floor.best_sgemm([(1, 1, 1, "a"), (9, 1, 2, "b"), (3, 1, 1, "c")])
+    assert (best.name, best.what, best.flops_per_s) == ("9x1x2", "b", 92.0)
+    assert [s.name for s in measured] == ["1x1x1", "9x1x2", "3x1x1"]
+
+
+def test_floor_sampler_measures_both_rates_each_call():
+    sampler = floor.FloorSampler(floor.Sgemm(32, 32, 32, 1.0), copy_bytes=1 << 16,
+                                 seconds=0.001, copies=1)
+    samples = [sampler.sample() for _ in range(2)]
+    assert len(samples) == 2
+    assert all(rate > 0 and bandwidth > 0 for rate, bandwidth in samples)
 
 
 def test_module_weight_bytes_counts_tied_weights_once():

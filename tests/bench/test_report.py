@@ -1,4 +1,5 @@
-"""Report helpers: tables, raw-number files, the TTFT plot, power-law fits, progress."""
+"""Report helpers: tables, raw-number files, the TTFT plot, power-law fits, per-sample ratios
+and their spread, progress."""
 
 import csv
 import io
@@ -7,8 +8,8 @@ import math
 
 import pytest
 
-from promptlang.runtime.bench.report import (Progress, fit_exponent, format_table, plot_ttft,
-                                             write_csv, write_json)
+from promptlang.runtime.bench.report import (Progress, Spread, fit_exponent, format_table,
+                                             plot_ttft, ratios, write_csv, write_json)
 
 
 def test_fit_exponent_recovers_power_laws():
@@ -79,3 +80,30 @@ def test_disabled_progress_writes_nothing_but_still_iterates():
     with Progress(range(2), desc="quiet", enabled=False, file=stream) as bar:
         assert list(bar) == [0, 1]
     assert stream.getvalue() == ""
+
+
+def test_ratios_are_taken_per_sample_not_of_summaries():
+    # the ratio of medians would be 2 / 2 = 1; the per-sample ratios are 4, 1 and 0.25
+    assert ratios([4.0, 2.0, 1.0], [1.0, 2.0, 4.0]) == [4.0, 1.0, 0.25]
+
+
+@pytest.mark.parametrize("numerators, denominators", [([1.0, 2.0], [1.0]), ([1.0], [0.0])])
+def test_ratios_refuse_unpaired_or_zero_samples(numerators, denominators):
+    with pytest.raises(ValueError):
+        ratios(numerators, denominators)
+
+
+def test_spread_gives_median_min_max_quartiles_and_count():
+    s = Spread.of([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s.median, s.low, s.high, s.q1, s.q3, s.n) == (3.0, 1.0, 5.0, 2.0, 4.0, 5)
+    even = Spread.of([1.0, 2.0, 3.0, 10.0])
+    assert even.median == 2.5 and even.low <= even.q1 <= even.median <= even.q3 <= even.high
+    one = Spread.of([7.0])
+    assert (one.median, one.low, one.high, one.q1, one.q3, one.n) == (7.0, 7.0, 7.0, 7.0, 7.0, 1)
+    with pytest.raises(ValueError):
+        Spread.of([])
+
+
+def test_spread_describes_itself_with_its_spread_and_count():
+    text = Spread.of([1.2, 1.5, 1.9]).describe(unit="x")
+    assert text == "1.50x (min-max 1.20x-1.90x, IQR 1.35x-1.70x, n=3)"
