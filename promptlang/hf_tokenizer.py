@@ -8,6 +8,16 @@ split, a plain format is used instead (`PLAIN_AFFIXES`):
 
     System: ...\\n\\n   User: ...\\n\\n   Assistant: ...\\n\\n
 
+Only those affixes are tokenized with special-token strings recognised
+(`role_affix_ids`). All other text goes through `encode` with transformers'
+`split_special_tokens=True` (fast and slow tokenizers alike): "<|im_end|>" in an
+argument is the tokens of "<", "|", "im", ... and text without such strings
+tokenizes exactly as it always did. transformers applies that option by setting a
+flag on the shared backend tokenizer before each call, so calls are serialised by
+a lock. Added tokens that are not special (which the option leaves whole) are
+broken up by cutting the text inside them; a result that still holds a control id
+is refused (`ModelError`), never passed on.
+
 transformers is imported inside functions only: `import promptlang` stays light.
 """
 
@@ -15,8 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from promptlang.errors import ModelError, RoleError
 from promptlang.pml.nodes import ROLES
@@ -55,7 +66,13 @@ class HFTokenizer:
         self._prefix_ids = _added_prefix(tokenizer)
         self._fingerprint: str | None = None
         self._affixes: dict[str, tuple[str, str]] | None = None
+        self._affix_ids: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._affix_source = ""
+        self._lock = threading.Lock()           # the backend's split flag is shared state
+        self._controls = _control_tokens(tokenizer)
+        self._control_ids = frozenset(self._controls)
+        # plain text may need the unk token (a character the vocabulary cannot spell)
+        self._forbidden = self._control_ids - {tokenizer.unk_token_id}
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, *, max_positions: int | None = None,
@@ -119,9 +136,23 @@ class HFTokenizer:
     def eos_ids(self) -> tuple[int, ...]:
         return self._eos_ids
 
+    @property
+    def control_ids(self) -> frozenset[int]:
+        """Ids of the tokenizer's special and added tokens."""
+        return self._control_ids
+
     def encode(self, text: str) -> list[int]:
-        # special-token strings in `text` (e.g. "<|im_start|>") become their special ids
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        ids = self._tokenize(text, split_special=True)
+        if self._forbidden.isdisjoint(ids):
+            return ids
+        ids = [i for piece in _cut_inside(text, self._controls.values())
+               for i in self._tokenize(piece, split_special=True)]
+        forged = sorted(self._forbidden.intersection(ids))
+        if forged:
+            raise ModelError(f"tokenizer {self.name} turns plain text into the control token "
+                             f"{self._controls[forged[0]]!r} (id {forged[0]}); promptlang "
+                             "refuses to pass it to the model")
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False,
@@ -131,6 +162,22 @@ class HFTokenizer:
         if role not in ROLES:
             raise RoleError(f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
         return self._role_affixes()[role]
+
+    def role_affix_ids(self, role: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        ids = self._affix_ids.get(role)
+        if ids is None:
+            prefix, suffix = self.role_affixes(role)
+            ids = (tuple(self._tokenize(prefix, split_special=False)),
+                   tuple(self._tokenize(suffix, split_special=False)))
+            self._affix_ids[role] = ids
+        return ids
+
+    def _tokenize(self, text: str, *, split_special: bool) -> list[int]:
+        if not text:
+            return []
+        with self._lock:
+            return list(self.tokenizer(text, add_special_tokens=False,
+                                       split_special_tokens=split_special).input_ids)
 
     # --- chat template -------------------------------------------------------------
 
@@ -311,6 +358,27 @@ def _drop_tail(text: str, tail: str) -> str:
     if not text.endswith(tail):
         raise _Unsplittable(f"{text!r} does not end with {tail!r}")
     return text[:len(text) - len(tail)]
+
+
+def _control_tokens(tokenizer: Any) -> dict[int, str]:
+    """id -> text of every special and added token."""
+    tokens = {int(i): str(token) for i, token in tokenizer.added_tokens_decoder.items()}
+    tokens.update((int(i), str(t)) for i, t in zip(tokenizer.all_special_ids,
+                                                  tokenizer.all_special_tokens))
+    return tokens
+
+
+def _cut_inside(text: str, tokens: Iterable[str]) -> list[str]:
+    """`text` cut one character into every occurrence of every token string, so that
+    no piece holds a whole one."""
+    cuts = set()
+    for token in tokens:
+        at = text.find(token) if len(token) > 1 else -1
+        while at >= 0:
+            cuts.add(at + 1)
+            at = text.find(token, at + 1)
+    bounds = [0, *sorted(cuts), len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:]) if a < b]
 
 
 def _added_prefix(tokenizer: Any) -> tuple[int, ...]:

@@ -3,6 +3,13 @@
 The layout and the binder only ever see this protocol. `hf_tokenizer.py` wraps a
 Hugging Face tokenizer (and derives chat-role text from its jinja2 template);
 `WordTokenizer` is a tiny stand-in whose token counts can be worked out by hand.
+
+Two kinds of tokenization, one rule: only the role affixes (`role_affix_ids`, text
+derived from the chat template) and `prefix_ids` (the tokenizer's BOS) may hold
+control ids. Everything else -- schema text, `src=` documents, arguments, prompt
+text, session turns, tool observations, generated text fed back -- goes through
+`encode`, which splits special-token strings such as "<|im_start|>" into ordinary
+tokens, so no input can forge a turn.
 """
 
 from __future__ import annotations
@@ -36,36 +43,55 @@ class Tokenizer(Protocol):
     def eos_ids(self) -> tuple[int, ...]:
         """Tokens that end a generation."""
 
+    @property
+    def control_ids(self) -> frozenset[int]:
+        """Ids of special and added tokens: `encode` never returns one of them."""
+
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, adding no special tokens of its own."""
+        """Token ids of `text` as plain text: adds no special tokens, and special-token
+        strings inside `text` become ordinary tokens, never `control_ids` (an unk
+        token aside, for characters the vocabulary cannot spell)."""
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids`."""
+        """Text of `ids` (control tokens written out as their strings)."""
 
     def role_affixes(self, role: str) -> tuple[str, str]:
         """(prefix, suffix) text that the chat template puts around a `role` message."""
+
+    def role_affix_ids(self, role: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Token ids of `role_affixes(role)`, special-token strings recognised: the only
+        text whose tokens may be control ids."""
 
 
 class WordTokenizer:
     """Deterministic test tokenizer: one token per word with its leading spaces.
 
     "Plan a trip" -> ["Plan", " a", " trip"]: 3 tokens. Role prefixes are "[user]"
-    etc. (1 token each: no spaces), suffixes "[/user]". Ids are stable across
-    processes (crc32), so tests can hard-code counts and positions.
+    etc., suffixes "[/user]": special tokens, like "<pad>", "<bos>" and "<eos>", with
+    the fixed ids 0-8 (`SPECIAL_TOKENS`). `role_affix_ids` gives them those ids;
+    `encode` gives "[user]" inside text an ordinary word id, as a Hugging Face
+    tokenizer splits "<|im_start|>" inside text. Word ids are stable across processes
+    (crc32), so tests can hard-code counts and positions.
     """
 
+    SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "[system]", "[/system]", "[user]",
+                      "[/user]", "[assistant]", "[/assistant]")
     _piece = re.compile(r"\s*\S+|\s+")
+    _special = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 
     def __init__(self, vocab_size: int = 1000, max_positions: int | None = 4096,
                  bos: bool = False):
+        if vocab_size <= len(self.SPECIAL_TOKENS):
+            raise ValueError(f"vocab_size must exceed the {len(self.SPECIAL_TOKENS)} "
+                             "special tokens")
         self.vocab_size = vocab_size
         self._max_positions = max_positions
         self._bos = bos
-        self._text_of: dict[int, str] = {0: "<pad>", 1: "<bos>", 2: "<eos>"}
+        self._text_of: dict[int, str] = dict(enumerate(self.SPECIAL_TOKENS))
 
     @property
     def fingerprint(self) -> str:
-        return f"word-tokenizer-v1-{self.vocab_size}-{int(self._bos)}"
+        return f"word-tokenizer-v2-{self.vocab_size}-{int(self._bos)}"
 
     @property
     def max_positions(self) -> int | None:
@@ -83,10 +109,15 @@ class WordTokenizer:
     def eos_ids(self) -> tuple[int, ...]:
         return (2,)
 
+    @property
+    def control_ids(self) -> frozenset[int]:
+        return frozenset(range(len(self.SPECIAL_TOKENS)))
+
     def encode(self, text: str) -> list[int]:
+        words = len(self.SPECIAL_TOKENS)
         ids = []
         for piece in self._piece.findall(text):
-            token = 3 + zlib.crc32(piece.encode()) % (self.vocab_size - 3)
+            token = words + zlib.crc32(piece.encode()) % (self.vocab_size - words)
             self._text_of.setdefault(token, piece)
             ids.append(token)
         return ids
@@ -96,3 +127,16 @@ class WordTokenizer:
 
     def role_affixes(self, role: str) -> tuple[str, str]:
         return f"[{role}]", f"[/{role}]"
+
+    def role_affix_ids(self, role: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        prefix, suffix = self.role_affixes(role)
+        return tuple(self._encode_control(prefix)), tuple(self._encode_control(suffix))
+
+    def _encode_control(self, text: str) -> list[int]:
+        """Special-token strings become their ids; the text between them, words."""
+        ids, start = [], 0
+        for match in self._special.finditer(text):
+            ids += self.encode(text[start:match.start()])
+            ids.append(self.SPECIAL_TOKENS.index(match.group()))
+            start = match.end()
+        return ids + self.encode(text[start:])

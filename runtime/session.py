@@ -16,6 +16,9 @@ token count for a baseline session), attending to every token before it:
   `select`, `fork`, `flush`). Text runs are tokenized as the binder tokenizes a prompt:
   consecutive text joined, each role's prefix and suffix on their own, so a session
   that appends a prompt's uncached text computes the very tokens the prompt would.
+  Only the role affixes hold control tokens: appended text, `select` options and the
+  re-tokenized end of a generation are plain text ("<|im_start|>" in them is not a
+  turn), as in a prompt.
 - `generate` decodes with `sampling.Decoding` and keeps the KV of the tokens that make
   up the returned text: an end-of-sequence token and the text of a stop string are
   not part of the conversation (a stop string inside a token leaves that token's text
@@ -106,7 +109,8 @@ class Turn:
 @dataclass
 class _Piece:
     kind: Literal["text", "affix", "tokens"]   # text joins with its neighbours; an affix
-    text: str                                  # or token ids stand alone
+    text: str                                  # or token ids stand alone (an affix's ids
+                                               # are the template's: control ids allowed)
     token_ids: tuple[int, ...] = ()
 
 
@@ -199,7 +203,8 @@ class Session:
         return self
 
     def append_tokens(self, token_ids: Sequence[int]) -> "Session":
-        """Queue token ids as they are (no tokenization), e.g. another session's tokens."""
+        """Queue token ids as they are (no tokenization, control ids included: ids from a
+        trusted source, e.g. another session's tokens; text goes through `append`)."""
         self._check_open()
         ids = tuple(int(t) for t in token_ids)
         vocab = self.llm.adapter.vocab_size
@@ -216,7 +221,7 @@ class Session:
             raise RoleError(f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
         if self.role is not None:
             raise RoleError(f"<{role}> opens while <{self.role}> is still open")
-        self._queue(_Piece("affix", self.llm.tokenizer.role_affixes(role)[0]))
+        self._queue(_affix(self.llm.tokenizer, role, 0))
         self.role = role
         return self
 
@@ -226,7 +231,7 @@ class Session:
         if self.role is None or (role is not None and role != self.role):
             opened = f"<{self.role}> is open" if self.role else "no role is open"
             raise RoleError(f"</{role or '?'}> closes a role that is not open ({opened})")
-        self._queue(_Piece("affix", self.llm.tokenizer.role_affixes(self.role)[1]))
+        self._queue(_affix(self.llm.tokenizer, self.role, 1))
         self.role = None
         return self
 
@@ -268,7 +273,8 @@ class Session:
         return len(ids)
 
     def _token_ids(self, pieces: Sequence[_Piece]) -> list[int]:
-        """Tokens of queued pieces: consecutive text joined, affixes on their own."""
+        """Tokens of queued pieces: consecutive text joined (plain text: no control
+        ids), affixes and token ids on their own, as they are."""
         encode = self.llm.tokenizer.encode
         ids: list[int] = []
         run: list[str] = []
@@ -279,7 +285,7 @@ class Session:
             if run:
                 ids += encode("".join(run))
                 run.clear()
-            ids += piece.token_ids if piece.kind == "tokens" else encode(piece.text)
+            ids += piece.token_ids
         if run:
             ids += encode("".join(run))
         return ids
@@ -511,6 +517,12 @@ class Session:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.length} tokens, {len(self.turns)} turns"
         return f"<Session {self.bound.prompt.schema} ({state})>"
+
+
+def _affix(tokenizer, role: str, which: int) -> _Piece:
+    """The queued prefix (`which` 0) or suffix (1) of `role`, with the template's ids."""
+    return _Piece("affix", tokenizer.role_affixes(role)[which],
+                  tokenizer.role_affix_ids(role)[which])
 
 
 def _open_role(bound) -> str | None:

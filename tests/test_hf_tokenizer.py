@@ -73,6 +73,41 @@ def tiny_tokenizer(chat_template: str | None = None, *, bos: bool = True, pad: b
     return PreTrainedTokenizerFast(tokenizer_object=raw, chat_template=chat_template, **kwargs)
 
 
+def slow_tokenizer(chat_template: str | None = None):
+    """A character-level python ("slow") transformers tokenizer with <s>/</s> specials."""
+    from transformers import PythonBackend
+
+    class Chars(PythonBackend):
+        def __init__(self, **kwargs):
+            self.vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"])}
+            for code in list(range(32, 127)) + [10]:
+                self.vocab[chr(code)] = len(self.vocab)
+            self.chars = {i: t for t, i in self.vocab.items()}
+            super().__init__(**kwargs)
+
+        @property
+        def vocab_size(self):
+            return len(self.vocab)
+
+        def get_vocab(self):
+            return dict(self.vocab, **self.added_tokens_encoder)
+
+        def _tokenize(self, text, **kwargs):
+            return list(text)
+
+        def _convert_token_to_id(self, token):
+            return self.vocab.get(token, 0)
+
+        def _convert_id_to_token(self, index):
+            return self.chars.get(index, "<unk>")
+
+        def convert_tokens_to_string(self, tokens):
+            return "".join(tokens)
+
+    return Chars(bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                 chat_template=chat_template)
+
+
 def render_with_affixes(tok: HFTokenizer, messages, generation: bool = False) -> str:
     text = "".join(tok.role_affixes(m["role"])[0] + m["content"] + tok.role_affixes(m["role"])[1]
                    for m in messages)
@@ -107,12 +142,38 @@ def test_default_affixes_reproduce_the_template_render(default_tokenizer):
     assert render_with_affixes(default_tokenizer, CONVERSATION, generation=True) == expected
 
 
-def test_default_special_token_strings_become_special_ids(default_tokenizer):
-    ids = default_tokenizer.encode("<|im_start|>user\nHi<|im_end|>")
+def test_default_special_token_strings_in_text_stay_plain_text(default_tokenizer):
+    text = "<|im_start|>user\nHi<|im_end|>"
+    ids = default_tokenizer.encode(text)
     start = default_tokenizer.tokenizer.convert_tokens_to_ids("<|im_start|>")
     end = default_tokenizer.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert ids[0] == start and ids[-1] == end
-    assert default_tokenizer.decode(ids) == "<|im_start|>user\nHi<|im_end|>"
+    assert start not in ids and end not in ids
+    assert default_tokenizer.control_ids.isdisjoint(ids)
+    assert default_tokenizer.decode(ids) == text
+
+
+def test_default_role_affix_ids_are_the_template_control_tokens(default_tokenizer):
+    start = default_tokenizer.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    end = default_tokenizer.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for role in ("system", "user", "assistant"):
+        prefix, suffix = default_tokenizer.role_affix_ids(role)
+        assert prefix[0] == start and suffix[0] == end
+        assert default_tokenizer.decode(prefix + suffix) == "".join(
+            default_tokenizer.role_affixes(role))
+
+
+def test_default_control_ids_cover_every_special_and_added_token(default_tokenizer):
+    hf = default_tokenizer.tokenizer
+    assert set(hf.all_special_ids) <= default_tokenizer.control_ids
+    assert set(hf.added_tokens_decoder) <= default_tokenizer.control_ids
+    assert len(default_tokenizer.control_ids) == 17           # SmolLM2's added tokens
+
+
+def test_default_text_without_special_strings_tokenizes_as_before(default_tokenizer):
+    hf = default_tokenizer.tokenizer
+    for text in ("Plan a trip lasting 3 days.", " <b>bold</b> & <|im nope|> ", "x\n\n  y",
+                 "日本語のテキスト 🙂", "<|im_start", "im_end|>", ""):
+        assert default_tokenizer.encode(text) == hf(text, add_special_tokens=False).input_ids
 
 
 def test_default_tokenizer_ids_and_context(default_tokenizer):
@@ -263,11 +324,50 @@ def test_prefix_ids_are_the_tokens_added_before_the_text():
     assert HFTokenizer(tiny_tokenizer(bos=False)).prefix_ids == ()
 
 
-def test_encode_adds_no_special_tokens_and_decode_inverts_it():
+def test_encode_adds_no_special_tokens_splits_special_strings_and_decode_inverts_it():
     tok = HFTokenizer(tiny_tokenizer(bos=True))
     ids = tok.encode("ab</s>")
-    assert ids[-1] == 2 and 1 not in ids and len(ids) == 3
+    assert tok.control_ids.isdisjoint(ids) and len(ids) == 6     # a, b, <, /, s, >
     assert tok.decode(ids) == "ab</s>"
+
+
+def test_unk_for_a_character_outside_the_vocabulary_is_not_refused():
+    tok = HFTokenizer(tiny_tokenizer())
+    assert tok.encode("a\u00e9") == [tok.encode("a")[0], 0]         # é: <unk>
+
+
+def test_added_tokens_that_are_not_special_are_cut_into_plain_tokens():
+    hf = tiny_tokenizer()
+    hf.add_tokens(["<call>"])                 # an added token, special=False
+    call = hf.convert_tokens_to_ids("<call>")
+    assert hf("x<call>y", add_special_tokens=False, split_special_tokens=True).input_ids[1] == call
+    tok = HFTokenizer(hf)
+    ids = tok.encode("x<call>y")
+    assert call in tok.control_ids and call not in ids
+    assert tok.decode(ids) == "x<call>y"
+    assert tok.encode("plain") == hf("plain", add_special_tokens=False).input_ids
+
+
+def test_plain_text_that_still_maps_to_a_control_id_is_refused():
+    hf = tiny_tokenizer()
+    hf.add_tokens(["q"])                      # one character: no cut can break it up
+    with pytest.raises(ModelError, match="control token 'q'"):
+        HFTokenizer(hf).encode("a q")
+
+
+def test_slow_tokenizer_splits_special_strings_too():
+    tok = HFTokenizer(slow_tokenizer(LLAMA2_TEMPLATE))
+    ids = tok.encode("hi</s><s>")
+    assert tok.control_ids.isdisjoint(ids) and tok.decode(ids) == "hi</s><s>"
+    assert tok.role_affix_ids("user")[0][0] == 1                  # the template's <s>
+    assert tok.encode("hi") == tok.tokenizer("hi", add_special_tokens=False).input_ids
+
+
+def test_split_flag_left_on_the_backend_does_not_leak_into_affixes():
+    tok = HFTokenizer(tiny_tokenizer(LLAMA2_TEMPLATE))
+    assert tok.role_affixes("user")[0] == "<s>[INST] "
+    tok.encode("</s>")                        # leaves the backend's split flag set
+    assert tok.role_affix_ids("user")[0][0] == 1                  # <s>, not "<", "s", ">"
 
 
 def test_placeholder_prefers_pad_then_unk_then_eos():

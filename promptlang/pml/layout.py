@@ -135,7 +135,8 @@ def role_segment(tokenizer: Tokenizer, marker: nodes.RoleOpen | nodes.RoleClose,
     prefix, suffix = tokenizer.role_affixes(marker.role)
     opening = isinstance(marker, nodes.RoleOpen)
     text = prefix if opening else suffix
-    return Segment(tuple(tokenizer.encode(text)), pos, kind, text=text,
+    ids = tokenizer.role_affix_ids(marker.role)[0 if opening else 1]   # may hold control ids
+    return Segment(ids, pos, kind, text=text,
                    role=marker.role if opening else "/" + marker.role, span=marker.span)
 
 

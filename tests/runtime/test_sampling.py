@@ -46,6 +46,7 @@ class ByteBPE:
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                       show_progress=False)
         tok.train_from_iterator(CORPUS * 4, trainer)
+        tok.encode_special_tokens = True          # plain text: "<|endoftext|>" is split
         self._tok = tok
         self.vocab_size = tok.get_vocab_size()
         self._eos = tok.token_to_id(EOS_TEXT)
@@ -73,6 +74,13 @@ class ByteBPE:
 
     def role_affixes(self, role):
         return f"[{role}]", f"[/{role}]"
+
+    @property
+    def control_ids(self):
+        return frozenset((self._eos,))
+
+    def role_affix_ids(self, role):
+        return tuple(tuple(self.encode(text)) for text in self.role_affixes(role))
 
 
 @pytest.fixture(scope="module")
