@@ -8,7 +8,8 @@ Tiers, fastest first:
 
     device  tensors on the compute device, ready for the assembler
     host    CPU memory; on CUDA pinned, copied to the device asynchronously on a copy stream
-    disk    one safetensors file per key under `disk_dir`; survives restarts, checked on load
+    disk    one safetensors file per key and store dtype under `disk_dir`; survives restarts,
+            checked on load
 
 The device and host tiers are exclusive (an entry lives in at most one of them); the disk
 tier is written through on `put`. Each tier has a byte budget (None = unlimited, 0 = tier
@@ -20,22 +21,39 @@ wrote count too), deleting the files used longest ago; a file's last use is the 
 mtime and this process's last use of the key, and hits refresh the mtime at most once a minute
 so the order survives restarts. `disk_budget_bytes=0` turns the disk tier off entirely.
 
+The disk tier touches only its own files. Its folder is made private (0700) and marked with a
+`.promptlang-kv-store` file when the store creates it (or adopts an empty folder, or one that
+holds nothing but promptlang KV files); a folder with other files and no marker is refused,
+and `clear_disk` / `list_disk_entries` refuse any folder without the marker. Inside it, only
+regular files (checked with lstat: a FIFO is never opened) whose safetensors header carries
+the `promptlang-kv` format tag are listed, counted, evicted or deleted; anything else is left
+alone. Files are written 0600 through `promptlang.home.write_private` (temporary name, then
+rename). A file that `promptlang.home.untrusted_reason` refuses (another user's, or writable
+by others) is never loaded: it is a miss, so the caller encodes the unit again and the put
+replaces the file; one `CacheWarning` per reason per process says so.
+
 On a CPU device the device and host tiers would be the same memory, so there is one memory
 tier, reported as "device", governed by `device_budget_bytes`; `host_budget_bytes` is
 ignored. `host_tier=True` keeps a separate host tier anyway (entries move between the two by
 reference, never copied): a two-level LRU, used by the tests to exercise demotion.
 
-Disk file layout (a valid safetensors file, written and read here without extra copies):
+Disk file `<key>.<stored>.safetensors`, where <stored> is the store dtype (`float32`,
+`bfloat16`, ...) or `put` for a store without one (KV kept as put), so stores of different
+dtypes sharing a folder never serve each other's KV. A valid safetensors file, written and
+read here without extra copies:
 
     u64 little-endian header length N | N bytes of JSON header | tensor data
     tensors, in data order: positions [S] i64, token_ids [S] i64, keys [L,H,S,Dk],
     values [L,H,S,Dv], placeholder [S] bool
-    __metadata__: format, format_version, key, meta (JSON of the caller's meta),
-    tensors (JSON: dtype and shape of each), put_dtype, sha256 (of the whole data section)
+    __metadata__: format, format_version, key, stored (as in the name), meta (JSON of the
+    caller's meta), tensors (JSON: dtype and shape of each), put_dtype, sha256 (of the whole
+    data section)
 
-A file that fails any check (incomplete, not safetensors, not ours, wrong key, wrong shapes,
-checksum mismatch) is reported with `CacheWarning`, counted in `stats.corrupt_files`,
-deleted, and treated as a miss, so the caller re-encodes. It is never served.
+A file of ours that fails any check (incomplete, wrong version, wrong key or store dtype,
+wrong shapes, checksum mismatch) is reported with `CacheWarning`, counted in
+`stats.corrupt_files`, deleted, and treated as a miss, so the caller re-encodes. A file at
+one of our names without our format tag is reported and counted the same way but kept (and
+not overwritten). Neither is ever served.
 
 Store dtype: `dtype=torch.bfloat16` (or float16) stores keys and values at that precision in
 every tier (halving their bytes; budgets count stored bytes). `get` converts them back to
@@ -56,6 +74,7 @@ import itertools
 import json
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -68,16 +87,19 @@ from typing import Iterable, Mapping
 import torch
 
 from promptlang.errors import CacheError
-from promptlang.home import kv_dir
+from promptlang.home import kv_dir, private_dir, untrusted_reason, write_private
+from promptlang.inputs import read_bytes
 from promptlang.runtime.kv import ModuleKV
 
 FORMAT = "promptlang-kv"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 SUFFIX = ".safetensors"
+MARKER = ".promptlang-kv-store"
 TIERS = ("device", "host", "disk")
 
+_MARKER_TEXT = b"promptlang-kv-store 1\n"
 _KEY_RE = re.compile(r"[0-9A-Za-z_-]{1,128}\Z")
-_TMP_RE = re.compile(r"\.[0-9A-Za-z_-]{1,128}\.[0-9a-f]+\.tmp\Z")
+_TMP_RE = re.compile(r"\.[0-9A-Za-z_.-]+\.tmp\Z")  # write_private's temporary names (and v1's)
 _MAX_HEADER = 16 << 20  # our headers are a few hundred bytes; anything huge is foreign
 _TENSOR_ORDER = ("positions", "token_ids", "keys", "values", "placeholder")  # 8-byte ints first keeps data aligned
 _DTYPE_CODES = {
@@ -88,16 +110,26 @@ _DTYPE_CODES = {
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _TOUCH_EVERY_NS = 60 * 10**9  # persist a memory hit to the file's mtime at most once a minute
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+               | getattr(os, "O_CLOEXEC", 0))  # a FIFO swapped in after lstat cannot block
+
+_warned: set[str] = set()   # reasons already reported by `_warn_once` in this process
+_warned_lock = threading.Lock()
 
 
 class CacheWarning(UserWarning):
     """Something in the KV store was wrong but recoverable: a corrupt file, a failed write."""
 
 
+class UntrustedFileError(Exception):
+    """Internal: a disk file that must not be read (see `untrusted_reason`)."""
+
+
 class CorruptFileError(Exception):
     """Internal: a disk file failed a check. Never escapes the store."""
 
     identity: tuple[int, int] | None = None  # (inode, mtime ns) of the file that failed
+    ours = True                               # False: no promptlang-kv tag, so not deleted
 
 
 @dataclass
@@ -118,6 +150,7 @@ class StoreStats:
     disk_bytes_written: int = 0
     disk_write_errors: int = 0
     corrupt_files: int = 0
+    untrusted_files: int = 0       # files refused by untrusted_reason (not ours, writable by others)
     prefetches: int = 0            # keys a prefetch found in host or disk and moved up
     device_bytes: int = 0
     host_bytes: int = 0
@@ -183,7 +216,9 @@ class ModuleStore:
 
     device: the compute device that `get` returns tensors on.
     *_budget_bytes: per-tier budget; None = unlimited, 0 = tier off.
-    disk_dir: where the disk tier lives (default `promptlang.home.kv_dir()`); created if needed.
+    disk_dir: where the disk tier lives (default `promptlang.home.kv_dir()`); created (0700,
+        marked) if needed. CacheError for a folder that is not the user's, or that holds
+        other files and has no marker.
     dtype: store keys/values at this float dtype (None = as put).
     compute_dtype: dtype of keys/values returned by `get` (None = the dtype they were put with).
     host_tier: None = a host tier on accelerators only; True/False forces it on/off.
@@ -216,14 +251,16 @@ class ModuleStore:
         self._host = _Tier("host", host_budget_bytes if host_tier else 0)
         self._disk_budget = disk_budget_bytes
         self.disk_dir: Path | None = None
+        self._stored = _dtype_name(dtype) if dtype is not None else "put"  # part of file names
         if disk_budget_bytes != 0:
             self.disk_dir = Path(disk_dir) if disk_dir is not None else kv_dir()
-            _prepare_dir(self.disk_dir)
+            _open_dir(self.disk_dir)
         self._lock = threading.Lock()
         self._key_locks = [threading.Lock() for _ in range(64)]
         self._stats = StoreStats()
         self._used: dict[str, tuple[int, int]] = {}     # key -> (last use ns, sequence): disk LRU
         self._touched: dict[str, int] = {}               # key -> ns the file's mtime was last set
+        self._scanned: dict[str, tuple[tuple[int, int, int], bool]] = {}  # name -> (identity, ours)
         self._seq = itertools.count()
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
 
@@ -247,7 +284,7 @@ class ModuleStore:
         with self._lock:
             if key in self._device.entries or key in self._host.entries:
                 return True
-        return self.disk_dir is not None and self._path(key).is_file()
+        return self.disk_dir is not None and _is_regular(self._path(key))
 
     def __contains__(self, key: str) -> bool:
         return self.contains(key)
@@ -318,7 +355,7 @@ class ModuleStore:
                     removed = True
         if "disk" in tiers and self.disk_dir is not None:
             with self._key_lock(key):
-                removed |= _unlink(self._path(key))
+                removed |= _unlink_ours(self._path(key))
             with self._lock:
                 self._used.pop(key, None)
                 self._touched.pop(key, None)
@@ -447,7 +484,13 @@ class ModuleStore:
     # ---- disk tier ---------------------------------------------------------------------------
 
     def _path(self, key: str) -> Path:
-        return self.disk_dir / f"{key}{SUFFIX}"
+        return self.disk_dir / f"{key}.{self._stored}{SUFFIX}"
+
+    def _key_of(self, name: str) -> str | None:
+        """The key of file `name` if it is one of this store's names (its store dtype)."""
+        tail = f".{self._stored}{SUFFIX}"
+        key = name[:-len(tail)] if name.endswith(tail) else ""
+        return key if _KEY_RE.match(key) else None
 
     def _key_lock(self, key: str) -> threading.Lock:
         return self._key_locks[hash(key) % len(self._key_locks)]
@@ -461,8 +504,15 @@ class ModuleStore:
                 return entry, False
             path = self._path(key)
             try:
-                kv, meta, put_dtype, nbytes_read = _read_file(path, key)
+                kv, meta, put_dtype, nbytes_read = _read_file(path, key, self._stored)
             except FileNotFoundError:
+                return None, False
+            except UntrustedFileError as err:
+                _warn_once(str(err), f"promptlang: not loading KV cache file {path}: {err}; "
+                           "its unit is encoded again (other files refused for this reason "
+                           "are not reported)")
+                with self._lock:
+                    self._stats.untrusted_files += 1
                 return None, False
             except CorruptFileError as err:
                 self._discard_corrupt(path, err)
@@ -494,26 +544,39 @@ class ModuleStore:
         return True
 
     def _discard_corrupt(self, path: Path, err: CorruptFileError) -> None:
-        warnings.warn(f"promptlang: discarded corrupt KV cache file {path}: {err}", CacheWarning,
-                      stacklevel=4)
-        try:  # delete only the file that was read, not one another process just replaced it with
-            st = path.stat()
-            if (st.st_ino, st.st_mtime_ns) == err.identity:
-                path.unlink()
-        except FileNotFoundError:
-            pass
+        if not err.ours:
+            warnings.warn(f"promptlang: ignored KV cache file {path}: {err}; promptlang did not "
+                          "write it, so it is left as it is", CacheWarning, stacklevel=4)
+        else:
+            warnings.warn(f"promptlang: discarded corrupt KV cache file {path}: {err}",
+                          CacheWarning, stacklevel=4)
+            try:  # delete only the file that was read, not one another process replaced it with
+                st = os.lstat(path)
+                if (st.st_ino, st.st_mtime_ns) == err.identity:
+                    path.unlink()
+            except FileNotFoundError:
+                pass
         with self._lock:
             self._stats.corrupt_files += 1
-            self._used.pop(path.name[:-len(SUFFIX)], None)
+            self._used.pop(self._key_of(path.name), None)
 
     def _write_through(self, key: str, entry: _Entry) -> None:
         path = self._path(key)
         with self._key_lock(key):
-            if path.is_file():
+            existing = _existing_file(path, key, self._stored)
+            if existing == "current":
                 with self._lock:
                     touch = self._due_touch(key)
                 if touch:
                     _touch(path)
+                return
+            if existing == "foreign":
+                _warn_once("foreign file in the way",
+                           f"promptlang: not writing KV cache file {path}: a file promptlang did "
+                           "not write is in the way and is left as it is (other such files are "
+                           "not reported)")
+                with self._lock:
+                    self._stats.disk_write_errors += 1
                 return
             kv = entry.kv
             if kv.keys.device.type != "cpu":
@@ -521,7 +584,7 @@ class ModuleStore:
                     torch.cuda.current_stream(self.device).wait_event(entry.ready)
                 kv = kv.to("cpu")
             try:
-                written = _write_file(path, key, kv, entry.meta, entry.put_dtype)
+                written = _write_file(path, key, kv, entry.meta, entry.put_dtype, self._stored)
             except OSError as err:
                 warnings.warn(f"promptlang: cannot write KV cache file {path}: {err}", CacheWarning,
                               stacklevel=3)
@@ -534,30 +597,57 @@ class ModuleStore:
             self._touched[key] = time.time_ns()
 
     def _enforce_disk_budget(self, protect: str) -> None:
-        """Delete least-recently-used files until the directory fits the disk budget.
+        """Delete least-recently-used files of ours until the directory fits the disk budget.
 
-        Scans the directory, so files other processes wrote count too; a file's last use is
-        its mtime or this process's last use of the key, whichever is later.
+        Scans the directory, so files other processes wrote count too (ours by their header,
+        whatever their store dtype or format version); a file's last use is its mtime or this
+        process's last use of the key, whichever is later. Other files are neither counted
+        nor touched.
         """
         if self._disk_budget is None:
             return
-        files = _scan_dir(self.disk_dir)
+        files = self._scan_disk()
+        keep = self._path(protect).name
         with self._lock:
-            total = sum(size for size, _ in files.values())
+            total = sum(info.st_size for info in files.values())
             if total <= self._disk_budget:
                 return
-            order = sorted((max((mtime, -1), self._used.get(key, (0, -1))), key)
-                           for key, (_, mtime) in files.items() if key != protect)
-        for _, key in order:
+            order = sorted((max((info.st_mtime_ns, -1), self._used.get(self._key_of(name), (0, -1))),
+                            name) for name, info in files.items() if name != keep)
+        for _, name in order:
             if total <= self._disk_budget:
                 break
-            with self._key_lock(key):
-                if _unlink(self._path(key)):
-                    total -= files[key][0]
+            key = self._key_of(name)
+            with self._key_lock(key or name):
+                if _unlink_same(self.disk_dir / name, files[name]):
+                    total -= files[name].st_size
                     with self._lock:
                         self._stats.disk_evictions += 1
                         self._used.pop(key, None)
                         self._touched.pop(key, None)
+
+    def _scan_disk(self) -> dict[str, os.stat_result]:
+        """File name -> lstat of every KV file of ours in the folder now. A file's header is
+        read once per (inode, size, mtime), not on every scan."""
+        known, seen, ours = self._scanned, {}, {}
+        for entry in _listdir(self.disk_dir):
+            if entry.name.startswith(".") or not entry.name.endswith(SUFFIX):
+                continue
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(info.st_mode):
+                continue
+            identity = (info.st_ino, info.st_size, info.st_mtime_ns)
+            hit = known.get(entry.name)
+            if hit is None or hit[0] != identity:
+                hit = (identity, _peek_header(Path(entry.path), info) is not None)
+            seen[entry.name] = hit
+            if hit[1]:
+                ours[entry.name] = info
+        self._scanned = seen
+        return ours
 
     # ---- returning entries -------------------------------------------------------------------
 
@@ -580,49 +670,58 @@ class ModuleStore:
 # ---- module-level disk helpers (used by `promptlang cache ls` / `cache clear`) --------------
 
 def list_disk_entries(disk_dir: str | os.PathLike | None = None) -> list[dict]:
-    """Every `<key>.safetensors` file in `disk_dir` (default the KV home), sorted by key.
+    """Every promptlang KV file in `disk_dir` (default the KV home), sorted by key.
 
-    Each dict: key, path, file_bytes, nbytes (tensor bytes), modified (mtime, seconds),
-    meta (the caller's meta), put_dtype, length (tokens), error (None, or why the header is
-    not a valid promptlang KV header). Only headers are read: checksums are verified on load.
+    Each dict: key, path, stored (the store dtype, or "put"), file_bytes, nbytes (tensor
+    bytes), modified (mtime, seconds), meta (the caller's meta), put_dtype, length (tokens),
+    error (None, or why the file is not one this promptlang reads). Only headers are read:
+    checksums are verified on load. Files without the promptlang-kv tag are not listed; a
+    folder without the store's marker raises CacheError (a missing one lists nothing).
     """
     directory = Path(disk_dir) if disk_dir is not None else kv_dir()
+    if not os.path.lexists(directory):
+        return []
+    _require_marker(directory, "list")
     result = []
-    for key, path in _entry_files(directory):
-        item = {"key": key, "path": str(path), "file_bytes": 0, "nbytes": 0, "modified": 0.0,
-                "meta": {}, "put_dtype": "", "length": 0, "error": None}
+    for path, info, header, data_start in _our_files(directory):
+        md = header["__metadata__"]
+        key, stored = str(md.get("key", "")), str(md.get("stored", ""))
+        item = {"key": key, "path": str(path), "stored": stored, "file_bytes": info.st_size,
+                "nbytes": 0, "modified": info.st_mtime, "meta": {}, "put_dtype": "",
+                "length": 0, "error": None}
         try:
-            st = path.stat()
-            item["file_bytes"], item["modified"] = st.st_size, st.st_mtime
-            with open(path, "rb") as f:
-                header, data_start = _read_header(f, st.st_size)
-            info = _check_header(header, key, st.st_size - data_start)
-            item.update(nbytes=info["data_bytes"], meta=info["meta"],
-                        put_dtype=str(info["put_dtype"]).removeprefix("torch."),
-                        length=info["length"])
+            checked = _check_header(header, key, stored, info.st_size - data_start)
+            if path.name != f"{key}.{stored}{SUFFIX}":
+                raise CorruptFileError("its name does not match its key and store dtype")
+            item.update(nbytes=checked["data_bytes"], meta=checked["meta"],
+                        put_dtype=_dtype_name(checked["put_dtype"]), length=checked["length"])
         except FileNotFoundError:
             continue
         except (CorruptFileError, OSError) as err:
             item["error"] = str(err)
         result.append(item)
-    return result
+    return sorted(result, key=lambda item: (item["key"], item["stored"], item["path"]))
 
 
 def clear_disk(disk_dir: str | os.PathLike | None = None) -> int:
-    """Delete every KV file (and leftover temporary file) in `disk_dir`; returns KV files removed."""
+    """Delete every promptlang KV file (and leftover temporary one) in `disk_dir`; returns the
+    number of KV files removed. Other files stay; a folder without the store's marker raises
+    CacheError and nothing in it is deleted (a missing folder: 0)."""
     directory = Path(disk_dir) if disk_dir is not None else kv_dir()
-    removed = sum(_unlink(path) for _, path in _entry_files(directory))
-    for path in _listdir(directory):
-        if _TMP_RE.match(path.name):
-            _unlink(path)
+    if not os.path.lexists(directory):
+        return 0
+    _require_marker(directory, "delete")
+    removed = sum(_unlink_same(path, info) for path, info, _, _ in _our_files(directory))
+    for path, info, _, _ in _our_files(directory, temporary=True):
+        _unlink_same(path, info)
     return removed
 
 
 # ---- file format -----------------------------------------------------------------------------
 
 def _write_file(path: Path, key: str, kv: ModuleKV, meta: dict[str, str],
-                put_dtype: torch.dtype) -> int:
-    """Write `kv` (CPU tensors) to `path` atomically; returns the file's size."""
+               put_dtype: torch.dtype, stored: str) -> int:
+    """Write `kv` (CPU tensors) to `path` (0600, atomically); returns the file's size."""
     tensors = {name: getattr(kv, name).detach().contiguous() for name in _TENSOR_ORDER}
     chunks = [_tensor_bytes(tensors[name]) for name in _TENSOR_ORDER]
     digest = hashlib.sha256()
@@ -638,6 +737,7 @@ def _write_file(path: Path, key: str, kv: ModuleKV, meta: dict[str, str],
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "key": key,
+        "stored": stored,
         "meta": json.dumps(meta, sort_keys=True),
         "tensors": json.dumps({name: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
                                for name, t in tensors.items()}),
@@ -646,35 +746,33 @@ def _write_file(path: Path, key: str, kv: ModuleKV, meta: dict[str, str],
     }
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # safetensors pads the header so data starts 8-aligned
-    tmp = path.with_name(f".{key}.{os.getpid():x}{threading.get_ident():x}{os.urandom(4).hex()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(text)))
-            f.write(text)
-            for chunk in chunks:
-                f.write(chunk)
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink(tmp)
-        raise
+    write_private(path, [struct.pack("<Q", len(text)), text, *chunks])
     return 8 + len(text) + offset
 
 
-def _read_file(path: Path, key: str) -> tuple[ModuleKV, dict[str, str], torch.dtype, int]:
-    """Read and verify one KV file; CorruptFileError says what is wrong with it."""
-    with open(path, "rb") as f:
+def _read_file(path: Path, key: str, stored: str) -> tuple[ModuleKV, dict[str, str], torch.dtype, int]:
+    """Read and verify one KV file. FileNotFoundError: there is none; UntrustedFileError:
+    it must not be read (see `untrusted_reason`); CorruptFileError: it failed a check."""
+    reason = untrusted_reason(path)
+    if reason is not None:
+        os.lstat(path)                      # gone meanwhile: a plain miss
+        raise UntrustedFileError(reason)
+    fd = os.open(path, _OPEN_FLAGS)
+    with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise UntrustedFileError("it changed while it was opened")
         try:
-            kv, info, size = _read_verified(f, st.st_size, key)
+            kv, info, size = _read_verified(f, st.st_size, key, stored)
         except CorruptFileError as err:
             err.identity = (st.st_ino, st.st_mtime_ns)
             raise
     return kv, info["meta"], info["put_dtype"], size
 
 
-def _read_verified(f, size: int, key: str) -> tuple[ModuleKV, dict, int]:
+def _read_verified(f, size: int, key: str, stored: str) -> tuple[ModuleKV, dict, int]:
     header, data_start = _read_header(f, size)
-    info = _check_header(header, key, size - data_start)
+    info = _check_header(header, key, stored, size - data_start)
     data = bytearray(size - data_start)
     if f.readinto(data) != len(data):
         raise CorruptFileError("file shorter than its header says (truncated?)")
@@ -699,10 +797,22 @@ def _read_verified(f, size: int, key: str) -> tuple[ModuleKV, dict, int]:
 
 
 def _read_header(f, size: int) -> tuple[dict, int]:
-    """The parsed safetensors header of open file `f` of `size` bytes, and where data starts."""
+    """The parsed safetensors header of open file `f` of `size` bytes, and where data starts.
+    Its CorruptFileErrors are not `ours`: without a header, nothing says who wrote the file."""
+    try:
+        return _parse_header(f, size)
+    except CorruptFileError as err:
+        err.ours = False
+        raise
+
+
+def _parse_header(f, size: int) -> tuple[dict, int]:
     if size < 8:
         raise CorruptFileError(f"{size} bytes is too short for a safetensors file")
-    (length,) = struct.unpack("<Q", f.read(8))
+    prefix = f.read(8)
+    if len(prefix) != 8:
+        raise CorruptFileError("file shorter than 8 bytes (truncated?)")
+    (length,) = struct.unpack("<Q", prefix)
     if length < 2 or length > _MAX_HEADER or 8 + length > size:
         raise CorruptFileError(f"not a safetensors file (header length {length}, file {size} bytes)")
     raw = f.read(length)
@@ -717,16 +827,22 @@ def _read_header(f, size: int) -> tuple[dict, int]:
     return header, 8 + length
 
 
-def _check_header(header: dict, key: str, data_bytes: int) -> dict:
-    """Validate a header against our format and the file's data size; returns its metadata."""
+def _check_header(header: dict, key: str, stored: str, data_bytes: int) -> dict:
+    """Validate a header against our format, the key and store dtype its name says, and the
+    file's data size; returns its metadata."""
     md = header.get("__metadata__")
     if not isinstance(md, dict) or md.get("format") != FORMAT:
-        raise CorruptFileError(f"not a promptlang KV file (no {FORMAT!r} format tag)")
+        err = CorruptFileError(f"not a promptlang KV file (no {FORMAT!r} format tag)")
+        err.ours = False
+        raise err
     if md.get("format_version") != FORMAT_VERSION:
         raise CorruptFileError(f"format version {md.get('format_version')!r}, "
                                f"this promptlang reads {FORMAT_VERSION!r}")
     if md.get("key") != key:
         raise CorruptFileError(f"file holds key {md.get('key')!r}, its name says {key!r}")
+    if md.get("stored") != stored:
+        raise CorruptFileError(f"file holds KV stored as {md.get('stored')!r}, its name says "
+                               f"{stored!r}")
     names = set(header) - {"__metadata__"}
     if names != set(_TENSOR_ORDER):
         raise CorruptFileError(f"tensors {sorted(names)}, expected {sorted(_TENSOR_ORDER)}")
@@ -748,6 +864,8 @@ def _check_header(header: dict, key: str, data_bytes: int) -> dict:
             if declared[name] != {"dtype": _dtype_name(dtype), "shape": shape}:
                 raise CorruptFileError(f"tensor {name!r} does not match its declared dtype/shape")
             offset = end
+        if stored != "put" and _dtype_name(_CODE_DTYPES[header["keys"]["dtype"]]) != stored:
+            raise CorruptFileError(f"keys are {header['keys']['dtype']}, not stored as {stored}")
     except CorruptFileError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -831,54 +949,170 @@ def _fits(budget: int | None, nbytes: int) -> bool:
     return budget is None or nbytes <= budget
 
 
-def _prepare_dir(directory: Path) -> None:
+# ---- the folder and the files in it ---------------------------------------------------------
+
+def _open_dir(directory: Path) -> None:
+    """Make `directory` this store's folder: created 0700 and marked, or an existing folder of
+    the user's that is marked, empty, or holds nothing but promptlang KV files (marked now)."""
+    if os.path.lexists(directory) and not directory.is_dir():
+        raise CacheError(f"KV cache directory {directory} is not a directory")
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        private_dir(directory)
     except OSError as err:
         raise CacheError(f"KV cache directory {directory} cannot be created: {err}") from None
-    if not directory.is_dir():
-        raise CacheError(f"KV cache directory {directory} is not a directory")
     if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
         raise CacheError(f"KV cache directory {directory} is not readable and writable "
                          "(set PROMPTLANG_HOME or pass disk_dir= to use another place)")
-
-
-def _listdir(directory: Path) -> list[Path]:
+    info = os.stat(directory)
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        whose = (f"belongs to uid {info.st_uid}" if info.st_uid != os.getuid()
+                 else "is writable by others")
+        raise CacheError(f"KV cache directory {directory} {whose}: promptlang keeps KV only in "
+                         "a folder private to the user (pass disk_dir= another place)")
+    problem = _marker_problem(directory)
+    if problem is None:
+        return
+    if os.path.lexists(directory / MARKER):
+        raise CacheError(f"KV cache directory {directory} cannot be used: {problem}")
+    ours = {path.name for path, _, _, _ in _our_files(directory)}
+    ours |= {path.name for path, _, _, _ in _our_files(directory, temporary=True)}
+    others = sorted(entry.name for entry in _listdir(directory)
+                    if entry.name not in ours and not entry.name.startswith(f"{MARKER}."))
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise CacheError(f"KV cache directory {directory} is not a promptlang KV folder: it has "
+                         f"no {MARKER} marker and holds other files ({shown}); pass disk_dir= "
+                         "an empty or new folder")
     try:
-        return [Path(e.path) for e in os.scandir(directory)]
+        write_private(directory / MARKER, _MARKER_TEXT)
+    except OSError as err:
+        raise CacheError(f"KV cache directory {directory} cannot be marked: {err}") from None
+
+
+def _marker_problem(directory: Path) -> str | None:
+    """Why `directory` is not marked as a folder the store created, or None when it is."""
+    marker = directory / MARKER
+    reason = untrusted_reason(marker)
+    if reason is not None:
+        return f"its marker file {marker}: {reason}"
+    try:
+        text = read_bytes(marker, max_bytes=4096, error=CacheError)
+    except CacheError as err:
+        return str(err)
+    return None if text == _MARKER_TEXT else f"{marker} is not promptlang's marker"
+
+
+def _require_marker(directory: Path, action: str) -> None:
+    problem = _marker_problem(directory)
+    if problem is not None:
+        raise CacheError(f"promptlang does not {action} files in {directory}: it is not a folder "
+                         f"promptlang's KV store created ({problem}); nothing was changed")
+
+
+def _listdir(directory: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
     except FileNotFoundError:
         return []
     except OSError as err:
         raise CacheError(f"KV cache directory {directory} cannot be read: {err}") from None
 
 
-def _entry_files(directory: Path) -> list[tuple[str, Path]]:
-    files = []
-    for path in _listdir(directory):
-        key = path.name[:-len(SUFFIX)] if path.name.endswith(SUFFIX) else ""
-        if _KEY_RE.match(key):
-            files.append((key, path))
-    return sorted(files)
-
-
-def _scan_dir(directory: Path) -> dict[str, tuple[int, int]]:
-    """key -> (file size, mtime ns) for every KV file present now."""
-    files = {}
-    for key, path in _entry_files(directory):
+def _our_files(directory: Path, temporary: bool = False):
+    """(path, lstat, header, data start) of each regular file in `directory` whose header
+    carries the promptlang-kv tag: KV files, or with `temporary` write_private's leftovers.
+    Names are filtered and types checked with lstat before anything is opened."""
+    for entry in sorted(_listdir(directory), key=lambda e: e.name):
+        name = entry.name
+        if temporary:
+            if not _TMP_RE.match(name) or name.startswith(f".{MARKER}."):
+                continue
+        elif name.startswith(".") or not name.endswith(SUFFIX):
+            continue
         try:
-            st = path.stat()
+            info = entry.stat(follow_symlinks=False)
         except FileNotFoundError:
             continue
-        files[key] = (st.st_size, st.st_mtime_ns)
-    return files
+        if not stat.S_ISREG(info.st_mode):
+            continue
+        peeked = _peek_header(Path(entry.path), info)
+        if peeked is not None:
+            yield Path(entry.path), info, *peeked
 
 
-def _unlink(path: Path) -> bool:
+def _peek_header(path: Path, info: os.stat_result) -> tuple[dict, int] | None:
+    """(header, data start) if the file at `path` is still the regular file `info` describes
+    and its header carries the promptlang-kv tag, else None. Never blocks on a FIFO."""
     try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        opened = os.fstat(f.fileno())
+        if not stat.S_ISREG(opened.st_mode) or opened.st_ino != info.st_ino:
+            return None
+        try:
+            header, data_start = _read_header(f, opened.st_size)
+        except (CorruptFileError, OSError):
+            return None
+    md = header.get("__metadata__")
+    return (header, data_start) if isinstance(md, dict) and md.get("format") == FORMAT else None
+
+
+def _existing_file(path: Path, key: str, stored: str) -> str:
+    """What is at `path` before a write: "absent"; "current" (a trusted file of ours for this
+    key and store dtype); "replace" (ours, but outdated or refused by untrusted_reason); or
+    "foreign" (anything without our tag, which is left alone)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return "absent"
+    peeked = _peek_header(path, info) if stat.S_ISREG(info.st_mode) else None
+    if peeked is None:
+        return "foreign"
+    md = peeked[0]["__metadata__"]
+    current = (md.get("format_version"), md.get("key"), md.get("stored")) == (FORMAT_VERSION, key, stored)
+    return "current" if current and untrusted_reason(path) is None else "replace"
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _unlink_same(path: Path, info: os.stat_result) -> bool:
+    """Delete `path` if it is still the file `info` describes (not one put there since)."""
+    try:
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+            return False
         path.unlink()
         return True
     except FileNotFoundError:
         return False
+
+
+def _unlink_ours(path: Path) -> bool:
+    """Delete `path` if it is a regular file carrying our tag."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(info.st_mode) or _peek_header(path, info) is None:
+        return False
+    return _unlink_same(path, info)
+
+
+def _warn_once(reason: str, message: str) -> None:
+    """A CacheWarning, the first time `reason` comes up in this process."""
+    with _warned_lock:
+        if reason in _warned:
+            return
+        _warned.add(reason)
+    warnings.warn(message, CacheWarning, stacklevel=4)
 
 
 def _touch(path: Path) -> None:
