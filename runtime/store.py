@@ -150,7 +150,7 @@ class StoreStats:
     disk_bytes_written: int = 0
     disk_write_errors: int = 0
     corrupt_files: int = 0
-    untrusted_files: int = 0       # files refused by untrusted_reason (not ours, writable by others)
+    untrusted_files: int = 0       # files untrusted_reason refused (not ours, or writable)
     prefetches: int = 0            # keys a prefetch found in host or disk and moved up
     device_bytes: int = 0
     host_bytes: int = 0
@@ -750,7 +750,8 @@ def _write_file(path: Path, key: str, kv: ModuleKV, meta: dict[str, str],
     return 8 + len(text) + offset
 
 
-def _read_file(path: Path, key: str, stored: str) -> tuple[ModuleKV, dict[str, str], torch.dtype, int]:
+def _read_file(path: Path, key: str,
+               stored: str) -> tuple[ModuleKV, dict[str, str], torch.dtype, int]:
     """Read and verify one KV file. FileNotFoundError: there is none; UntrustedFileError:
     it must not be read (see `untrusted_reason`); CorruptFileError: it failed a check."""
     reason = untrusted_reason(path)
@@ -977,7 +978,7 @@ def _open_dir(directory: Path) -> None:
     ours = {path.name for path, _, _, _ in _our_files(directory)}
     ours |= {path.name for path, _, _, _ in _our_files(directory, temporary=True)}
     others = sorted(entry.name for entry in _listdir(directory)
-                    if entry.name not in ours and not entry.name.startswith(f"{MARKER}."))
+                    if entry.name not in ours and not entry.name.startswith(f".{MARKER}."))
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise CacheError(f"KV cache directory {directory} is not a promptlang KV folder: it has "
@@ -1072,8 +1073,10 @@ def _existing_file(path: Path, key: str, stored: str) -> str:
     if peeked is None:
         return "foreign"
     md = peeked[0]["__metadata__"]
-    current = (md.get("format_version"), md.get("key"), md.get("stored")) == (FORMAT_VERSION, key, stored)
-    return "current" if current and untrusted_reason(path) is None else "replace"
+    current = (md.get("format_version"), md.get("key"), md.get("stored"))
+    if current == (FORMAT_VERSION, key, stored) and untrusted_reason(path) is None:
+        return "current"
+    return "replace"
 
 
 def _is_regular(path: Path) -> bool:

@@ -27,8 +27,8 @@ def fresh_warnings(monkeypatch):
 def plant_foreign_files(folder) -> dict[str, bytes]:
     """Files a user might keep next to the store; returns name -> content of those files."""
     existing = {p.name for p in folder.iterdir()}
-    save_file({"weight": torch.arange(4096, dtype=torch.float32)}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file({"weight": torch.arange(4096, dtype=torch.float32)},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "notes.txt").write_text("mine")
     (folder / f"{key_of(77)}.put.safetensors").write_bytes(b"not a KV file, same name shape")
     (folder / f".{key_of(78)}.put.safetensors.abcdef.tmp").write_bytes(b"someone's partial")
@@ -177,7 +177,8 @@ def test_a_fifo_in_the_folder_blocks_no_listing_lookup_put_eviction_or_clear(tmp
     finishes(lambda: fresh.put(key_of(4), make_kv(4)), fifos)             # scans for eviction
     with pytest.warns(CacheWarning, match="is in the way"):
         finishes(lambda: fresh.put(key_of(2), make_kv(2)), fifos)         # FIFO at its name
-    assert finishes(lambda: [e.key for e in fresh.entries()], fifos) == [key_of(i) for i in (1, 2, 4)]
+    listed = finishes(lambda: [e.key for e in fresh.entries()], fifos)
+    assert listed == [key_of(i) for i in (1, 2, 4)]
     assert finishes(lambda: cli.main(["cache", "ls", "--dir", str(tmp_path)]), fifos) == 0
     assert "2 entries" in capsys.readouterr().out
     assert finishes(lambda: clear_disk(tmp_path), fifos) == 2
