@@ -24,7 +24,8 @@ so the order survives restarts. `disk_budget_bytes=0` turns the disk tier off en
 The disk tier touches only its own files. Its folder is made private (0700) and marked with a
 `.promptlang-kv-store` file when the store creates it (or adopts an empty folder, or one that
 holds nothing but promptlang KV files); a folder with other files and no marker is refused,
-and `clear_disk` / `list_disk_entries` refuse any folder without the marker. Inside it, only
+and `clear_disk` / `list_disk_entries` refuse any folder without the marker (the KV home
+excepted, which they adopt as a store would). Inside it, only
 regular files (checked with lstat: a FIFO is never opened) whose safetensors header carries
 the `promptlang-kv` format tag are listed, counted, evicted or deleted; anything else is left
 alone. Files are written 0600 through `promptlang.home.write_private` (temporary name, then
@@ -678,10 +679,9 @@ def list_disk_entries(disk_dir: str | os.PathLike | None = None) -> list[dict]:
     checksums are verified on load. Files without the promptlang-kv tag are not listed; a
     folder without the store's marker raises CacheError (a missing one lists nothing).
     """
-    directory = Path(disk_dir) if disk_dir is not None else kv_dir()
-    if not os.path.lexists(directory):
+    directory = _existing_dir(disk_dir, "list")
+    if directory is None:
         return []
-    _require_marker(directory, "list")
     result = []
     for path, info, header, data_start in _our_files(directory):
         md = header["__metadata__"]
@@ -707,10 +707,9 @@ def clear_disk(disk_dir: str | os.PathLike | None = None) -> int:
     """Delete every promptlang KV file (and leftover temporary one) in `disk_dir`; returns the
     number of KV files removed. Other files stay; a folder without the store's marker raises
     CacheError and nothing in it is deleted (a missing folder: 0)."""
-    directory = Path(disk_dir) if disk_dir is not None else kv_dir()
-    if not os.path.lexists(directory):
+    directory = _existing_dir(disk_dir, "delete")
+    if directory is None:
         return 0
-    _require_marker(directory, "delete")
     removed = sum(_unlink_same(path, info) for path, info, _, _ in _our_files(directory))
     for path, info, _, _ in _our_files(directory, temporary=True):
         _unlink_same(path, info)
@@ -995,7 +994,7 @@ def _marker_problem(directory: Path) -> str | None:
     marker = directory / MARKER
     reason = untrusted_reason(marker)
     if reason is not None:
-        return f"its marker file {marker}: {reason}"
+        return f"{marker}: {reason}"
     try:
         text = read_bytes(marker, max_bytes=4096, error=CacheError)
     except CacheError as err:
@@ -1003,11 +1002,24 @@ def _marker_problem(directory: Path) -> str | None:
     return None if text == _MARKER_TEXT else f"{marker} is not promptlang's marker"
 
 
-def _require_marker(directory: Path, action: str) -> None:
+def _existing_dir(disk_dir: str | os.PathLike | None, action: str) -> Path | None:
+    """The marked folder `disk_dir` names, or None if there is none. The KV home (None) is
+    adopted as a store would adopt it, so a KV home from before markers can be listed and
+    cleared; any other folder without the marker is refused."""
+    if disk_dir is None:
+        directory = kv_dir()
+        if not os.path.lexists(directory):
+            return None
+        _open_dir(directory)
+        return directory
+    directory = Path(disk_dir)
+    if not os.path.lexists(directory):
+        return None
     problem = _marker_problem(directory)
     if problem is not None:
         raise CacheError(f"promptlang does not {action} files in {directory}: it is not a folder "
                          f"promptlang's KV store created ({problem}); nothing was changed")
+    return directory
 
 
 def _listdir(directory: Path) -> list[os.DirEntry]:

@@ -113,6 +113,23 @@ def test_cli_cache_clear_refuses_an_unmarked_folder_and_deletes_nothing(tmp_path
         clear_disk(other)
 
 
+def test_cache_clear_adopts_a_kv_home_from_before_markers_but_not_a_dir_argument(
+        tmp_path, monkeypatch, capsys):
+    from promptlang import cli
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    home_kv = tmp_path / "home" / "kv"
+    ModuleStore(disk_dir=home_kv).put(key_of(1), make_kv(1))
+    (home_kv / MARKER).unlink()                    # as an earlier promptlang left it
+    assert cli.main(["cache", "clear", "--dir", str(home_kv)]) == 1
+    assert file_of(home_kv, key_of(1)).exists()
+    assert cli.main(["cache", "clear"]) == 0
+    assert "removed 1 entries" in capsys.readouterr().out
+    assert sorted(p.name for p in home_kv.iterdir()) == [MARKER]
+    (home_kv / MARKER).unlink()
+    (home_kv / "notes.txt").write_text("mine")     # not only ours: refused even as the home
+    assert cli.main(["cache", "clear"]) == 1 and (home_kv / "notes.txt").exists()
+
+
 def test_a_store_refuses_an_unmarked_folder_that_holds_other_files(tmp_path):
     foreign = plant_foreign_files(tmp_path)
     with pytest.raises(CacheError, match="not a promptlang KV folder.*model.safetensors"):
