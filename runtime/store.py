@@ -53,8 +53,8 @@ read here without extra copies:
 A file of ours that fails any check (incomplete, wrong version, wrong key or store dtype,
 wrong shapes, checksum mismatch) is reported with `CacheWarning`, counted in
 `stats.corrupt_files`, deleted, and treated as a miss, so the caller re-encodes. A file at
-one of our names without our format tag is reported and counted the same way but kept (and
-not overwritten). Neither is ever served.
+one of our names without our format tag is counted the same way but kept (and not
+overwritten), reported once per reason per process. Neither is ever served.
 
 Store dtype: `dtype=torch.bfloat16` (or float16) stores keys and values at that precision in
 every tier (halving their bytes; budgets count stored bytes). `get` converts them back to
@@ -546,8 +546,9 @@ class ModuleStore:
 
     def _discard_corrupt(self, path: Path, err: CorruptFileError) -> None:
         if not err.ours:
-            warnings.warn(f"promptlang: ignored KV cache file {path}: {err}; promptlang did not "
-                          "write it, so it is left as it is", CacheWarning, stacklevel=4)
+            _warn_once(f"foreign: {err}", f"promptlang: ignored KV cache file {path}: {err}; "
+                       "promptlang did not write it, so it is left as it is (other such files "
+                       "are not reported)", stacklevel=5)
         else:
             warnings.warn(f"promptlang: discarded corrupt KV cache file {path}: {err}",
                           CacheWarning, stacklevel=4)
@@ -1121,17 +1122,17 @@ def _unlink_ours(path: Path) -> bool:
     return _unlink_same(path, info)
 
 
-def _warn_once(reason: str, message: str) -> None:
+def _warn_once(reason: str, message: str, stacklevel: int = 4) -> None:
     """A CacheWarning, the first time `reason` comes up in this process."""
     with _warned_lock:
         if reason in _warned:
             return
         _warned.add(reason)
-    warnings.warn(message, CacheWarning, stacklevel=4)
+    warnings.warn(message, CacheWarning, stacklevel=stacklevel)
 
 
 def _touch(path: Path) -> None:
     try:
-        os.utime(path)
-    except OSError:
+        os.utime(path, follow_symlinks=False)
+    except (OSError, NotImplementedError):
         pass  # evicted meanwhile, or a read-only file: only the disk LRU order is affected
