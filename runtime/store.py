@@ -21,40 +21,20 @@ wrote count too), deleting the files used longest ago; a file's last use is the 
 mtime and this process's last use of the key, and hits refresh the mtime at most once a minute
 so the order survives restarts. `disk_budget_bytes=0` turns the disk tier off entirely.
 
-The disk tier touches only its own files. Its folder is made private (0700) and marked with a
-`.promptlang-kv-store` file when the store creates it (or adopts an empty folder, or one that
-holds nothing but promptlang KV files); a folder with other files and no marker is refused,
-and `clear_disk` / `list_disk_entries` refuse any folder without the marker (the KV home
-excepted, which they adopt as a store would). Inside it, only
-regular files (checked with lstat: a FIFO is never opened) whose safetensors header carries
-the `promptlang-kv` format tag are listed, counted, evicted or deleted; anything else is left
-alone. Files are written 0600 through `promptlang.home.write_private` (temporary name, then
-rename). A file that `promptlang.home.untrusted_reason` refuses (another user's, or writable
-by others) is never loaded: it is a miss, so the caller encodes the unit again and the put
-replaces the file; one `CacheWarning` per reason per process says so.
-
 On a CPU device the device and host tiers would be the same memory, so there is one memory
 tier, reported as "device", governed by `device_budget_bytes`; `host_budget_bytes` is
 ignored. `host_tier=True` keeps a separate host tier anyway (entries move between the two by
 reference, never copied): a two-level LRU, used by the tests to exercise demotion.
 
-Disk file `<key>.<stored>.safetensors`, where <stored> is the store dtype (`float32`,
-`bfloat16`, ...) or `put` for a store without one (KV kept as put), so stores of different
-dtypes sharing a folder never serve each other's KV. A valid safetensors file, written and
-read here without extra copies:
-
-    u64 little-endian header length N | N bytes of JSON header | tensor data
-    tensors, in data order: positions [S] i64, token_ids [S] i64, keys [L,H,S,Dk],
-    values [L,H,S,Dv], placeholder [S] bool
-    __metadata__: format, format_version, key, stored (as in the name), meta (JSON of the
-    caller's meta), tensors (JSON: dtype and shape of each), put_dtype, sha256 (of the whole
-    data section)
-
-A file of ours that fails any check (incomplete, wrong version, wrong key or store dtype,
-wrong shapes, checksum mismatch) is reported with `CacheWarning`, counted in
-`stats.corrupt_files`, deleted, and treated as a miss, so the caller re-encodes. A file at
-one of our names without our format tag is counted the same way but kept (and not
-overwritten), reported once per reason per process. Neither is ever served.
+The disk tier touches only its own files, in a private folder it marked; the file format,
+its checks and the folder rules are in `promptlang.runtime.kvfiles`. A file of ours that
+fails a check is reported with `CacheWarning`, counted in `stats.corrupt_files`, deleted and
+treated as a miss, so the caller re-encodes; a file at one of our names without our tag is
+counted and missed the same way but kept and never overwritten. A file that
+`promptlang.home.untrusted_reason` refuses (another user's, or writable by others) is never
+loaded: it is a miss, counted in `stats.untrusted_files`, and the put that follows replaces
+it. Warnings about untrusted and foreign files come once per reason per process. Nothing
+that failed is ever served.
 
 Store dtype: `dtype=torch.bfloat16` (or float16) stores keys and values at that precision in
 every tier (halving their bytes; budgets count stored bytes). `get` converts them back to
@@ -70,13 +50,10 @@ conversion is needed), so callers must not mutate them afterwards either.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import os
 import re
 import stat
-import struct
 import threading
 import time
 import warnings
@@ -88,31 +65,21 @@ from typing import Iterable, Mapping
 import torch
 
 from promptlang.errors import CacheError
-from promptlang.home import kv_dir, private_dir, untrusted_reason, write_private
-from promptlang.inputs import read_bytes
+from promptlang.home import kv_dir
 from promptlang.runtime.kv import ModuleKV
+from promptlang.runtime.kvfiles import (FLOAT_DTYPES, MARKER, SUFFIX, CorruptFileError,
+                                        UntrustedFileError, check_kv, clear_disk, dtype_name,
+                                        existing_file, is_regular, list_disk_entries, listdir,
+                                        open_dir, peek_header, read_file, touch, unlink_ours,
+                                        unlink_same, write_file)
 
-FORMAT = "promptlang-kv"
-FORMAT_VERSION = "2"
-SUFFIX = ".safetensors"
-MARKER = ".promptlang-kv-store"
+__all__ = ["CacheWarning", "ModuleStore", "StoreEntry", "StoreStats", "TIERS", "MARKER",
+           "clear_disk", "list_disk_entries"]
+
 TIERS = ("device", "host", "disk")
 
-_MARKER_TEXT = b"promptlang-kv-store 1\n"
 _KEY_RE = re.compile(r"[0-9A-Za-z_-]{1,128}\Z")
-_TMP_RE = re.compile(r"\.[0-9A-Za-z_.-]+\.tmp\Z")  # write_private's temporary names (and v1's)
-_MAX_HEADER = 16 << 20  # our headers are a few hundred bytes; anything huge is foreign
-_TENSOR_ORDER = ("positions", "token_ids", "keys", "values", "placeholder")  # 8-byte ints first keeps data aligned
-_DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
-_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _TOUCH_EVERY_NS = 60 * 10**9  # persist a memory hit to the file's mtime at most once a minute
-_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
-               | getattr(os, "O_CLOEXEC", 0))  # a FIFO swapped in after lstat cannot block
 
 _warned: set[str] = set()   # reasons already reported by `_warn_once` in this process
 _warned_lock = threading.Lock()
@@ -120,17 +87,6 @@ _warned_lock = threading.Lock()
 
 class CacheWarning(UserWarning):
     """Something in the KV store was wrong but recoverable: a corrupt file, a failed write."""
-
-
-class UntrustedFileError(Exception):
-    """Internal: a disk file that must not be read (see `untrusted_reason`)."""
-
-
-class CorruptFileError(Exception):
-    """Internal: a disk file failed a check. Never escapes the store."""
-
-    identity: tuple[int, int] | None = None  # (inode, mtime ns) of the file that failed
-    ours = True                               # False: no promptlang-kv tag, so not deleted
 
 
 @dataclass
@@ -241,7 +197,7 @@ class ModuleStore:
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"ModuleStore: {name} must be None or a byte count >= 0, got {value!r}")
         for name, value in (("dtype", dtype), ("compute_dtype", compute_dtype)):
-            if value is not None and value not in _FLOAT_DTYPES:
+            if value is not None and value not in FLOAT_DTYPES:
                 raise ValueError(f"ModuleStore: {name} must be a float dtype, got {value!r}")
         self.dtype = dtype
         self.compute_dtype = compute_dtype
@@ -252,10 +208,10 @@ class ModuleStore:
         self._host = _Tier("host", host_budget_bytes if host_tier else 0)
         self._disk_budget = disk_budget_bytes
         self.disk_dir: Path | None = None
-        self._stored = _dtype_name(dtype) if dtype is not None else "put"  # part of file names
+        self._stored = dtype_name(dtype) if dtype is not None else "put"  # part of file names
         if disk_budget_bytes != 0:
             self.disk_dir = Path(disk_dir) if disk_dir is not None else kv_dir()
-            _open_dir(self.disk_dir)
+            open_dir(self.disk_dir)
         self._lock = threading.Lock()
         self._key_locks = [threading.Lock() for _ in range(64)]
         self._stats = StoreStats()
@@ -285,7 +241,7 @@ class ModuleStore:
         with self._lock:
             if key in self._device.entries or key in self._host.entries:
                 return True
-        return self.disk_dir is not None and _is_regular(self._path(key))
+        return self.disk_dir is not None and is_regular(self._path(key))
 
     def __contains__(self, key: str) -> bool:
         return self.contains(key)
@@ -310,7 +266,7 @@ class ModuleStore:
         file header. A key already on disk is not rewritten: a key names its content.
         """
         _check_key(key)
-        _check_kv(kv)
+        check_kv(kv)
         meta = {str(k): str(v) for k, v in (meta or {}).items()}
         put_dtype = kv.keys.dtype
         stored = _convert(kv, self.dtype, self.device)
@@ -356,7 +312,7 @@ class ModuleStore:
                     removed = True
         if "disk" in tiers and self.disk_dir is not None:
             with self._key_lock(key):
-                removed |= _unlink_ours(self._path(key))
+                removed |= unlink_ours(self._path(key))
             with self._lock:
                 self._used.pop(key, None)
                 self._touched.pop(key, None)
@@ -505,7 +461,7 @@ class ModuleStore:
                 return entry, False
             path = self._path(key)
             try:
-                kv, meta, put_dtype, nbytes_read = _read_file(path, key, self._stored)
+                kv, meta, put_dtype, nbytes_read = read_file(path, key, self._stored)
             except FileNotFoundError:
                 return None, False
             except UntrustedFileError as err:
@@ -532,9 +488,9 @@ class ModuleStore:
                 # placed where it fits; if nowhere, served once from what was read
                 entry = self._to_device(self._place(key, entry) or entry)
                 self._note_use(key)
-                touch = self._due_touch(key)
-            if touch:
-                _touch(path)
+                due = self._due_touch(key)
+            if due:
+                touch(path)
             return entry, True
 
     def _due_touch(self, key: str) -> bool:
@@ -565,12 +521,12 @@ class ModuleStore:
     def _write_through(self, key: str, entry: _Entry) -> None:
         path = self._path(key)
         with self._key_lock(key):
-            existing = _existing_file(path, key, self._stored)
+            existing = existing_file(path, key, self._stored)
             if existing == "current":
                 with self._lock:
-                    touch = self._due_touch(key)
-                if touch:
-                    _touch(path)
+                    due = self._due_touch(key)
+                if due:
+                    touch(path)
                 return
             if existing == "foreign":
                 _warn_once("foreign file in the way",
@@ -586,7 +542,7 @@ class ModuleStore:
                     torch.cuda.current_stream(self.device).wait_event(entry.ready)
                 kv = kv.to("cpu")
             try:
-                written = _write_file(path, key, kv, entry.meta, entry.put_dtype, self._stored)
+                written = write_file(path, key, kv, entry.meta, entry.put_dtype, self._stored)
             except OSError as err:
                 warnings.warn(f"promptlang: cannot write KV cache file {path}: {err}", CacheWarning,
                               stacklevel=3)
@@ -614,14 +570,16 @@ class ModuleStore:
             total = sum(info.st_size for info in files.values())
             if total <= self._disk_budget:
                 return
-            order = sorted((max((info.st_mtime_ns, -1), self._used.get(self._key_of(name), (0, -1))),
-                            name) for name, info in files.items() if name != keep)
+            last_use = {name: max((info.st_mtime_ns, -1),
+                                  self._used.get(self._key_of(name), (0, -1)))
+                        for name, info in files.items() if name != keep}
+            order = sorted((used, name) for name, used in last_use.items())
         for _, name in order:
             if total <= self._disk_budget:
                 break
             key = self._key_of(name)
             with self._key_lock(key or name):
-                if _unlink_same(self.disk_dir / name, files[name]):
+                if unlink_same(self.disk_dir / name, files[name]):
                     total -= files[name].st_size
                     with self._lock:
                         self._stats.disk_evictions += 1
@@ -632,7 +590,7 @@ class ModuleStore:
         """File name -> lstat of every KV file of ours in the folder now. A file's header is
         read once per (inode, size, mtime), not on every scan."""
         known, seen, ours = self._scanned, {}, {}
-        for entry in _listdir(self.disk_dir):
+        for entry in listdir(self.disk_dir):
             if entry.name.startswith(".") or not entry.name.endswith(SUFFIX):
                 continue
             try:
@@ -644,7 +602,7 @@ class ModuleStore:
             identity = (info.st_ino, info.st_size, info.st_mtime_ns)
             hit = known.get(entry.name)
             if hit is None or hit[0] != identity:
-                hit = (identity, _peek_header(Path(entry.path), info) is not None)
+                hit = (identity, peek_header(Path(entry.path), info) is not None)
             seen[entry.name] = hit
             if hit[1]:
                 ours[entry.name] = info
@@ -669,216 +627,6 @@ class ModuleStore:
         return kv
 
 
-# ---- module-level disk helpers (used by `promptlang cache ls` / `cache clear`) --------------
-
-def list_disk_entries(disk_dir: str | os.PathLike | None = None) -> list[dict]:
-    """Every promptlang KV file in `disk_dir` (default the KV home), sorted by key.
-
-    Each dict: key, path, stored (the store dtype, or "put"), file_bytes, nbytes (tensor
-    bytes), modified (mtime, seconds), meta (the caller's meta), put_dtype, length (tokens),
-    error (None, or why the file is not one this promptlang reads). Only headers are read:
-    checksums are verified on load. Files without the promptlang-kv tag are not listed; a
-    folder without the store's marker raises CacheError (a missing one lists nothing).
-    """
-    directory = _existing_dir(disk_dir, "list")
-    if directory is None:
-        return []
-    result = []
-    for path, info, header, data_start in _our_files(directory):
-        md = header["__metadata__"]
-        key, stored = str(md.get("key", "")), str(md.get("stored", ""))
-        item = {"key": key, "path": str(path), "stored": stored, "file_bytes": info.st_size,
-                "nbytes": 0, "modified": info.st_mtime, "meta": {}, "put_dtype": "",
-                "length": 0, "error": None}
-        try:
-            checked = _check_header(header, key, stored, info.st_size - data_start)
-            if path.name != f"{key}.{stored}{SUFFIX}":
-                raise CorruptFileError("its name does not match its key and store dtype")
-            item.update(nbytes=checked["data_bytes"], meta=checked["meta"],
-                        put_dtype=_dtype_name(checked["put_dtype"]), length=checked["length"])
-        except FileNotFoundError:
-            continue
-        except (CorruptFileError, OSError) as err:
-            item["error"] = str(err)
-        result.append(item)
-    return sorted(result, key=lambda item: (item["key"], item["stored"], item["path"]))
-
-
-def clear_disk(disk_dir: str | os.PathLike | None = None) -> int:
-    """Delete every promptlang KV file (and leftover temporary one) in `disk_dir`; returns the
-    number of KV files removed. Other files stay; a folder without the store's marker raises
-    CacheError and nothing in it is deleted (a missing folder: 0)."""
-    directory = _existing_dir(disk_dir, "delete")
-    if directory is None:
-        return 0
-    removed = sum(_unlink_same(path, info) for path, info, _, _ in _our_files(directory))
-    for path, info, _, _ in _our_files(directory, temporary=True):
-        _unlink_same(path, info)
-    return removed
-
-
-# ---- file format -----------------------------------------------------------------------------
-
-def _write_file(path: Path, key: str, kv: ModuleKV, meta: dict[str, str],
-               put_dtype: torch.dtype, stored: str) -> int:
-    """Write `kv` (CPU tensors) to `path` (0600, atomically); returns the file's size."""
-    tensors = {name: getattr(kv, name).detach().contiguous() for name in _TENSOR_ORDER}
-    chunks = [_tensor_bytes(tensors[name]) for name in _TENSOR_ORDER]
-    digest = hashlib.sha256()
-    for chunk in chunks:
-        digest.update(chunk)
-    header, offset = {}, 0
-    for name, chunk in zip(_TENSOR_ORDER, chunks):
-        t = tensors[name]
-        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(chunk)]}
-        offset += len(chunk)
-    header["__metadata__"] = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "key": key,
-        "stored": stored,
-        "meta": json.dumps(meta, sort_keys=True),
-        "tensors": json.dumps({name: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
-                               for name, t in tensors.items()}),
-        "put_dtype": _dtype_name(put_dtype),
-        "sha256": digest.hexdigest(),
-    }
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # safetensors pads the header so data starts 8-aligned
-    write_private(path, [struct.pack("<Q", len(text)), text, *chunks])
-    return 8 + len(text) + offset
-
-
-def _read_file(path: Path, key: str,
-               stored: str) -> tuple[ModuleKV, dict[str, str], torch.dtype, int]:
-    """Read and verify one KV file. FileNotFoundError: there is none; UntrustedFileError:
-    it must not be read (see `untrusted_reason`); CorruptFileError: it failed a check."""
-    reason = untrusted_reason(path)
-    if reason is not None:
-        os.lstat(path)                      # gone meanwhile: a plain miss
-        raise UntrustedFileError(reason)
-    fd = os.open(path, _OPEN_FLAGS)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-            raise UntrustedFileError("it changed while it was opened")
-        try:
-            kv, info, size = _read_verified(f, st.st_size, key, stored)
-        except CorruptFileError as err:
-            err.identity = (st.st_ino, st.st_mtime_ns)
-            raise
-    return kv, info["meta"], info["put_dtype"], size
-
-
-def _read_verified(f, size: int, key: str, stored: str) -> tuple[ModuleKV, dict, int]:
-    header, data_start = _read_header(f, size)
-    info = _check_header(header, key, stored, size - data_start)
-    data = bytearray(size - data_start)
-    if f.readinto(data) != len(data):
-        raise CorruptFileError("file shorter than its header says (truncated?)")
-    if hashlib.sha256(data).hexdigest() != info["sha256"]:
-        raise CorruptFileError("checksum mismatch")
-    parts = {}
-    for name in _TENSOR_ORDER:
-        spec = header[name]
-        dtype, (begin, end) = _CODE_DTYPES[spec["dtype"]], spec["data_offsets"]
-        numel = (end - begin) // _itemsize(dtype)
-        if numel == 0:
-            t = torch.empty(0, dtype=dtype)
-        else:  # a view of `data`: no copy
-            t = torch.frombuffer(data, dtype=dtype, count=numel, offset=begin)
-        parts[name] = t.reshape(spec["shape"])
-    kv = ModuleKV(**parts)
-    try:
-        _check_kv(kv)
-    except ValueError as err:
-        raise CorruptFileError(str(err)) from None
-    return kv, info, size
-
-
-def _read_header(f, size: int) -> tuple[dict, int]:
-    """The parsed safetensors header of open file `f` of `size` bytes, and where data starts.
-    Its CorruptFileErrors are not `ours`: without a header, nothing says who wrote the file."""
-    try:
-        return _parse_header(f, size)
-    except CorruptFileError as err:
-        err.ours = False
-        raise
-
-
-def _parse_header(f, size: int) -> tuple[dict, int]:
-    if size < 8:
-        raise CorruptFileError(f"{size} bytes is too short for a safetensors file")
-    prefix = f.read(8)
-    if len(prefix) != 8:
-        raise CorruptFileError("file shorter than 8 bytes (truncated?)")
-    (length,) = struct.unpack("<Q", prefix)
-    if length < 2 or length > _MAX_HEADER or 8 + length > size:
-        raise CorruptFileError(f"not a safetensors file (header length {length}, file {size} bytes)")
-    raw = f.read(length)
-    if len(raw) != length:
-        raise CorruptFileError("file shorter than its header (truncated?)")
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CorruptFileError(f"unreadable safetensors header: {err}") from None
-    if not isinstance(header, dict):
-        raise CorruptFileError("safetensors header is not an object")
-    return header, 8 + length
-
-
-def _check_header(header: dict, key: str, stored: str, data_bytes: int) -> dict:
-    """Validate a header against our format, the key and store dtype its name says, and the
-    file's data size; returns its metadata."""
-    md = header.get("__metadata__")
-    if not isinstance(md, dict) or md.get("format") != FORMAT:
-        err = CorruptFileError(f"not a promptlang KV file (no {FORMAT!r} format tag)")
-        err.ours = False
-        raise err
-    if md.get("format_version") != FORMAT_VERSION:
-        raise CorruptFileError(f"format version {md.get('format_version')!r}, "
-                               f"this promptlang reads {FORMAT_VERSION!r}")
-    if md.get("key") != key:
-        raise CorruptFileError(f"file holds key {md.get('key')!r}, its name says {key!r}")
-    if md.get("stored") != stored:
-        raise CorruptFileError(f"file holds KV stored as {md.get('stored')!r}, its name says "
-                               f"{stored!r}")
-    names = set(header) - {"__metadata__"}
-    if names != set(_TENSOR_ORDER):
-        raise CorruptFileError(f"tensors {sorted(names)}, expected {sorted(_TENSOR_ORDER)}")
-    try:
-        meta = json.loads(md["meta"])
-        declared = json.loads(md["tensors"])
-        put_dtype = _dtype_from_name(md["put_dtype"])
-        sha = md["sha256"]
-        offset = 0
-        for name in _TENSOR_ORDER:
-            spec = header[name]
-            dtype = _CODE_DTYPES[spec["dtype"]]
-            shape, (begin, end) = spec["shape"], spec["data_offsets"]
-            numel = 1
-            for dim in shape:
-                numel *= int(dim)
-            if begin != offset or end - begin != numel * _itemsize(dtype):
-                raise CorruptFileError(f"tensor {name!r} has inconsistent data offsets")
-            if declared[name] != {"dtype": _dtype_name(dtype), "shape": shape}:
-                raise CorruptFileError(f"tensor {name!r} does not match its declared dtype/shape")
-            offset = end
-        if stored != "put" and _dtype_name(_CODE_DTYPES[header["keys"]["dtype"]]) != stored:
-            raise CorruptFileError(f"keys are {header['keys']['dtype']}, not stored as {stored}")
-    except CorruptFileError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise CorruptFileError(f"malformed header ({type(err).__name__}: {err})") from None
-    if offset != data_bytes:
-        raise CorruptFileError(f"data section is {data_bytes} bytes, header says {offset} (truncated?)")
-    if not isinstance(meta, dict):
-        raise CorruptFileError("meta is not an object")
-    return {"meta": {str(k): str(v) for k, v in meta.items()}, "put_dtype": put_dtype,
-            "sha256": sha, "data_bytes": offset, "length": int(header["positions"]["shape"][0])}
-
-
 # ---- small helpers ---------------------------------------------------------------------------
 
 def _check_key(key: str) -> None:
@@ -896,21 +644,6 @@ def _check_tiers(tiers: Iterable[str] | None) -> set[str]:
     return tiers
 
 
-def _check_kv(kv: ModuleKV) -> None:
-    """ValueError unless `kv` has ModuleKV's shapes and dtypes."""
-    k, v = kv.keys, kv.values
-    if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"keys {tuple(k.shape)} / values {tuple(v.shape)} are not [L, H_kv, S, D]")
-    if k.dtype not in _FLOAT_DTYPES or v.dtype != k.dtype:
-        raise ValueError(f"keys/values must share one float dtype, got {k.dtype} / {v.dtype}")
-    s = k.shape[2]
-    for name, dtype in (("positions", torch.int64), ("token_ids", torch.int64),
-                        ("placeholder", torch.bool)):
-        t = getattr(kv, name)
-        if t.shape != (s,) or t.dtype != dtype:
-            raise ValueError(f"{name} must be [{s}] {dtype}, got {tuple(t.shape)} {t.dtype}")
-
-
 def _convert(kv: ModuleKV, dtype: torch.dtype | None, device: torch.device) -> ModuleKV:
     """`kv` with keys/values at `dtype` on `device`; the same tensors where nothing changes."""
     keys, values = kv.keys.detach(), kv.values.detach()
@@ -926,200 +659,8 @@ def _tensors(kv: ModuleKV) -> tuple[torch.Tensor, ...]:
     return kv.keys, kv.values, kv.positions, kv.token_ids, kv.placeholder
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without copying."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, str(name), None)
-    if dtype not in _FLOAT_DTYPES:
-        raise CorruptFileError(f"unknown put dtype {name!r}")
-    return dtype
-
-
 def _fits(budget: int | None, nbytes: int) -> bool:
     return budget is None or nbytes <= budget
-
-
-# ---- the folder and the files in it ---------------------------------------------------------
-
-def _open_dir(directory: Path) -> None:
-    """Make `directory` this store's folder: created 0700 and marked, or an existing folder of
-    the user's that is marked, empty, or holds nothing but promptlang KV files (marked now)."""
-    if os.path.lexists(directory) and not directory.is_dir():
-        raise CacheError(f"KV cache directory {directory} is not a directory")
-    try:
-        private_dir(directory)
-    except OSError as err:
-        raise CacheError(f"KV cache directory {directory} cannot be created: {err}") from None
-    if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
-        raise CacheError(f"KV cache directory {directory} is not readable and writable "
-                         "(set PROMPTLANG_HOME or pass disk_dir= to use another place)")
-    info = os.stat(directory)
-    if info.st_uid != os.getuid() or info.st_mode & 0o022:
-        whose = (f"belongs to uid {info.st_uid}" if info.st_uid != os.getuid()
-                 else "is writable by others")
-        raise CacheError(f"KV cache directory {directory} {whose}: promptlang keeps KV only in "
-                         "a folder private to the user (pass disk_dir= another place)")
-    problem = _marker_problem(directory)
-    if problem is None:
-        return
-    if os.path.lexists(directory / MARKER):
-        raise CacheError(f"KV cache directory {directory} cannot be used: {problem}")
-    ours = {path.name for path, _, _, _ in _our_files(directory)}
-    ours |= {path.name for path, _, _, _ in _our_files(directory, temporary=True)}
-    others = sorted(entry.name for entry in _listdir(directory)
-                    if entry.name not in ours and not entry.name.startswith(f".{MARKER}."))
-    if others:
-        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise CacheError(f"KV cache directory {directory} is not a promptlang KV folder: it has "
-                         f"no {MARKER} marker and holds other files ({shown}); pass disk_dir= "
-                         "an empty or new folder")
-    try:
-        write_private(directory / MARKER, _MARKER_TEXT)
-    except OSError as err:
-        raise CacheError(f"KV cache directory {directory} cannot be marked: {err}") from None
-
-
-def _marker_problem(directory: Path) -> str | None:
-    """Why `directory` is not marked as a folder the store created, or None when it is."""
-    marker = directory / MARKER
-    reason = untrusted_reason(marker)
-    if reason is not None:
-        return f"{marker}: {reason}"
-    try:
-        text = read_bytes(marker, max_bytes=4096, error=CacheError)
-    except CacheError as err:
-        return str(err)
-    return None if text == _MARKER_TEXT else f"{marker} is not promptlang's marker"
-
-
-def _existing_dir(disk_dir: str | os.PathLike | None, action: str) -> Path | None:
-    """The marked folder `disk_dir` names, or None if there is none. The KV home (None) is
-    adopted as a store would adopt it, so a KV home from before markers can be listed and
-    cleared; any other folder without the marker is refused."""
-    if disk_dir is None:
-        directory = kv_dir()
-        if not os.path.lexists(directory):
-            return None
-        _open_dir(directory)
-        return directory
-    directory = Path(disk_dir)
-    if not os.path.lexists(directory):
-        return None
-    problem = _marker_problem(directory)
-    if problem is not None:
-        raise CacheError(f"promptlang does not {action} files in {directory}: it is not a folder "
-                         f"promptlang's KV store created ({problem}); nothing was changed")
-    return directory
-
-
-def _listdir(directory: Path) -> list[os.DirEntry]:
-    try:
-        with os.scandir(directory) as entries:
-            return list(entries)
-    except FileNotFoundError:
-        return []
-    except OSError as err:
-        raise CacheError(f"KV cache directory {directory} cannot be read: {err}") from None
-
-
-def _our_files(directory: Path, temporary: bool = False):
-    """(path, lstat, header, data start) of each regular file in `directory` whose header
-    carries the promptlang-kv tag: KV files, or with `temporary` write_private's leftovers.
-    Names are filtered and types checked with lstat before anything is opened."""
-    for entry in sorted(_listdir(directory), key=lambda e: e.name):
-        name = entry.name
-        if temporary:
-            if not _TMP_RE.match(name) or name.startswith(f".{MARKER}."):
-                continue
-        elif name.startswith(".") or not name.endswith(SUFFIX):
-            continue
-        try:
-            info = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(info.st_mode):
-            continue
-        peeked = _peek_header(Path(entry.path), info)
-        if peeked is not None:
-            yield Path(entry.path), info, *peeked
-
-
-def _peek_header(path: Path, info: os.stat_result) -> tuple[dict, int] | None:
-    """(header, data start) if the file at `path` is still the regular file `info` describes
-    and its header carries the promptlang-kv tag, else None. Never blocks on a FIFO."""
-    try:
-        fd = os.open(path, _OPEN_FLAGS)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        opened = os.fstat(f.fileno())
-        if not stat.S_ISREG(opened.st_mode) or opened.st_ino != info.st_ino:
-            return None
-        try:
-            header, data_start = _read_header(f, opened.st_size)
-        except (CorruptFileError, OSError):
-            return None
-    md = header.get("__metadata__")
-    return (header, data_start) if isinstance(md, dict) and md.get("format") == FORMAT else None
-
-
-def _existing_file(path: Path, key: str, stored: str) -> str:
-    """What is at `path` before a write: "absent"; "current" (a trusted file of ours for this
-    key and store dtype); "replace" (ours, but outdated or refused by untrusted_reason); or
-    "foreign" (anything without our tag, which is left alone)."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return "absent"
-    peeked = _peek_header(path, info) if stat.S_ISREG(info.st_mode) else None
-    if peeked is None:
-        return "foreign"
-    md = peeked[0]["__metadata__"]
-    current = (md.get("format_version"), md.get("key"), md.get("stored"))
-    if current == (FORMAT_VERSION, key, stored) and untrusted_reason(path) is None:
-        return "current"
-    return "replace"
-
-
-def _is_regular(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _unlink_same(path: Path, info: os.stat_result) -> bool:
-    """Delete `path` if it is still the file `info` describes (not one put there since)."""
-    try:
-        now = os.lstat(path)
-        if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
-            return False
-        path.unlink()
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def _unlink_ours(path: Path) -> bool:
-    """Delete `path` if it is a regular file carrying our tag."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    if not stat.S_ISREG(info.st_mode) or _peek_header(path, info) is None:
-        return False
-    return _unlink_same(path, info)
 
 
 def _warn_once(reason: str, message: str, stacklevel: int = 4) -> None:
@@ -1129,10 +670,3 @@ def _warn_once(reason: str, message: str, stacklevel: int = 4) -> None:
             return
         _warned.add(reason)
     warnings.warn(message, CacheWarning, stacklevel=stacklevel)
-
-
-def _touch(path: Path) -> None:
-    try:
-        os.utime(path, follow_symlinks=False)
-    except (OSError, NotImplementedError):
-        pass  # evicted meanwhile, or a read-only file: only the disk LRU order is affected
