@@ -16,6 +16,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Iterable
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -75,14 +76,17 @@ def _tighten(folder: Path) -> None:
         pass                      # the caller's next write says what is wrong
 
 
-def write_private(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` as a 0600 file, atomically (temporary name, then rename)."""
+def write_private(path: str | os.PathLike, data: bytes | Iterable[bytes | memoryview]) -> None:
+    """Write `data` to `path` as a 0600 file, atomically (temporary name, then rename).
+
+    `data` may also be a sequence of byte chunks, written in order (no joined copy)."""
     path = Path(path)
     private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:     # mkstemp creates it 0600
-            handle.write(data)
+            for chunk in ((data,) if isinstance(data, (bytes, bytearray, memoryview)) else data):
+                handle.write(chunk)
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -50,7 +50,10 @@ def register(subparsers: Any) -> None:
     ls = commands.add_parser("ls", help="list stored units")
     ls.add_argument("--dir", metavar="DIR", help="store folder (default: the KV home)")
     ls.set_defaults(func=_cache_ls)
-    clear = commands.add_parser("clear", help="delete every stored unit")
+    clear = commands.add_parser("clear", help="delete every stored unit",
+                                description="Delete the KV files promptlang wrote; other files "
+                                            "stay. A folder the store did not create (it has no "
+                                            ".promptlang-kv-store marker) is refused.")
     clear.add_argument("--dir", metavar="DIR", help="store folder (default: the KV home)")
     clear.set_defaults(func=_cache_clear)
 
@@ -96,7 +99,7 @@ def _cache_ls(args: argparse.Namespace) -> int:
         meta = e["meta"]
         modified = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["modified"]))
         print(f"{e['key'][:16]}  {e['length']:>6} tokens  {_size(e['file_bytes']):>9}  "
-              f"{modified}  {meta.get('schema', '?')}:{meta.get('unit', '?')}")
+              f"{e['stored']:>8}  {modified}  {meta.get('schema', '?')}:{meta.get('unit', '?')}")
     print(f"{len(entries)} entries, {_size(total)}")
     return 0
 

@@ -722,15 +722,26 @@ def _alibi_slopes(heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def model_fingerprint(hf_model: torch.nn.Module, sample: int = 4096) -> str:
-    """Identifies what determines the KV: config, dtype and weights (a strided sample)."""
-    h = hashlib.sha256()
+def model_fingerprint(hf_model: torch.nn.Module) -> str:
+    """Identifies what determines the KV: the config, and the name, shape, dtype and every
+    byte of every weight. Each tensor's raw bytes are hashed in place (one device->CPU copy
+    for tensors elsewhere), on a few threads (hashlib releases the GIL): one pass over the
+    weights per load."""
+    from concurrent.futures import ThreadPoolExecutor
+    from os import cpu_count
+
+    def tensor_digest(p: torch.Tensor) -> bytes:
+        flat = p.detach().to("cpu").contiguous().reshape(-1)
+        if not flat.numel():
+            return hashlib.sha256().digest()
+        return hashlib.sha256(memoryview(flat.view(torch.uint8).numpy())).digest()  # any dtype
+
+    h = hashlib.sha256(b"promptlang-model-fingerprint-v2\0")
     config = {k: v for k, v in hf_model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
-    with torch.no_grad():
-        for name, p in sorted(hf_model.named_parameters(), key=lambda kv: kv[0]):
-            flat = p.detach().reshape(-1)
-            stride = max(1, flat.numel() // sample)
-            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-            h.update(flat[::stride][:sample].to("cpu", torch.float32).numpy().tobytes())
+    params = sorted(hf_model.named_parameters(), key=lambda kv: kv[0])
+    with torch.no_grad(), ThreadPoolExecutor(max(1, min(8, cpu_count() or 1))) as pool:
+        digests = pool.map(tensor_digest, [p for _, p in params])
+        for (name, p), digest in zip(params, digests):
+            h.update(f"\0{name}:{tuple(p.shape)}:{p.dtype}\0".encode() + digest)
     return h.hexdigest()[:32]

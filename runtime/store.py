@@ -8,7 +8,8 @@ Tiers, fastest first:
 
     device  tensors on the compute device, ready for the assembler
     host    CPU memory; on CUDA pinned, copied to the device asynchronously on a copy stream
-    disk    one safetensors file per key under `disk_dir`; survives restarts, checked on load
+    disk    one safetensors file per key and store dtype under `disk_dir`; survives restarts,
+            checked on load
 
 The device and host tiers are exclusive (an entry lives in at most one of them); the disk
 tier is written through on `put`. Each tier has a byte budget (None = unlimited, 0 = tier
@@ -25,17 +26,15 @@ tier, reported as "device", governed by `device_budget_bytes`; `host_budget_byte
 ignored. `host_tier=True` keeps a separate host tier anyway (entries move between the two by
 reference, never copied): a two-level LRU, used by the tests to exercise demotion.
 
-Disk file layout (a valid safetensors file, written and read here without extra copies):
-
-    u64 little-endian header length N | N bytes of JSON header | tensor data
-    tensors, in data order: positions [S] i64, token_ids [S] i64, keys [L,H,S,Dk],
-    values [L,H,S,Dv], placeholder [S] bool
-    __metadata__: format, format_version, key, meta (JSON of the caller's meta),
-    tensors (JSON: dtype and shape of each), put_dtype, sha256 (of the whole data section)
-
-A file that fails any check (incomplete, not safetensors, not ours, wrong key, wrong shapes,
-checksum mismatch) is reported with `CacheWarning`, counted in `stats.corrupt_files`,
-deleted, and treated as a miss, so the caller re-encodes. It is never served.
+The disk tier touches only its own files, in a private folder it marked; the file format,
+its checks and the folder rules are in `promptlang.runtime.kvfiles`. A file of ours that
+fails a check is reported with `CacheWarning`, counted in `stats.corrupt_files`, deleted and
+treated as a miss, so the caller re-encodes; a file at one of our names without our tag is
+counted and missed the same way but kept and never overwritten. A file that
+`promptlang.home.untrusted_reason` refuses (another user's, or writable by others) is never
+loaded: it is a miss, counted in `stats.untrusted_files`, and the put that follows replaces
+it. Warnings about untrusted and foreign files come once per reason per process. Nothing
+that failed is ever served.
 
 Store dtype: `dtype=torch.bfloat16` (or float16) stores keys and values at that precision in
 every tier (halving their bytes; budgets count stored bytes). `get` converts them back to
@@ -51,12 +50,10 @@ conversion is needed), so callers must not mutate them afterwards either.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import os
 import re
-import struct
+import stat
 import threading
 import time
 import warnings
@@ -70,34 +67,26 @@ import torch
 from promptlang.errors import CacheError
 from promptlang.home import kv_dir
 from promptlang.runtime.kv import ModuleKV
+from promptlang.runtime.kvfiles import (FLOAT_DTYPES, MARKER, SUFFIX, CorruptFileError,
+                                        UntrustedFileError, check_kv, clear_disk, dtype_name,
+                                        existing_file, is_regular, list_disk_entries, listdir,
+                                        open_dir, peek_header, read_file, touch, unlink_ours,
+                                        unlink_same, write_file)
 
-FORMAT = "promptlang-kv"
-FORMAT_VERSION = "1"
-SUFFIX = ".safetensors"
+__all__ = ["CacheWarning", "ModuleStore", "StoreEntry", "StoreStats", "TIERS", "MARKER",
+           "clear_disk", "list_disk_entries"]
+
 TIERS = ("device", "host", "disk")
 
 _KEY_RE = re.compile(r"[0-9A-Za-z_-]{1,128}\Z")
-_TMP_RE = re.compile(r"\.[0-9A-Za-z_-]{1,128}\.[0-9a-f]+\.tmp\Z")
-_MAX_HEADER = 16 << 20  # our headers are a few hundred bytes; anything huge is foreign
-_TENSOR_ORDER = ("positions", "token_ids", "keys", "values", "placeholder")  # 8-byte ints first keeps data aligned
-_DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
-_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _TOUCH_EVERY_NS = 60 * 10**9  # persist a memory hit to the file's mtime at most once a minute
+
+_warned: set[str] = set()   # reasons already reported by `_warn_once` in this process
+_warned_lock = threading.Lock()
 
 
 class CacheWarning(UserWarning):
     """Something in the KV store was wrong but recoverable: a corrupt file, a failed write."""
-
-
-class CorruptFileError(Exception):
-    """Internal: a disk file failed a check. Never escapes the store."""
-
-    identity: tuple[int, int] | None = None  # (inode, mtime ns) of the file that failed
 
 
 @dataclass
@@ -118,6 +107,7 @@ class StoreStats:
     disk_bytes_written: int = 0
     disk_write_errors: int = 0
     corrupt_files: int = 0
+    untrusted_files: int = 0       # files untrusted_reason refused (not ours, or writable)
     prefetches: int = 0            # keys a prefetch found in host or disk and moved up
     device_bytes: int = 0
     host_bytes: int = 0
@@ -183,7 +173,9 @@ class ModuleStore:
 
     device: the compute device that `get` returns tensors on.
     *_budget_bytes: per-tier budget; None = unlimited, 0 = tier off.
-    disk_dir: where the disk tier lives (default `promptlang.home.kv_dir()`); created if needed.
+    disk_dir: where the disk tier lives (default `promptlang.home.kv_dir()`); created (0700,
+        marked) if needed. CacheError for a folder that is not the user's, or that holds
+        other files and has no marker.
     dtype: store keys/values at this float dtype (None = as put).
     compute_dtype: dtype of keys/values returned by `get` (None = the dtype they were put with).
     host_tier: None = a host tier on accelerators only; True/False forces it on/off.
@@ -205,7 +197,7 @@ class ModuleStore:
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"ModuleStore: {name} must be None or a byte count >= 0, got {value!r}")
         for name, value in (("dtype", dtype), ("compute_dtype", compute_dtype)):
-            if value is not None and value not in _FLOAT_DTYPES:
+            if value is not None and value not in FLOAT_DTYPES:
                 raise ValueError(f"ModuleStore: {name} must be a float dtype, got {value!r}")
         self.dtype = dtype
         self.compute_dtype = compute_dtype
@@ -216,14 +208,16 @@ class ModuleStore:
         self._host = _Tier("host", host_budget_bytes if host_tier else 0)
         self._disk_budget = disk_budget_bytes
         self.disk_dir: Path | None = None
+        self._stored = dtype_name(dtype) if dtype is not None else "put"  # part of file names
         if disk_budget_bytes != 0:
             self.disk_dir = Path(disk_dir) if disk_dir is not None else kv_dir()
-            _prepare_dir(self.disk_dir)
+            open_dir(self.disk_dir)
         self._lock = threading.Lock()
         self._key_locks = [threading.Lock() for _ in range(64)]
         self._stats = StoreStats()
         self._used: dict[str, tuple[int, int]] = {}     # key -> (last use ns, sequence): disk LRU
         self._touched: dict[str, int] = {}               # key -> ns the file's mtime was last set
+        self._scanned: dict[str, tuple[tuple[int, int, int], bool]] = {}  # name -> (identity, ours)
         self._seq = itertools.count()
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
 
@@ -247,7 +241,7 @@ class ModuleStore:
         with self._lock:
             if key in self._device.entries or key in self._host.entries:
                 return True
-        return self.disk_dir is not None and self._path(key).is_file()
+        return self.disk_dir is not None and is_regular(self._path(key))
 
     def __contains__(self, key: str) -> bool:
         return self.contains(key)
@@ -272,7 +266,7 @@ class ModuleStore:
         file header. A key already on disk is not rewritten: a key names its content.
         """
         _check_key(key)
-        _check_kv(kv)
+        check_kv(kv)
         meta = {str(k): str(v) for k, v in (meta or {}).items()}
         put_dtype = kv.keys.dtype
         stored = _convert(kv, self.dtype, self.device)
@@ -318,7 +312,7 @@ class ModuleStore:
                     removed = True
         if "disk" in tiers and self.disk_dir is not None:
             with self._key_lock(key):
-                removed |= _unlink(self._path(key))
+                removed |= unlink_ours(self._path(key))
             with self._lock:
                 self._used.pop(key, None)
                 self._touched.pop(key, None)
@@ -447,7 +441,13 @@ class ModuleStore:
     # ---- disk tier ---------------------------------------------------------------------------
 
     def _path(self, key: str) -> Path:
-        return self.disk_dir / f"{key}{SUFFIX}"
+        return self.disk_dir / f"{key}.{self._stored}{SUFFIX}"
+
+    def _key_of(self, name: str) -> str | None:
+        """The key of file `name` if it is one of this store's names (its store dtype)."""
+        tail = f".{self._stored}{SUFFIX}"
+        key = name[:-len(tail)] if name.endswith(tail) else ""
+        return key if _KEY_RE.match(key) else None
 
     def _key_lock(self, key: str) -> threading.Lock:
         return self._key_locks[hash(key) % len(self._key_locks)]
@@ -461,8 +461,15 @@ class ModuleStore:
                 return entry, False
             path = self._path(key)
             try:
-                kv, meta, put_dtype, nbytes_read = _read_file(path, key)
+                kv, meta, put_dtype, nbytes_read = read_file(path, key, self._stored)
             except FileNotFoundError:
+                return None, False
+            except UntrustedFileError as err:
+                _warn_once(str(err), f"promptlang: not loading KV cache file {path}: {err}; "
+                           "its unit is encoded again (other files refused for this reason "
+                           "are not reported)")
+                with self._lock:
+                    self._stats.untrusted_files += 1
                 return None, False
             except CorruptFileError as err:
                 self._discard_corrupt(path, err)
@@ -481,9 +488,9 @@ class ModuleStore:
                 # placed where it fits; if nowhere, served once from what was read
                 entry = self._to_device(self._place(key, entry) or entry)
                 self._note_use(key)
-                touch = self._due_touch(key)
-            if touch:
-                _touch(path)
+                due = self._due_touch(key)
+            if due:
+                touch(path)
             return entry, True
 
     def _due_touch(self, key: str) -> bool:
@@ -494,26 +501,40 @@ class ModuleStore:
         return True
 
     def _discard_corrupt(self, path: Path, err: CorruptFileError) -> None:
-        warnings.warn(f"promptlang: discarded corrupt KV cache file {path}: {err}", CacheWarning,
-                      stacklevel=4)
-        try:  # delete only the file that was read, not one another process just replaced it with
-            st = path.stat()
-            if (st.st_ino, st.st_mtime_ns) == err.identity:
-                path.unlink()
-        except FileNotFoundError:
-            pass
+        if not err.ours:
+            _warn_once(f"foreign: {err}", f"promptlang: ignored KV cache file {path}: {err}; "
+                       "promptlang did not write it, so it is left as it is (other such files "
+                       "are not reported)", stacklevel=5)
+        else:
+            warnings.warn(f"promptlang: discarded corrupt KV cache file {path}: {err}",
+                          CacheWarning, stacklevel=4)
+            try:  # delete only the file that was read, not one another process replaced it with
+                st = os.lstat(path)
+                if (st.st_ino, st.st_mtime_ns) == err.identity:
+                    path.unlink()
+            except FileNotFoundError:
+                pass
         with self._lock:
             self._stats.corrupt_files += 1
-            self._used.pop(path.name[:-len(SUFFIX)], None)
+            self._used.pop(self._key_of(path.name), None)
 
     def _write_through(self, key: str, entry: _Entry) -> None:
         path = self._path(key)
         with self._key_lock(key):
-            if path.is_file():
+            existing = existing_file(path, key, self._stored)
+            if existing == "current":
                 with self._lock:
-                    touch = self._due_touch(key)
-                if touch:
-                    _touch(path)
+                    due = self._due_touch(key)
+                if due:
+                    touch(path)
+                return
+            if existing == "foreign":
+                _warn_once("foreign file in the way",
+                           f"promptlang: not writing KV cache file {path}: a file promptlang did "
+                           "not write is in the way and is left as it is (other such files are "
+                           "not reported)")
+                with self._lock:
+                    self._stats.disk_write_errors += 1
                 return
             kv = entry.kv
             if kv.keys.device.type != "cpu":
@@ -521,7 +542,7 @@ class ModuleStore:
                     torch.cuda.current_stream(self.device).wait_event(entry.ready)
                 kv = kv.to("cpu")
             try:
-                written = _write_file(path, key, kv, entry.meta, entry.put_dtype)
+                written = write_file(path, key, kv, entry.meta, entry.put_dtype, self._stored)
             except OSError as err:
                 warnings.warn(f"promptlang: cannot write KV cache file {path}: {err}", CacheWarning,
                               stacklevel=3)
@@ -534,30 +555,59 @@ class ModuleStore:
             self._touched[key] = time.time_ns()
 
     def _enforce_disk_budget(self, protect: str) -> None:
-        """Delete least-recently-used files until the directory fits the disk budget.
+        """Delete least-recently-used files of ours until the directory fits the disk budget.
 
-        Scans the directory, so files other processes wrote count too; a file's last use is
-        its mtime or this process's last use of the key, whichever is later.
+        Scans the directory, so files other processes wrote count too (ours by their header,
+        whatever their store dtype or format version); a file's last use is its mtime or this
+        process's last use of the key, whichever is later. Other files are neither counted
+        nor touched.
         """
         if self._disk_budget is None:
             return
-        files = _scan_dir(self.disk_dir)
+        files = self._scan_disk()
+        keep = self._path(protect).name
         with self._lock:
-            total = sum(size for size, _ in files.values())
+            total = sum(info.st_size for info in files.values())
             if total <= self._disk_budget:
                 return
-            order = sorted((max((mtime, -1), self._used.get(key, (0, -1))), key)
-                           for key, (_, mtime) in files.items() if key != protect)
-        for _, key in order:
+            last_use = {name: max((info.st_mtime_ns, -1),
+                                  self._used.get(self._key_of(name), (0, -1)))
+                        for name, info in files.items() if name != keep}
+            order = sorted((used, name) for name, used in last_use.items())
+        for _, name in order:
             if total <= self._disk_budget:
                 break
-            with self._key_lock(key):
-                if _unlink(self._path(key)):
-                    total -= files[key][0]
+            key = self._key_of(name)
+            with self._key_lock(key or name):
+                if unlink_same(self.disk_dir / name, files[name]):
+                    total -= files[name].st_size
                     with self._lock:
                         self._stats.disk_evictions += 1
                         self._used.pop(key, None)
                         self._touched.pop(key, None)
+
+    def _scan_disk(self) -> dict[str, os.stat_result]:
+        """File name -> lstat of every KV file of ours in the folder now. A file's header is
+        read once per (inode, size, mtime), not on every scan."""
+        known, seen, ours = self._scanned, {}, {}
+        for entry in listdir(self.disk_dir):
+            if entry.name.startswith(".") or not entry.name.endswith(SUFFIX):
+                continue
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(info.st_mode):
+                continue
+            identity = (info.st_ino, info.st_size, info.st_mtime_ns)
+            hit = known.get(entry.name)
+            if hit is None or hit[0] != identity:
+                hit = (identity, peek_header(Path(entry.path), info) is not None)
+            seen[entry.name] = hit
+            if hit[1]:
+                ours[entry.name] = info
+        self._scanned = seen
+        return ours
 
     # ---- returning entries -------------------------------------------------------------------
 
@@ -577,189 +627,6 @@ class ModuleStore:
         return kv
 
 
-# ---- module-level disk helpers (used by `promptlang cache ls` / `cache clear`) --------------
-
-def list_disk_entries(disk_dir: str | os.PathLike | None = None) -> list[dict]:
-    """Every `<key>.safetensors` file in `disk_dir` (default the KV home), sorted by key.
-
-    Each dict: key, path, file_bytes, nbytes (tensor bytes), modified (mtime, seconds),
-    meta (the caller's meta), put_dtype, length (tokens), error (None, or why the header is
-    not a valid promptlang KV header). Only headers are read: checksums are verified on load.
-    """
-    directory = Path(disk_dir) if disk_dir is not None else kv_dir()
-    result = []
-    for key, path in _entry_files(directory):
-        item = {"key": key, "path": str(path), "file_bytes": 0, "nbytes": 0, "modified": 0.0,
-                "meta": {}, "put_dtype": "", "length": 0, "error": None}
-        try:
-            st = path.stat()
-            item["file_bytes"], item["modified"] = st.st_size, st.st_mtime
-            with open(path, "rb") as f:
-                header, data_start = _read_header(f, st.st_size)
-            info = _check_header(header, key, st.st_size - data_start)
-            item.update(nbytes=info["data_bytes"], meta=info["meta"],
-                        put_dtype=str(info["put_dtype"]).removeprefix("torch."),
-                        length=info["length"])
-        except FileNotFoundError:
-            continue
-        except (CorruptFileError, OSError) as err:
-            item["error"] = str(err)
-        result.append(item)
-    return result
-
-
-def clear_disk(disk_dir: str | os.PathLike | None = None) -> int:
-    """Delete every KV file (and leftover temporary file) in `disk_dir`; returns KV files removed."""
-    directory = Path(disk_dir) if disk_dir is not None else kv_dir()
-    removed = sum(_unlink(path) for _, path in _entry_files(directory))
-    for path in _listdir(directory):
-        if _TMP_RE.match(path.name):
-            _unlink(path)
-    return removed
-
-
-# ---- file format -----------------------------------------------------------------------------
-
-def _write_file(path: Path, key: str, kv: ModuleKV, meta: dict[str, str],
-                put_dtype: torch.dtype) -> int:
-    """Write `kv` (CPU tensors) to `path` atomically; returns the file's size."""
-    tensors = {name: getattr(kv, name).detach().contiguous() for name in _TENSOR_ORDER}
-    chunks = [_tensor_bytes(tensors[name]) for name in _TENSOR_ORDER]
-    digest = hashlib.sha256()
-    for chunk in chunks:
-        digest.update(chunk)
-    header, offset = {}, 0
-    for name, chunk in zip(_TENSOR_ORDER, chunks):
-        t = tensors[name]
-        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(chunk)]}
-        offset += len(chunk)
-    header["__metadata__"] = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "key": key,
-        "meta": json.dumps(meta, sort_keys=True),
-        "tensors": json.dumps({name: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
-                               for name, t in tensors.items()}),
-        "put_dtype": _dtype_name(put_dtype),
-        "sha256": digest.hexdigest(),
-    }
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # safetensors pads the header so data starts 8-aligned
-    tmp = path.with_name(f".{key}.{os.getpid():x}{threading.get_ident():x}{os.urandom(4).hex()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(text)))
-            f.write(text)
-            for chunk in chunks:
-                f.write(chunk)
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink(tmp)
-        raise
-    return 8 + len(text) + offset
-
-
-def _read_file(path: Path, key: str) -> tuple[ModuleKV, dict[str, str], torch.dtype, int]:
-    """Read and verify one KV file; CorruptFileError says what is wrong with it."""
-    with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        try:
-            kv, info, size = _read_verified(f, st.st_size, key)
-        except CorruptFileError as err:
-            err.identity = (st.st_ino, st.st_mtime_ns)
-            raise
-    return kv, info["meta"], info["put_dtype"], size
-
-
-def _read_verified(f, size: int, key: str) -> tuple[ModuleKV, dict, int]:
-    header, data_start = _read_header(f, size)
-    info = _check_header(header, key, size - data_start)
-    data = bytearray(size - data_start)
-    if f.readinto(data) != len(data):
-        raise CorruptFileError("file shorter than its header says (truncated?)")
-    if hashlib.sha256(data).hexdigest() != info["sha256"]:
-        raise CorruptFileError("checksum mismatch")
-    parts = {}
-    for name in _TENSOR_ORDER:
-        spec = header[name]
-        dtype, (begin, end) = _CODE_DTYPES[spec["dtype"]], spec["data_offsets"]
-        numel = (end - begin) // _itemsize(dtype)
-        if numel == 0:
-            t = torch.empty(0, dtype=dtype)
-        else:  # a view of `data`: no copy
-            t = torch.frombuffer(data, dtype=dtype, count=numel, offset=begin)
-        parts[name] = t.reshape(spec["shape"])
-    kv = ModuleKV(**parts)
-    try:
-        _check_kv(kv)
-    except ValueError as err:
-        raise CorruptFileError(str(err)) from None
-    return kv, info, size
-
-
-def _read_header(f, size: int) -> tuple[dict, int]:
-    """The parsed safetensors header of open file `f` of `size` bytes, and where data starts."""
-    if size < 8:
-        raise CorruptFileError(f"{size} bytes is too short for a safetensors file")
-    (length,) = struct.unpack("<Q", f.read(8))
-    if length < 2 or length > _MAX_HEADER or 8 + length > size:
-        raise CorruptFileError(f"not a safetensors file (header length {length}, file {size} bytes)")
-    raw = f.read(length)
-    if len(raw) != length:
-        raise CorruptFileError("file shorter than its header (truncated?)")
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CorruptFileError(f"unreadable safetensors header: {err}") from None
-    if not isinstance(header, dict):
-        raise CorruptFileError("safetensors header is not an object")
-    return header, 8 + length
-
-
-def _check_header(header: dict, key: str, data_bytes: int) -> dict:
-    """Validate a header against our format and the file's data size; returns its metadata."""
-    md = header.get("__metadata__")
-    if not isinstance(md, dict) or md.get("format") != FORMAT:
-        raise CorruptFileError(f"not a promptlang KV file (no {FORMAT!r} format tag)")
-    if md.get("format_version") != FORMAT_VERSION:
-        raise CorruptFileError(f"format version {md.get('format_version')!r}, "
-                               f"this promptlang reads {FORMAT_VERSION!r}")
-    if md.get("key") != key:
-        raise CorruptFileError(f"file holds key {md.get('key')!r}, its name says {key!r}")
-    names = set(header) - {"__metadata__"}
-    if names != set(_TENSOR_ORDER):
-        raise CorruptFileError(f"tensors {sorted(names)}, expected {sorted(_TENSOR_ORDER)}")
-    try:
-        meta = json.loads(md["meta"])
-        declared = json.loads(md["tensors"])
-        put_dtype = _dtype_from_name(md["put_dtype"])
-        sha = md["sha256"]
-        offset = 0
-        for name in _TENSOR_ORDER:
-            spec = header[name]
-            dtype = _CODE_DTYPES[spec["dtype"]]
-            shape, (begin, end) = spec["shape"], spec["data_offsets"]
-            numel = 1
-            for dim in shape:
-                numel *= int(dim)
-            if begin != offset or end - begin != numel * _itemsize(dtype):
-                raise CorruptFileError(f"tensor {name!r} has inconsistent data offsets")
-            if declared[name] != {"dtype": _dtype_name(dtype), "shape": shape}:
-                raise CorruptFileError(f"tensor {name!r} does not match its declared dtype/shape")
-            offset = end
-    except CorruptFileError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise CorruptFileError(f"malformed header ({type(err).__name__}: {err})") from None
-    if offset != data_bytes:
-        raise CorruptFileError(f"data section is {data_bytes} bytes, header says {offset} (truncated?)")
-    if not isinstance(meta, dict):
-        raise CorruptFileError("meta is not an object")
-    return {"meta": {str(k): str(v) for k, v in meta.items()}, "put_dtype": put_dtype,
-            "sha256": sha, "data_bytes": offset, "length": int(header["positions"]["shape"][0])}
-
-
 # ---- small helpers ---------------------------------------------------------------------------
 
 def _check_key(key: str) -> None:
@@ -777,21 +644,6 @@ def _check_tiers(tiers: Iterable[str] | None) -> set[str]:
     return tiers
 
 
-def _check_kv(kv: ModuleKV) -> None:
-    """ValueError unless `kv` has ModuleKV's shapes and dtypes."""
-    k, v = kv.keys, kv.values
-    if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"keys {tuple(k.shape)} / values {tuple(v.shape)} are not [L, H_kv, S, D]")
-    if k.dtype not in _FLOAT_DTYPES or v.dtype != k.dtype:
-        raise ValueError(f"keys/values must share one float dtype, got {k.dtype} / {v.dtype}")
-    s = k.shape[2]
-    for name, dtype in (("positions", torch.int64), ("token_ids", torch.int64),
-                        ("placeholder", torch.bool)):
-        t = getattr(kv, name)
-        if t.shape != (s,) or t.dtype != dtype:
-            raise ValueError(f"{name} must be [{s}] {dtype}, got {tuple(t.shape)} {t.dtype}")
-
-
 def _convert(kv: ModuleKV, dtype: torch.dtype | None, device: torch.device) -> ModuleKV:
     """`kv` with keys/values at `dtype` on `device`; the same tensors where nothing changes."""
     keys, values = kv.keys.detach(), kv.values.detach()
@@ -807,82 +659,14 @@ def _tensors(kv: ModuleKV) -> tuple[torch.Tensor, ...]:
     return kv.keys, kv.values, kv.positions, kv.token_ids, kv.placeholder
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without copying."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, str(name), None)
-    if dtype not in _FLOAT_DTYPES:
-        raise CorruptFileError(f"unknown put dtype {name!r}")
-    return dtype
-
-
 def _fits(budget: int | None, nbytes: int) -> bool:
     return budget is None or nbytes <= budget
 
 
-def _prepare_dir(directory: Path) -> None:
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise CacheError(f"KV cache directory {directory} cannot be created: {err}") from None
-    if not directory.is_dir():
-        raise CacheError(f"KV cache directory {directory} is not a directory")
-    if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
-        raise CacheError(f"KV cache directory {directory} is not readable and writable "
-                         "(set PROMPTLANG_HOME or pass disk_dir= to use another place)")
-
-
-def _listdir(directory: Path) -> list[Path]:
-    try:
-        return [Path(e.path) for e in os.scandir(directory)]
-    except FileNotFoundError:
-        return []
-    except OSError as err:
-        raise CacheError(f"KV cache directory {directory} cannot be read: {err}") from None
-
-
-def _entry_files(directory: Path) -> list[tuple[str, Path]]:
-    files = []
-    for path in _listdir(directory):
-        key = path.name[:-len(SUFFIX)] if path.name.endswith(SUFFIX) else ""
-        if _KEY_RE.match(key):
-            files.append((key, path))
-    return sorted(files)
-
-
-def _scan_dir(directory: Path) -> dict[str, tuple[int, int]]:
-    """key -> (file size, mtime ns) for every KV file present now."""
-    files = {}
-    for key, path in _entry_files(directory):
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            continue
-        files[key] = (st.st_size, st.st_mtime_ns)
-    return files
-
-
-def _unlink(path: Path) -> bool:
-    try:
-        path.unlink()
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def _touch(path: Path) -> None:
-    try:
-        os.utime(path)
-    except OSError:
-        pass  # evicted meanwhile, or a read-only file: only the disk LRU order is affected
+def _warn_once(reason: str, message: str, stacklevel: int = 4) -> None:
+    """A CacheWarning, the first time `reason` comes up in this process."""
+    with _warned_lock:
+        if reason in _warned:
+            return
+        _warned.add(reason)
+    warnings.warn(message, CacheWarning, stacklevel=stacklevel)

@@ -292,7 +292,8 @@ def test_cli_run_prints_the_answer_and_the_timing_breakdown(model, cli_files, mo
 def test_cli_run_reports_a_bad_prompt_without_a_traceback(model, cli_files, monkeypatch, capsys):
     from promptlang import cli
     from promptlang.runtime import engine
-    monkeypatch.setattr(engine, "load", lambda name, isolate=False: make_llm(model, cli_files))
+    llm = make_llm(model, cli_files / "kv")
+    monkeypatch.setattr(engine, "load", lambda name, isolate=False: llm)
     assert cli.main(["run", str(cli_files / "docs.pml"), str(cli_files / "bad.pml")]) == 1
     out, err = capsys.readouterr()
     assert err.startswith(f"{cli_files / 'bad.pml'}:2:3: schema 'docs' has no module 'nothing'")
@@ -314,7 +315,7 @@ def test_cli_run_takes_a_recompute_policy_and_reports_a_bad_one(model, cli_files
                                                                 capsys):
     from promptlang import cli
     from promptlang.runtime import engine
-    llm = make_llm(model, cli_files)
+    llm = make_llm(model, cli_files / "kv")
     monkeypatch.setattr(engine, "load", lambda name, isolate=False: llm)
     files = [str(cli_files / "docs.pml"), str(cli_files / "ask.pml")]
     assert cli.main(["run", *files, "--max-new-tokens", "2", "--recompute", "first:2"]) == 0

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from promptlang.errors import CacheError
 from promptlang.runtime.kv import ModuleKV
-from promptlang.runtime.store import (CacheWarning, ModuleStore, clear_disk, list_disk_entries)
+from promptlang.runtime.store import (MARKER, CacheWarning, ModuleStore, clear_disk,
+                                      list_disk_entries)
 
 L, H, S, D = 2, 2, 16, 8
 
@@ -32,6 +33,15 @@ def make_kv(seed: int, length: int = S, dtype: torch.dtype = torch.float32) -> M
 
 def key_of(i: int) -> str:
     return f"{i:064x}"
+
+
+def file_of(folder, key: str, stored: str = "put"):
+    """The disk file of `key` in a store of dtype `stored` ("put": no store dtype)."""
+    return folder / f"{key}.{stored}.safetensors"
+
+
+def keys_on_disk(folder) -> list[str]:
+    return sorted(p.name.split(".")[0] for p in folder.glob("*.safetensors"))
 
 
 def assert_same(a: ModuleKV, b: ModuleKV) -> None:
@@ -75,14 +85,14 @@ def test_disk_round_trip_in_a_new_store_is_bit_identical(tmp_path):
 def test_disk_file_is_plain_safetensors_with_meta_and_checksum(tmp_path):
     kv = make_kv(7)
     ModuleStore(disk_dir=tmp_path).put(key_of(7), kv, {"unit": "trip-plan", "tokens": 16})
-    path = tmp_path / f"{key_of(7)}.safetensors"
+    path = file_of(tmp_path, key_of(7))
     tensors = load_file(path)  # the reference implementation reads our files
     assert set(tensors) == {"keys", "values", "positions", "token_ids", "placeholder"}
     assert torch.equal(tensors["values"], kv.values)
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         md = json.loads(f.read(length))["__metadata__"]
-    assert md["key"] == key_of(7) and md["format_version"] == "1"
+    assert md["key"] == key_of(7) and md["format_version"] == "2" and md["stored"] == "put"
     assert json.loads(md["meta"]) == {"unit": "trip-plan", "tokens": "16"}
     assert json.loads(md["tensors"])["keys"] == {"dtype": "float32", "shape": [L, H, S, D]}
     assert re.fullmatch(r"[0-9a-f]{64}", md["sha256"])
@@ -118,7 +128,7 @@ def _foreign_safetensors(path):
 
 
 def _other_keys_file(path):
-    other = path.with_name(f"{key_of(99)}.safetensors")
+    other = file_of(path.parent, key_of(99))
     ModuleStore(disk_dir=path.parent).put(key_of(99), make_kv(99))
     os.replace(other, path)  # a valid file of ours, but for another key
 
@@ -140,18 +150,27 @@ DAMAGES = [
     (_flip_middle, "checksum mismatch"),
     (_truncate, "truncated"),
     (_trailing_bytes, "data section is"),
-    (_not_safetensors, "not a safetensors file"),
-    (_foreign_safetensors, "not a promptlang KV file"),
     (_other_keys_file, "holds key"),
     (_wrong_shape_declared, "declared dtype/shape"),
 ]
+FOREIGN = [
+    (_not_safetensors, "not a safetensors file"),
+    (_foreign_safetensors, "not a promptlang KV file"),
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """Each test sees the store's once-per-process warnings afresh."""
+    from promptlang.runtime import store
+    monkeypatch.setattr(store, "_warned", set())
 
 
 @pytest.mark.parametrize("damage, reason", DAMAGES, ids=[d.__name__.strip("_") for d, _ in DAMAGES])
 def test_damaged_file_is_detected_warned_counted_deleted_and_missed(tmp_path, damage, reason):
     key = key_of(5)
     ModuleStore(disk_dir=tmp_path).put(key, make_kv(5))
-    path = tmp_path / f"{key}.safetensors"
+    path = file_of(tmp_path, key)
     damage(path)
 
     store = ModuleStore(disk_dir=tmp_path)
@@ -165,9 +184,29 @@ def test_damaged_file_is_detected_warned_counted_deleted_and_missed(tmp_path, da
     assert_same(ModuleStore(disk_dir=tmp_path).get(key), make_kv(5))
 
 
+@pytest.mark.parametrize("damage, reason", FOREIGN, ids=[d.__name__.strip("_") for d, _ in FOREIGN])
+def test_file_without_our_tag_at_our_name_is_missed_but_kept_and_not_overwritten(tmp_path, damage,
+                                                                                 reason):
+    key = key_of(5)
+    ModuleStore(disk_dir=tmp_path).put(key, make_kv(5))
+    path = file_of(tmp_path, key)
+    damage(path)
+    content = path.read_bytes()
+
+    store = ModuleStore(disk_dir=tmp_path)
+    with pytest.warns(CacheWarning, match=re.escape(str(path)) + ".*" + reason):
+        assert store.get(key) is None
+    with pytest.warns(CacheWarning, match="did not write is in the way"):
+        store.put(key, make_kv(5))
+    assert path.read_bytes() == content
+    assert store.stats.corrupt_files == 1 and store.stats.disk_write_errors == 1
+    assert_same(store.get(key), make_kv(5))     # served from memory, never from that file
+    assert clear_disk(tmp_path) == 0 and path.read_bytes() == content
+
+
 def test_damaged_file_is_never_served_by_prefetch_either(tmp_path):
     ModuleStore(disk_dir=tmp_path).put(key_of(1), make_kv(1))
-    _flip_middle(tmp_path / f"{key_of(1)}.safetensors")
+    _flip_middle(file_of(tmp_path, key_of(1)))
     store = ModuleStore(disk_dir=tmp_path)
     with pytest.warns(CacheWarning):
         assert store.prefetch([key_of(1)]) == 0
@@ -227,29 +266,39 @@ def test_entries_list_disk_entries_from_a_fresh_store_with_meta(tmp_path):
     assert listed[key_of(1)].nbytes == ENTRY_BYTES
     assert listed[key_of(2)].tiers == ("device", "disk")
     assert listed[key_of(3)].meta == {"unit": "tokyo"}
-    assert listed[key_of(3)].file_bytes == (tmp_path / f"{key_of(3)}.safetensors").stat().st_size
+    assert listed[key_of(3)].file_bytes == file_of(tmp_path, key_of(3)).stat().st_size
 
 
-def test_list_disk_entries_reports_bad_headers_without_deleting(tmp_path):
+def test_list_disk_entries_lists_our_files_reports_bad_ones_and_skips_others(tmp_path):
     ModuleStore(disk_dir=tmp_path).put(key_of(1), make_kv(1), {"unit": "a"})
-    (tmp_path / f"{key_of(2)}.safetensors").write_bytes(b"garbage" * 10)
+    ModuleStore(disk_dir=tmp_path).put(key_of(3), make_kv(3))
+    data = file_of(tmp_path, key_of(3)).read_bytes()
+    later = data.replace(b'"format_version":"2"', b'"format_version":"9"', 1)
+    assert later != data
+    file_of(tmp_path, key_of(3)).write_bytes(later)              # ours, from a later version
+    file_of(tmp_path, key_of(2)).write_bytes(b"garbage" * 10)
     (tmp_path / "README.txt").write_text("not ours")
     items = {d["key"]: d for d in list_disk_entries(tmp_path)}
-    assert set(items) == {key_of(1), key_of(2)}
+    assert set(items) == {key_of(1), key_of(3)}
     assert items[key_of(1)]["error"] is None and items[key_of(1)]["meta"] == {"unit": "a"}
     assert items[key_of(1)]["length"] == S and items[key_of(1)]["put_dtype"] == "float32"
-    assert items[key_of(2)]["error"] and (tmp_path / f"{key_of(2)}.safetensors").exists()
+    assert items[key_of(1)]["stored"] == "put"
+    assert "format version '9'" in items[key_of(3)]["error"]
+    assert file_of(tmp_path, key_of(2)).exists() and file_of(tmp_path, key_of(3)).exists()
     assert list_disk_entries(tmp_path / "missing") == []
 
 
-def test_clear_disk_removes_entry_and_temporary_files_only(tmp_path):
+def test_clear_disk_removes_our_entry_and_temporary_files_only(tmp_path):
     store = ModuleStore(disk_dir=tmp_path)
     store.put(key_of(1), make_kv(1))
     store.put(key_of(2), make_kv(2))
-    (tmp_path / f".{key_of(3)}.abc123.tmp").write_bytes(b"partial")
+    partial = file_of(tmp_path, key_of(1)).read_bytes()[:-100]     # a write cut short
+    (tmp_path / f".{file_of(tmp_path, key_of(3)).name}.abc123.tmp").write_bytes(partial)
+    (tmp_path / f".{key_of(4)}.abc123.tmp").write_bytes(b"someone else's partial")
     (tmp_path / "README.txt").write_text("not ours")
     assert clear_disk(tmp_path) == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [MARKER, "README.txt", f".{key_of(4)}.abc123.tmp"])
     assert clear_disk(tmp_path / "missing") == 0
 
 
@@ -344,7 +393,7 @@ def test_returned_kv_is_unchanged_by_later_evictions_and_puts(tmp_path):
 def _file_bytes(tmp_path) -> int:
     probe = tmp_path / "probe"
     ModuleStore(disk_dir=probe).put(key_of(0), make_kv(0))
-    return (probe / f"{key_of(0)}.safetensors").stat().st_size
+    return file_of(probe, key_of(0)).stat().st_size
 
 
 def test_disk_tier_evicts_least_recently_used_files(tmp_path):
@@ -355,7 +404,7 @@ def test_disk_tier_evicts_least_recently_used_files(tmp_path):
     store.put(key_of(2), make_kv(2))
     store.get(key_of(1))                    # a memory hit still counts as a use of the file
     store.put(key_of(3), make_kv(3))
-    assert sorted(p.name[:-12] for p in disk.glob("*.safetensors")) == [key_of(1), key_of(3)]
+    assert keys_on_disk(disk) == [key_of(1), key_of(3)]
     assert store.stats.disk_evictions == 1
 
 
@@ -366,19 +415,19 @@ def test_disk_budget_counts_files_of_earlier_runs_by_last_use(tmp_path):
     for i in (1, 2, 3):
         earlier.put(key_of(i), make_kv(i))
     for age, i in ((300, 1), (100, 2), (200, 3)):  # last used 300, 100, 200 s ago
-        path = disk / f"{key_of(i)}.safetensors"
+        path = file_of(disk, key_of(i))
         os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns - age * 10**9))
 
     store = ModuleStore(disk_dir=disk, disk_budget_bytes=2 * size + size // 2)
     store.put(key_of(4), make_kv(4))        # over budget by two files: the two oldest go
-    assert sorted(p.name[:-12] for p in disk.glob("*.safetensors")) == [key_of(2), key_of(4)]
+    assert keys_on_disk(disk) == [key_of(2), key_of(4)]
     assert store.stats.disk_evictions == 2
 
 
 def test_entry_larger_than_the_disk_budget_is_not_written(tmp_path):
     store = ModuleStore(disk_dir=tmp_path, disk_budget_bytes=ENTRY_BYTES // 2)
     store.put(key_of(1), make_kv(1))
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [MARKER]
     assert tiers_of(store) == {key_of(1): ("device",)}
 
 
@@ -396,15 +445,16 @@ def test_bf16_store_dtype_halves_kv_bytes_and_returns_the_put_dtype(tmp_path):
     assert half.stats.device_bytes == rest + kv_bytes // 2
 
     expected_keys = kv.keys.to(torch.bfloat16).float()
-    for store in (half, ModuleStore(disk_dir=tmp_path)):  # and after a restart
+    for store in (half, ModuleStore(disk_dir=tmp_path, dtype=torch.bfloat16)):  # and restarted
         got = store.get(key_of(3))
         assert got.keys.dtype == torch.float32 and torch.equal(got.keys, expected_keys)
         assert torch.equal(got.values, kv.values.to(torch.bfloat16).float())
         assert torch.equal(got.positions, kv.positions)
-    on_disk = load_file(tmp_path / f"{key_of(3)}.safetensors")
+    on_disk = load_file(file_of(tmp_path, key_of(3), "bfloat16"))
     assert on_disk["keys"].dtype == torch.bfloat16
 
-    native = ModuleStore(disk_dir=tmp_path, compute_dtype=torch.bfloat16).get(key_of(3))
+    native = ModuleStore(disk_dir=tmp_path, dtype=torch.bfloat16,
+                         compute_dtype=torch.bfloat16).get(key_of(3))
     assert native.keys.dtype == torch.bfloat16
     assert torch.equal(native.keys, kv.keys.to(torch.bfloat16))
 

@@ -1,0 +1,500 @@
+"""The disk tier's files: the KV file format, and the folder rules that keep the store to its
+own files.
+
+Folder: private (0700), marked with a `.promptlang-kv-store` file when the store creates it
+or adopts an empty folder or one holding only promptlang KV files (`open_dir`); any other
+unmarked folder is refused, by `clear_disk` and `list_disk_entries` too (which adopt the KV
+home as a store would).
+
+Files: only regular files (lstat first; opened O_NONBLOCK | O_NOFOLLOW, so a FIFO never
+blocks) whose safetensors header carries the `promptlang-kv` tag are listed, counted,
+evicted or deleted; anything else is left alone. They are written 0600 by
+`promptlang.home.write_private` (temporary name, then rename). `read_file` raises
+UntrustedFileError for what `promptlang.home.untrusted_reason` refuses (another user's
+file, or one others can write); the store misses, re-encodes and replaces it.
+
+Disk file `<key>.<stored>.safetensors`, where <stored> is the store dtype (`float32`,
+`bfloat16`, ...) or `put` for a store without one (KV kept as put), so stores of different
+dtypes sharing a folder never serve each other's KV. A valid safetensors file, written and
+read without extra copies (the data is read into one buffer, checksummed, and viewed):
+
+    u64 little-endian header length N | N bytes of JSON header | tensor data
+    tensors, in data order: positions [S] i64, token_ids [S] i64, keys [L,H,S,Dk],
+    values [L,H,S,Dv], placeholder [S] bool
+    __metadata__: format, format_version, key, stored (as in the name), meta (JSON of the
+    caller's meta), tensors (JSON: dtype and shape of each), put_dtype, sha256 (of the whole
+    data section)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import stat
+import struct
+from pathlib import Path
+
+import torch
+
+from promptlang.errors import CacheError
+from promptlang.home import kv_dir, private_dir, untrusted_reason, write_private
+from promptlang.inputs import read_bytes
+from promptlang.runtime.kv import ModuleKV
+
+FORMAT = "promptlang-kv"
+FORMAT_VERSION = "2"
+SUFFIX = ".safetensors"
+MARKER = ".promptlang-kv-store"
+
+_MARKER_TEXT = b"promptlang-kv-store 1\n"
+_TMP_RE = re.compile(r"\.[0-9A-Za-z_.-]+\.tmp\Z")  # write_private's temporary names (and v1's)
+_MAX_HEADER = 16 << 20  # our headers are a few hundred bytes; anything huge is foreign
+_TENSOR_ORDER = ("positions", "token_ids", "keys", "values", "placeholder")  # 8-byte ints first keeps data aligned
+_DTYPE_CODES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+               | getattr(os, "O_CLOEXEC", 0))  # a FIFO swapped in after lstat cannot block
+
+
+class UntrustedFileError(Exception):
+    """Internal: a disk file that must not be read (see `untrusted_reason`)."""
+
+
+class CorruptFileError(Exception):
+    """Internal: a disk file failed a check. Never escapes the store."""
+
+    identity: tuple[int, int] | None = None  # (inode, mtime ns) of the file that failed
+    ours = True                               # False: no promptlang-kv tag, so not deleted
+
+
+# ---- listing and clearing (`promptlang cache ls` / `cache clear`) ----------------------------
+
+def list_disk_entries(disk_dir: str | os.PathLike | None = None) -> list[dict]:
+    """Every promptlang KV file in `disk_dir` (default the KV home), sorted by key.
+
+    Each dict: key, path, stored (the store dtype, or "put"), file_bytes, nbytes (tensor
+    bytes), modified (mtime, seconds), meta (the caller's meta), put_dtype, length (tokens),
+    error (None, or why the file is not one this promptlang reads). Only headers are read:
+    checksums are verified on load. Files without the promptlang-kv tag are not listed; a
+    folder without the store's marker raises CacheError (a missing one lists nothing).
+    """
+    directory = _existing_dir(disk_dir, "list")
+    if directory is None:
+        return []
+    result = []
+    for path, info, header, data_start in _our_files(directory):
+        md = header["__metadata__"]
+        key, stored = str(md.get("key", "")), str(md.get("stored", ""))
+        item = {"key": key, "path": str(path), "stored": stored, "file_bytes": info.st_size,
+                "nbytes": 0, "modified": info.st_mtime, "meta": {}, "put_dtype": "",
+                "length": 0, "error": None}
+        try:
+            checked = _check_header(header, key, stored, info.st_size - data_start)
+            if path.name != f"{key}.{stored}{SUFFIX}":
+                raise CorruptFileError("its name does not match its key and store dtype")
+            item.update(nbytes=checked["data_bytes"], meta=checked["meta"],
+                        put_dtype=dtype_name(checked["put_dtype"]), length=checked["length"])
+        except FileNotFoundError:
+            continue
+        except (CorruptFileError, OSError) as err:
+            item["error"] = str(err)
+        result.append(item)
+    return sorted(result, key=lambda item: (item["key"], item["stored"], item["path"]))
+
+
+def clear_disk(disk_dir: str | os.PathLike | None = None) -> int:
+    """Delete every promptlang KV file (and leftover temporary one) in `disk_dir`; returns the
+    number of KV files removed. Other files stay; a folder without the store's marker raises
+    CacheError and nothing in it is deleted (a missing folder: 0)."""
+    directory = _existing_dir(disk_dir, "delete")
+    if directory is None:
+        return 0
+    removed = sum(unlink_same(path, info) for path, info, _, _ in _our_files(directory))
+    for path, info, _, _ in _our_files(directory, temporary=True):
+        unlink_same(path, info)
+    return removed
+
+
+# ---- file format -----------------------------------------------------------------------------
+
+def write_file(path: Path, key: str, kv: ModuleKV, meta: dict[str, str],
+               put_dtype: torch.dtype, stored: str) -> int:
+    """Write `kv` (CPU tensors) to `path` (0600, atomically); returns the file's size."""
+    tensors = {name: getattr(kv, name).detach().contiguous() for name in _TENSOR_ORDER}
+    chunks = [_tensor_bytes(tensors[name]) for name in _TENSOR_ORDER]
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    header, offset = {}, 0
+    for name, chunk in zip(_TENSOR_ORDER, chunks):
+        t = tensors[name]
+        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(chunk)]}
+        offset += len(chunk)
+    header["__metadata__"] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "key": key,
+        "stored": stored,
+        "meta": json.dumps(meta, sort_keys=True),
+        "tensors": json.dumps({name: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+                               for name, t in tensors.items()}),
+        "put_dtype": dtype_name(put_dtype),
+        "sha256": digest.hexdigest(),
+    }
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads the header so data starts 8-aligned
+    write_private(path, [struct.pack("<Q", len(text)), text, *chunks])
+    return 8 + len(text) + offset
+
+
+def read_file(path: Path, key: str,
+               stored: str) -> tuple[ModuleKV, dict[str, str], torch.dtype, int]:
+    """Read and verify one KV file. FileNotFoundError: there is none; UntrustedFileError:
+    it must not be read (see `untrusted_reason`); CorruptFileError: it failed a check."""
+    reason = untrusted_reason(path)
+    if reason is not None:
+        os.lstat(path)                      # gone meanwhile: a plain miss
+        raise UntrustedFileError(reason)
+    fd = os.open(path, _OPEN_FLAGS)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise UntrustedFileError("it changed while it was opened")
+        try:
+            kv, info, size = _read_verified(f, st.st_size, key, stored)
+        except CorruptFileError as err:
+            err.identity = (st.st_ino, st.st_mtime_ns)
+            raise
+    return kv, info["meta"], info["put_dtype"], size
+
+
+def _read_verified(f, size: int, key: str, stored: str) -> tuple[ModuleKV, dict, int]:
+    header, data_start = _read_header(f, size)
+    info = _check_header(header, key, stored, size - data_start)
+    data = bytearray(size - data_start)
+    if f.readinto(data) != len(data):
+        raise CorruptFileError("file shorter than its header says (truncated?)")
+    if hashlib.sha256(data).hexdigest() != info["sha256"]:
+        raise CorruptFileError("checksum mismatch")
+    parts = {}
+    for name in _TENSOR_ORDER:
+        spec = header[name]
+        dtype, (begin, end) = _CODE_DTYPES[spec["dtype"]], spec["data_offsets"]
+        numel = (end - begin) // _itemsize(dtype)
+        if numel == 0:
+            t = torch.empty(0, dtype=dtype)
+        else:  # a view of `data`: no copy
+            t = torch.frombuffer(data, dtype=dtype, count=numel, offset=begin)
+        parts[name] = t.reshape(spec["shape"])
+    kv = ModuleKV(**parts)
+    try:
+        check_kv(kv)
+    except ValueError as err:
+        raise CorruptFileError(str(err)) from None
+    return kv, info, size
+
+
+def _read_header(f, size: int) -> tuple[dict, int]:
+    """The parsed safetensors header of open file `f` of `size` bytes, and where data starts.
+    Its CorruptFileErrors are not `ours`: without a header, nothing says who wrote the file."""
+    try:
+        return _parse_header(f, size)
+    except CorruptFileError as err:
+        err.ours = False
+        raise
+
+
+def _parse_header(f, size: int) -> tuple[dict, int]:
+    if size < 8:
+        raise CorruptFileError(f"{size} bytes is too short for a safetensors file")
+    prefix = f.read(8)
+    if len(prefix) != 8:
+        raise CorruptFileError("file shorter than 8 bytes (truncated?)")
+    (length,) = struct.unpack("<Q", prefix)
+    if length < 2 or length > _MAX_HEADER or 8 + length > size:
+        raise CorruptFileError(f"not a safetensors file (header length {length}, file {size} bytes)")
+    raw = f.read(length)
+    if len(raw) != length:
+        raise CorruptFileError("file shorter than its header (truncated?)")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CorruptFileError(f"unreadable safetensors header: {err}") from None
+    if not isinstance(header, dict):
+        raise CorruptFileError("safetensors header is not an object")
+    return header, 8 + length
+
+
+def _check_header(header: dict, key: str, stored: str, data_bytes: int) -> dict:
+    """Validate a header against our format, the key and store dtype its name says, and the
+    file's data size; returns its metadata."""
+    md = header.get("__metadata__")
+    if not isinstance(md, dict) or md.get("format") != FORMAT:
+        err = CorruptFileError(f"not a promptlang KV file (no {FORMAT!r} format tag)")
+        err.ours = False
+        raise err
+    if md.get("format_version") != FORMAT_VERSION:
+        raise CorruptFileError(f"format version {md.get('format_version')!r}, "
+                               f"this promptlang reads {FORMAT_VERSION!r}")
+    if md.get("key") != key:
+        raise CorruptFileError(f"file holds key {md.get('key')!r}, its name says {key!r}")
+    if md.get("stored") != stored:
+        raise CorruptFileError(f"file holds KV stored as {md.get('stored')!r}, its name says "
+                               f"{stored!r}")
+    names = set(header) - {"__metadata__"}
+    if names != set(_TENSOR_ORDER):
+        raise CorruptFileError(f"tensors {sorted(names)}, expected {sorted(_TENSOR_ORDER)}")
+    try:
+        meta = json.loads(md["meta"])
+        declared = json.loads(md["tensors"])
+        put_dtype = _dtype_from_name(md["put_dtype"])
+        sha = md["sha256"]
+        offset = 0
+        for name in _TENSOR_ORDER:
+            spec = header[name]
+            dtype = _CODE_DTYPES[spec["dtype"]]
+            shape, (begin, end) = spec["shape"], spec["data_offsets"]
+            numel = 1
+            for dim in shape:
+                numel *= int(dim)
+            if begin != offset or end - begin != numel * _itemsize(dtype):
+                raise CorruptFileError(f"tensor {name!r} has inconsistent data offsets")
+            if declared[name] != {"dtype": dtype_name(dtype), "shape": shape}:
+                raise CorruptFileError(f"tensor {name!r} does not match its declared dtype/shape")
+            offset = end
+        if stored != "put" and dtype_name(_CODE_DTYPES[header["keys"]["dtype"]]) != stored:
+            raise CorruptFileError(f"keys are {header['keys']['dtype']}, not stored as {stored}")
+    except CorruptFileError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CorruptFileError(f"malformed header ({type(err).__name__}: {err})") from None
+    if offset != data_bytes:
+        raise CorruptFileError(f"data section is {data_bytes} bytes, header says {offset} (truncated?)")
+    if not isinstance(meta, dict):
+        raise CorruptFileError("meta is not an object")
+    return {"meta": {str(k): str(v) for k, v in meta.items()}, "put_dtype": put_dtype,
+            "sha256": sha, "data_bytes": offset, "length": int(header["positions"]["shape"][0])}
+
+
+# ---- the folder and the files in it ---------------------------------------------------------
+
+def open_dir(directory: Path) -> None:
+    """Make `directory` this store's folder: created 0700 and marked, or an existing folder of
+    the user's that is marked, empty, or holds nothing but promptlang KV files (marked now)."""
+    if os.path.lexists(directory) and not directory.is_dir():
+        raise CacheError(f"KV cache directory {directory} is not a directory")
+    try:
+        private_dir(directory)
+    except OSError as err:
+        raise CacheError(f"KV cache directory {directory} cannot be created: {err}") from None
+    if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
+        raise CacheError(f"KV cache directory {directory} is not readable and writable "
+                         "(set PROMPTLANG_HOME or pass disk_dir= to use another place)")
+    info = os.stat(directory)
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        whose = (f"belongs to uid {info.st_uid}" if info.st_uid != os.getuid()
+                 else "is writable by others")
+        raise CacheError(f"KV cache directory {directory} {whose}: promptlang keeps KV only in "
+                         "a folder private to the user (pass disk_dir= another place)")
+    problem = _marker_problem(directory)
+    if problem is None:
+        return
+    if os.path.lexists(directory / MARKER):
+        raise CacheError(f"KV cache directory {directory} cannot be used: {problem}")
+    ours = {path.name for path, _, _, _ in _our_files(directory)}
+    ours |= {path.name for path, _, _, _ in _our_files(directory, temporary=True)}
+    others = sorted(entry.name for entry in listdir(directory)
+                    if entry.name not in ours and not entry.name.startswith(f".{MARKER}."))
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise CacheError(f"KV cache directory {directory} is not a promptlang KV folder: it has "
+                         f"no {MARKER} marker and holds other files ({shown}); pass disk_dir= "
+                         "an empty or new folder")
+    try:
+        write_private(directory / MARKER, _MARKER_TEXT)
+    except OSError as err:
+        raise CacheError(f"KV cache directory {directory} cannot be marked: {err}") from None
+
+
+def _marker_problem(directory: Path) -> str | None:
+    """Why `directory` is not marked as a folder the store created, or None when it is."""
+    marker = directory / MARKER
+    reason = untrusted_reason(marker)
+    if reason is not None:
+        return f"{marker}: {reason}"
+    try:
+        text = read_bytes(marker, max_bytes=4096, error=CacheError)
+    except CacheError as err:
+        return str(err)
+    return None if text == _MARKER_TEXT else f"{marker} is not promptlang's marker"
+
+
+def _existing_dir(disk_dir: str | os.PathLike | None, action: str) -> Path | None:
+    """The marked folder `disk_dir` names, or None if there is none. The KV home (None) is
+    adopted as a store would adopt it, so a KV home from before markers can be listed and
+    cleared; any other folder without the marker is refused."""
+    if disk_dir is None:
+        directory = kv_dir()
+        if not os.path.lexists(directory):
+            return None
+        open_dir(directory)
+        return directory
+    directory = Path(disk_dir)
+    if not os.path.lexists(directory):
+        return None
+    problem = _marker_problem(directory)
+    if problem is not None:
+        raise CacheError(f"promptlang does not {action} files in {directory}: it is not a folder "
+                         f"promptlang's KV store created ({problem}); nothing was changed")
+    return directory
+
+
+def listdir(directory: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        raise CacheError(f"KV cache directory {directory} cannot be read: {err}") from None
+
+
+def _our_files(directory: Path, temporary: bool = False):
+    """(path, lstat, header, data start) of each regular file in `directory` whose header
+    carries the promptlang-kv tag: KV files, or with `temporary` write_private's leftovers.
+    Names are filtered and types checked with lstat before anything is opened."""
+    for entry in sorted(listdir(directory), key=lambda e: e.name):
+        name = entry.name
+        if temporary:
+            if not _TMP_RE.match(name) or name.startswith(f".{MARKER}."):
+                continue
+        elif name.startswith(".") or not name.endswith(SUFFIX):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            continue
+        peeked = peek_header(Path(entry.path), info)
+        if peeked is not None:
+            yield Path(entry.path), info, *peeked
+
+
+def peek_header(path: Path, info: os.stat_result) -> tuple[dict, int] | None:
+    """(header, data start) if the file at `path` is still the regular file `info` describes
+    and its header carries the promptlang-kv tag, else None. Never blocks on a FIFO."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        opened = os.fstat(f.fileno())
+        if not stat.S_ISREG(opened.st_mode) or opened.st_ino != info.st_ino:
+            return None
+        try:
+            header, data_start = _read_header(f, opened.st_size)
+        except (CorruptFileError, OSError):
+            return None
+    md = header.get("__metadata__")
+    return (header, data_start) if isinstance(md, dict) and md.get("format") == FORMAT else None
+
+
+def existing_file(path: Path, key: str, stored: str) -> str:
+    """What is at `path` before a write: "absent"; "current" (a trusted file of ours for this
+    key and store dtype); "replace" (ours, but outdated or refused by untrusted_reason); or
+    "foreign" (anything without our tag, which is left alone)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return "absent"
+    peeked = peek_header(path, info) if stat.S_ISREG(info.st_mode) else None
+    if peeked is None:
+        return "foreign"
+    md = peeked[0]["__metadata__"]
+    current = (md.get("format_version"), md.get("key"), md.get("stored"))
+    if current == (FORMAT_VERSION, key, stored) and untrusted_reason(path) is None:
+        return "current"
+    return "replace"
+
+
+def is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def unlink_same(path: Path, info: os.stat_result) -> bool:
+    """Delete `path` if it is still the file `info` describes (not one put there since)."""
+    try:
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+            return False
+        path.unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def unlink_ours(path: Path) -> bool:
+    """Delete `path` if it is a regular file carrying our tag."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(info.st_mode) or peek_header(path, info) is None:
+        return False
+    return unlink_same(path, info)
+
+
+def touch(path: Path) -> None:
+    try:
+        os.utime(path, follow_symlinks=False)
+    except (OSError, NotImplementedError):
+        pass  # evicted meanwhile, or a read-only file: only the disk LRU order is affected
+
+
+# ---- small helpers ---------------------------------------------------------------------------
+
+def check_kv(kv: ModuleKV) -> None:
+    """ValueError unless `kv` has ModuleKV's shapes and dtypes."""
+    k, v = kv.keys, kv.values
+    if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"keys {tuple(k.shape)} / values {tuple(v.shape)} are not [L, H_kv, S, D]")
+    if k.dtype not in FLOAT_DTYPES or v.dtype != k.dtype:
+        raise ValueError(f"keys/values must share one float dtype, got {k.dtype} / {v.dtype}")
+    s = k.shape[2]
+    for name, dtype in (("positions", torch.int64), ("token_ids", torch.int64),
+                        ("placeholder", torch.bool)):
+        t = getattr(kv, name)
+        if t.shape != (s,) or t.dtype != dtype:
+            raise ValueError(f"{name} must be [{s}] {dtype}, got {tuple(t.shape)} {t.dtype}")
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without copying."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if dtype not in FLOAT_DTYPES:
+        raise CorruptFileError(f"unknown put dtype {name!r}")
+    return dtype
