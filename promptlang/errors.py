@@ -51,9 +51,23 @@ class PromptLangError(Exception):
             return self.message
         text = f"{self.span}: {self.message}"
         if self.span.line_text:
-            line = self.span.line_text.expandtabs(1)
-            text += f"\n    {line}\n    {' ' * (self.span.col - 1)}^"
+            line, caret = _excerpt(self.span.line_text.expandtabs(1), self.span.col - 1)
+            text += f"\n    {line}\n    {' ' * caret}^"
         return text
+
+
+EXCERPT_WIDTH = 100   # characters of a long source line shown around the error's column
+
+
+def _excerpt(line: str, col: int) -> tuple[str, int]:
+    """At most EXCERPT_WIDTH characters of `line` around `col`, and the caret's offset in them."""
+    if len(line) <= EXCERPT_WIDTH:
+        return line, col
+    start = max(0, min(col - EXCERPT_WIDTH // 2, len(line) - EXCERPT_WIDTH))
+    piece = line[start:start + EXCERPT_WIDTH]
+    head = "..." if start > 0 else ""
+    tail = "..." if start + EXCERPT_WIDTH < len(line) else ""
+    return head + piece + tail, col - start + len(head)
 
 
 class PMLSyntaxError(PromptLangError):
