@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from promptlang.errors import PromptLangError
 from promptlang.pml import nodes
-from promptlang.pml.parser import is_name, strip_formatting
+from promptlang.pml.lexer import is_name, strip_formatting
 
 __all__ = ["write"]
 
@@ -120,7 +120,9 @@ def _write_scaffold(node: nodes.Scaffold, out: list[str]) -> None:
 
 
 def _write_schema(node: nodes.Schema, out: list[str]) -> None:
-    attrs = [("name", node.name)] + ([("recompute", node.recompute)] if node.recompute else [])
+    attrs = [("name", node.name)]
+    if node.recompute is not None:      # as written: the runtime reads the policy
+        attrs.append(("recompute", node.recompute))
     _element("schema", attrs, node.children, out)
 
 
