@@ -11,9 +11,8 @@ import pytest
 from promptlang.errors import (InputFileError, PMLSyntaxError, PromptLangError, SchemaError,
                                SourceFileError, TextNotAllowedError, span_in)
 from promptlang.pml import nodes as n
-from promptlang.pml.lexer import Locator
-from promptlang.pml.parser import (MAX_DEPTH, parse, parse_file, parse_prompt, parse_schema,
-                                   strip_formatting)
+from promptlang.pml.lexer import MAX_WARNINGS, Locator, strip_formatting
+from promptlang.pml.parser import MAX_DEPTH, parse, parse_file, parse_prompt, parse_schema
 
 
 def schema_body(body: str, **kw) -> tuple:
@@ -212,6 +211,12 @@ def test_spans_match_span_in_at_every_offset():
         assert where.span(offset) == span_in(source, offset, "f")
         assert where.span(offset).line_text == span_in(source, offset, "f").line_text
         assert where.line_of(offset) == span_in(source, offset, "f").line
+
+
+def test_names_other_code_imports_from_the_parser_still_import_from_there():
+    from promptlang.pml import lexer, parser, source
+    assert (parser.read_pml, parser.strip_formatting, parser.is_name, parser.MAX_WARNINGS) == (
+        source.read_pml, lexer.strip_formatting, lexer.is_name, lexer.MAX_WARNINGS)
 
 
 def test_schema_recompute_is_kept_as_written_with_the_span_of_its_value():
@@ -576,8 +581,6 @@ def test_other_bare_less_than_is_still_an_error():
 
 
 def test_warnings_past_the_cap_are_counted_in_one_more():
-    from promptlang.pml.parser import MAX_WARNINGS
-
     schema = parse_schema('<schema name="s"><module name="m">'
                           + "a < b\n" * (MAX_WARNINGS + 50) + "</module></schema>")
     assert len(schema.warnings) == MAX_WARNINGS + 1
