@@ -3,10 +3,11 @@
 The output adds no formatting whitespace, so `parse(write(tree)) == tree` for
 every tree in normal form (no two adjacent `Text` nodes, no empty `Text`).
 Text is escaped (`&`, `<`, `>`), attribute values too (`&`, `<`, `"`). Text
-that the parser's whitespace rule would change (whitespace only with a newline,
-a leading newline, a trailing newline plus indentation) is written as CDATA,
-with any `]]>` split across two CDATA sections. A `src=` module is written as an
-empty element: its text lives in its file.
+that the lexer's whitespace rule would change (`lexer.strip_formatting`: whitespace
+only with a newline, a leading newline, a trailing newline plus indentation) is
+written as CDATA, with any `]]>` split across two CDATA sections. A `src=` module
+is written as an empty element: its text lives in its file. A schema's `recompute`
+text is written back as the parser kept it.
 """
 
 from __future__ import annotations
