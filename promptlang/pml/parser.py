@@ -48,7 +48,7 @@ class _Parser:
     """One document's parse: pulls tokens from its `Lexer`, builds nodes, fails located."""
 
     def __init__(self, source: str, file: str, base_dir: str | os.PathLike | None):
-        self.source, self.file = source, file
+        self.source = source
         self.base_dir = os.path.abspath(base_dir) if base_dir is not None else None
         where = Locator(source, file)
         self.span, self.line_of, self.fail = where.span, where.line_of, where.fail
