@@ -138,8 +138,9 @@ class Scaffold:
 class Schema:
     """`<schema name>`: everything that may be reused, in document order.
     `base_dir` is where `src=` paths were resolved from (not compared); `recompute` is
-    the schema's default recompute policy, normalized text (promptlang/pml/recompute.py);
-    `warnings` are the parser's (not compared)."""
+    the schema's default recompute policy as written (stripped; the runtime parses it,
+    locating its errors at `recompute_span`, not compared); `warnings` are the
+    parser's (not compared)."""
 
     name: str
     children: tuple["SchemaChild", ...] = ()
@@ -147,6 +148,7 @@ class Schema:
     base_dir: str | None = field(default=None, compare=False, repr=False)
     recompute: str | None = None
     warnings: tuple[ParseWarning, ...] = _warnings()
+    recompute_span: Span | None = _span()
 
 
 @dataclass(frozen=True)

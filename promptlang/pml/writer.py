@@ -3,10 +3,11 @@
 The output adds no formatting whitespace, so `parse(write(tree)) == tree` for
 every tree in normal form (no two adjacent `Text` nodes, no empty `Text`).
 Text is escaped (`&`, `<`, `>`), attribute values too (`&`, `<`, `"`). Text
-that the parser's whitespace rule would change (whitespace only with a newline,
-a leading newline, a trailing newline plus indentation) is written as CDATA,
-with any `]]>` split across two CDATA sections. A `src=` module is written as an
-empty element: its text lives in its file.
+that the lexer's whitespace rule would change (`lexer.strip_formatting`: whitespace
+only with a newline, a leading newline, a trailing newline plus indentation) is
+written as CDATA, with any `]]>` split across two CDATA sections. A `src=` module
+is written as an empty element: its text lives in its file. A schema's `recompute`
+text is written back as the parser kept it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import NoReturn
 
 from promptlang.errors import PromptLangError
 from promptlang.pml import nodes
-from promptlang.pml.parser import is_name, strip_formatting
+from promptlang.pml.lexer import is_name, strip_formatting
 
 __all__ = ["write"]
 
@@ -120,7 +121,9 @@ def _write_scaffold(node: nodes.Scaffold, out: list[str]) -> None:
 
 
 def _write_schema(node: nodes.Schema, out: list[str]) -> None:
-    attrs = [("name", node.name)] + ([("recompute", node.recompute)] if node.recompute else [])
+    attrs = [("name", node.name)]
+    if node.recompute is not None:      # as written: the runtime reads the policy
+        attrs.append(("recompute", node.recompute))
     _element("schema", attrs, node.children, out)
 
 

@@ -10,7 +10,8 @@ import pytest
 from promptlang.errors import ContextLengthError, PMLSyntaxError, SchemaError
 from promptlang.pml import nodes as n
 from promptlang.pml.layout import lay_out
-from promptlang.pml.parser import MAX_NUMBER_DIGITS, parse_prompt, parse_schema
+from promptlang.pml.parser import (MAX_NUMBER_DIGITS, MAX_RECOMPUTE_CHARS, parse_prompt,
+                                   parse_schema)
 from promptlang.tokenizer import WordTokenizer
 
 
@@ -62,15 +63,22 @@ def test_parameter_spelling_length_is_bounded_too():
                      '<parameter name="p" length="99999999999"/></module></schema>')
 
 
-@pytest.mark.parametrize("policy, message", [
-    ("first:" + "9" * 4300, "at most 64"),
-    ("first:" + "9" * 20, "more than 9 digits"),
-    ("deviation:" + "1" * 80, "at most 64"),
-])
-def test_recompute_numbers_are_bounded_with_a_located_error(policy, message):
-    with pytest.raises(SchemaError, match=message) as info:
+@pytest.mark.parametrize("policy", ["first:" + "9" * 4300, "deviation:" + "1" * 80,
+                                    "x" * (MAX_RECOMPUTE_CHARS + 1)])
+def test_recompute_text_past_64_characters_is_a_located_error(policy):
+    with pytest.raises(SchemaError, match=f"at most {MAX_RECOMPUTE_CHARS}") as info:
         parse_schema(f'<schema name="s"\n recompute="{policy}"/>')
     assert (info.value.span.line, info.value.span.col) == (2, 13)
+    assert MAX_RECOMPUTE_CHARS == 64
+
+
+def test_recompute_text_of_64_characters_is_kept_for_the_runtime_to_read():
+    # the number's digits are the runtime's to bound (it parses the policy)
+    policy = "first:" + "9" * (MAX_RECOMPUTE_CHARS - len("first:"))
+    schema = parse_schema(f'<schema name="s"\n recompute=" {policy} "/>', file="s.pml")
+    assert schema.recompute == policy
+    assert (schema.recompute_span.file, schema.recompute_span.line,
+            schema.recompute_span.col) == ("s.pml", 2, 13)
 
 
 # --- the layout's size, checked before it is built --------------------------------------

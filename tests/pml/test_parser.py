@@ -2,6 +2,8 @@
 and every error with its message and location."""
 
 import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -9,8 +11,8 @@ import pytest
 from promptlang.errors import (InputFileError, PMLSyntaxError, PromptLangError, SchemaError,
                                SourceFileError, TextNotAllowedError, span_in)
 from promptlang.pml import nodes as n
-from promptlang.pml.parser import (MAX_DEPTH, _Parser, parse, parse_file, parse_prompt,
-                                   parse_schema, strip_formatting)
+from promptlang.pml.lexer import MAX_WARNINGS, Locator, strip_formatting
+from promptlang.pml.parser import MAX_DEPTH, parse, parse_file, parse_prompt, parse_schema
 
 
 def schema_body(body: str, **kw) -> tuple:
@@ -35,7 +37,11 @@ def error(cls, text: str, parse_fn=parse, **kw) -> PromptLangError:
 
 
 def where(e: PromptLangError) -> tuple[int, int]:
-    return e.span.line, e.span.col
+    return where_span(e.span)
+
+
+def where_span(span) -> tuple[int, int]:
+    return span.line, span.col
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,10 +206,46 @@ def test_nodes_carry_the_span_where_they_start():
 
 def test_spans_match_span_in_at_every_offset():
     source = "ab\n\ncd é\n  <x>\n"
-    parser = _Parser(source, "f", None)
+    where = Locator(source, "f")
     for offset in range(len(source) + 1):
-        assert parser.span(offset) == span_in(source, offset, "f")
-        assert parser.span(offset).line_text == span_in(source, offset, "f").line_text
+        assert where.span(offset) == span_in(source, offset, "f")
+        assert where.span(offset).line_text == span_in(source, offset, "f").line_text
+        assert where.line_of(offset) == span_in(source, offset, "f").line
+
+
+def test_names_other_code_imports_from_the_parser_still_import_from_there():
+    from promptlang.pml import lexer, parser, source
+    assert (parser.read_pml, parser.strip_formatting, parser.is_name, parser.MAX_WARNINGS) == (
+        source.read_pml, lexer.strip_formatting, lexer.is_name, lexer.MAX_WARNINGS)
+
+
+def test_schema_recompute_is_kept_as_written_with_the_span_of_its_value():
+    schema = parse_schema('<schema name="s"\n  recompute="  First:03 "/>', file="t.pml")
+    assert schema.recompute == "First:03"               # stripped, not normalised
+    assert (schema.recompute_span.file, where_span(schema.recompute_span)) == ("t.pml", (2, 14))
+    assert parse_schema('<schema name="s"/>').recompute is None
+
+
+def test_a_malformed_recompute_policy_is_left_to_the_runtime_with_its_span():
+    # the runtime parses the policy and locates its error at recompute_span
+    schema = parse_schema('<schema name="s" recompute="first:two"></schema>', file="app.pml")
+    assert schema.recompute == "first:two"
+    assert str(schema.recompute_span) == "app.pml:1:29"
+
+
+def test_recompute_text_and_span_do_not_change_what_compares_equal_but_the_text_does():
+    a = parse_schema('<schema name="s" recompute="first:3"/>')
+    b = parse_schema('<schema name="s"\n\n    recompute="first:3"/>')
+    assert a == b and a.recompute_span != b.recompute_span
+    assert a != parse_schema('<schema name="s" recompute="first:03"/>')
+
+
+def test_the_language_does_not_load_the_recompute_policy():
+    code = ("import sys, promptlang.pml.parser, promptlang.pml.writer; "
+            "print(sorted(m for m in sys.modules if 'recompute' in m))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,8 +581,6 @@ def test_other_bare_less_than_is_still_an_error():
 
 
 def test_warnings_past_the_cap_are_counted_in_one_more():
-    from promptlang.pml.parser import MAX_WARNINGS
-
     schema = parse_schema('<schema name="s"><module name="m">'
                           + "a < b\n" * (MAX_WARNINGS + 50) + "</module></schema>")
     assert len(schema.warnings) == MAX_WARNINGS + 1

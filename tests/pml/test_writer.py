@@ -105,6 +105,18 @@ def test_trees_that_cannot_be_written_are_errors(node, message):
         write(node)
 
 
+@pytest.mark.parametrize("policy", ["Deviation:15%", "first:03", "", "not a policy & <no>"])
+def test_schema_recompute_is_written_back_as_written(policy):
+    tree = n.Schema("s", recompute=policy)
+    written = write(tree)
+    assert written == f'<schema name="s" recompute="{_attr(policy)}"/>'
+    assert parse_schema(written) == tree and parse_schema(written).recompute == policy
+
+
+def _attr(value: str) -> str:
+    return value.replace("&", "&amp;").replace("<", "&lt;").replace('"', "&quot;")
+
+
 def test_write_rejects_what_is_not_a_node():
     with pytest.raises(TypeError):
         write("text")
@@ -199,7 +211,8 @@ def schemas(draw):
         else:
             members = draw(st.lists(modules(names, 0, flat=True) | comments, max_size=3))
             children.append(n.Scaffold(scaffold_names(draw(texts)), tuple(members)))
-    return n.Schema(draw(texts), normal(children))
+    recompute = draw(st.none() | st.text(_TRICKY, max_size=20).map(str.strip))
+    return n.Schema(draw(texts), normal(children), recompute=recompute)
 
 
 @st.composite
