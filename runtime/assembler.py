@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from promptlang.errors import PromptLangError
-from promptlang.runtime.kv import ModuleKV
+from promptlang.runtime.kv import UnitKV
 from promptlang.runtime.model import ModelAdapter, Past, SharedKV
+from promptlang.runtime.recompute.plan import NO_RECOMPUTE, RecomputePlan
 
 SHARE_MIN_TOKENS = 256     # shorter units are copied: cheaper than one more attention piece
 MAX_SHARED_RUNS = 4        # a unit with more holes (recomputed tokens) is copied instead
@@ -230,14 +231,13 @@ class Assembler:
             self.dropped += 1
 
     @torch.inference_mode()
-    def assemble(self, buffer: KVBuffer, units: list[tuple[str, ModuleKV]],
-                 exclude: frozenset[int] = frozenset()) -> int:
+    def assemble(self, buffer: KVBuffer, units: list[tuple[str, UnitKV]],
+                 recompute: RecomputePlan = NO_RECOMPUTE) -> int:
         """Put `units` ((store key, KV) pairs) at the front of `buffer`, leaving out their
-        placeholders and the tokens at positions in `exclude` (recomputed per request):
-        the copied ones first, skipping the leading ones it already holds, then the shared
-        ones; returns the tokens in use."""
-        pieces = [_Piece.of(key, kv, exclude) for key, kv in units if kv.length]
-        pieces = [p for p in pieces if p.count]
+        placeholders and the tokens `recompute` computes per request: the copied ones
+        first, skipping the leading ones it already holds, then the shared ones; returns
+        the tokens in use."""
+        pieces = [p for p in _served_units(units, recompute) if p.count]
         reuse = _common_prefix(buffer.held, [p.key for p in pieces])
         held = buffer.held[:reuse]
         at = held[-1][1] if held else 0
@@ -277,7 +277,7 @@ class Assembler:
         buffer.length = at
         return at
 
-    def _shares(self, buffer: KVBuffer, piece: "_Piece") -> bool:
+    def _shares(self, buffer: KVBuffer, piece: "_ServedUnit") -> bool:
         """Whether a unit is served in place: long, without placeholders, in a few runs
         (each run is one more attention piece), on the buffer's device and in a dtype the
         adapter reads in place (the buffer's, or bfloat16 for the fused layers)."""
@@ -289,22 +289,22 @@ class Assembler:
 
 
 @dataclass
-class _Piece:
-    """One unit as a request uses it: `keep` (None: every token) and its runs of
-    consecutive kept tokens. A unit missing recomputed tokens is held under another key."""
+class _ServedUnit:
+    """One unit as a request is served it: the tokens it keeps (`keep`, None: every
+    token), their runs of consecutive slots, and the key a buffer holds it under (a unit
+    missing recomputed tokens is held under a key of its own)."""
 
     key: str
-    kv: ModuleKV
+    kv: UnitKV
     keep: torch.Tensor | None       # [S] bool
     count: int
     runs: list[tuple[int, int]]
 
     @classmethod
-    def of(cls, key: str, kv: ModuleKV, exclude: frozenset[int]) -> "_Piece":
+    def of(cls, key: str, kv: UnitKV, recomputed: torch.Tensor | None) -> "_ServedUnit":
         keep = ~kv.placeholder
-        if exclude:
-            dropped = torch.isin(kv.positions, torch.tensor(sorted(exclude),
-                                                            device=kv.positions.device))
+        if recomputed is not None:
+            dropped = torch.isin(kv.positions, recomputed.to(kv.positions.device))
             if bool(dropped.any()):
                 keep = keep & ~dropped
                 gone = kv.positions[dropped].tolist()
@@ -314,11 +314,18 @@ class _Piece:
         return cls(key, kv, keep, int(keep.sum()), _runs(keep.tolist()))
 
 
-def request_keys(units: list[tuple[str, ModuleKV]], exclude: frozenset[int] = frozenset()
+def request_keys(units: list[tuple[str, UnitKV]], recompute: RecomputePlan = NO_RECOMPUTE
                  ) -> list[str]:
     """The keys `assemble` holds `units` under (a unit missing recomputed tokens gets its
     own), for `Assembler.acquire` to pick the buffer that already holds them."""
-    return [_Piece.of(key, kv, exclude).key for key, kv in units if kv.length]
+    return [p.key for p in _served_units(units, recompute)]
+
+
+def _served_units(units: list[tuple[str, UnitKV]], recompute: RecomputePlan
+                  ) -> list[_ServedUnit]:
+    """The non-empty `units` as the request is served them (recompute's tokens left out)."""
+    recomputed = torch.tensor(sorted(recompute.positions)) if recompute.positions else None
+    return [_ServedUnit.of(key, kv, recomputed) for key, kv in units if kv.length]
 
 
 def _runs(keep: list[bool]) -> list[tuple[int, int]]:

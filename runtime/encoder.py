@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from promptlang.pml.layout import SchemaLayout, Unit
-from promptlang.runtime.kv import ModuleKV
+from promptlang.runtime.kv import UnitKV
 from promptlang.runtime.model import ModelAdapter, Past
 
 KEY_VERSION = "promptlang-unit-v1"
@@ -135,7 +135,7 @@ class UnitEncoder:
 
     # --- serving ----------------------------------------------------------------------------
 
-    def get(self, layout: SchemaLayout, unit_id: str, stats: EncodeStats | None = None) -> ModuleKV:
+    def get(self, layout: SchemaLayout, unit_id: str, stats: EncodeStats | None = None) -> UnitKV:
         """The unit's KV: from the store, or encoded now (context units first) and stored."""
         plan = self.plan(layout, unit_id)
         if plan.length == 0:
@@ -169,7 +169,7 @@ class UnitEncoder:
         return self.calls - before
 
     @torch.inference_mode()
-    def encode(self, plan: UnitPlan, context: list[ModuleKV]) -> ModuleKV:
+    def encode(self, plan: UnitPlan, context: list[UnitKV]) -> UnitKV:
         """One forward pass over the unit's tokens at their positions, against `context`."""
         device = self.adapter.device
         ids = plan.token_ids.to(device)
@@ -202,11 +202,11 @@ class UnitEncoder:
         self.calls += 1
         self.encoded.append(plan.key)
         own = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731
-        return ModuleKV(own(step.keys), own(step.values), pos.clone(), ids.clone(),
+        return UnitKV(own(step.keys), own(step.values), pos.clone(), ids.clone(),
                         plan.placeholder.to(device))
 
-    def _empty(self) -> ModuleKV:
+    def _empty(self) -> UnitKV:
         keys, values = self.adapter.empty_kv(0)
         empty = torch.empty(0, dtype=torch.int64, device=self.adapter.device)
-        return ModuleKV(keys, values, empty, empty.clone(),
+        return UnitKV(keys, values, empty, empty.clone(),
                         torch.empty(0, dtype=torch.bool, device=self.adapter.device))

@@ -27,13 +27,13 @@ from promptlang.errors import (ContextLengthError, PromptLangError, TokenizerMis
 from promptlang.pml import nodes
 from promptlang.pml.binding import BoundPrompt, bind
 from promptlang.pml.layout import SchemaLayout, lay_out
-from promptlang.pml.recompute import Recompute, RecomputeSpecError
 from promptlang.runtime.assembler import Assembler, KVBuffer, request_keys
 from promptlang.runtime.encoder import EncodeStats, UnitEncoder
 from promptlang.runtime.generate import (baseline_prefill, decode, prefill, take_last,
                                          uncached_tokens)
 from promptlang.runtime.model import ModelAdapter, adapt
-from promptlang.runtime.recompute import select
+from promptlang.runtime.recompute import (NO_RECOMPUTE, Recompute, RecomputePlan,
+                                          choose_positions, schema_policy)
 from promptlang.runtime.sampling import Decoding, SamplingParams
 
 
@@ -83,7 +83,8 @@ class Prefilled:
     token_ids: torch.Tensor      # [N]
     cached_length: int           # the first cached_length tokens came from the store
     timings: Timings
-    bound: BoundPrompt | None = None   # what was computed (recomputed positions included)
+    bound: BoundPrompt | None = None   # what was bound
+    recompute: RecomputePlan = NO_RECOMPUTE   # the cached tokens computed again
 
 
 @dataclass
@@ -130,6 +131,7 @@ class _Request:
     params: SamplingParams
     baseline: bool
     recompute: Recompute = Recompute()
+    plan: RecomputePlan = NO_RECOMPUTE     # what `recompute` chose for this request
     timings: Timings = field(default_factory=Timings)
     started: float = field(default_factory=time.perf_counter)
     cached_length: int = 0
@@ -271,7 +273,7 @@ class LLM:
             return Prefilled(logits.clone(), buffer.keys[:, :, :n].clone(),
                              buffer.values[:, :, :n].clone(), buffer.positions[:n].clone(),
                              buffer.token_ids[:n].clone(), request.cached_length, request.timings,
-                             request.bound)
+                             request.bound, request.plan)
         finally:
             self.assembler.release(buffer)
 
@@ -290,7 +292,7 @@ class LLM:
         request.timings.total = time.perf_counter() - started
         return Opened(buffer, logits[-1], position, request.bound, request.timings,
                       request.prefill_tokens, request.cached_length,
-                      len(request.bound.recomputed))
+                      len(request.plan))
 
     def session(self, prompt, *, schema=None, baseline: bool = False,
                 add_generation_prompt: bool = False, recompute=None):
@@ -330,18 +332,19 @@ class LLM:
 
         if request.recompute:
             mark = time.perf_counter()
-            chosen = select(self.adapter, bound, by_unit, request.recompute,
-                            lambda unit_id: self.encoder.context_of(bound.layout.units[unit_id]))
-            bound = request.bound = bound.with_recompute(chosen)
+            chosen = choose_positions(
+                self.adapter, bound, by_unit, request.recompute,
+                lambda unit_id: self.encoder.context_of(bound.layout.units[unit_id]))
+            request.plan = RecomputePlan.of(bound, chosen)
             t.select = time.perf_counter() - mark
 
         mark = time.perf_counter()
-        ids, positions = uncached_tokens(bound.uncached)
+        ids, positions = uncached_tokens(request.plan.uncached(bound))
         cached = sum(int((~kv.placeholder).sum()) for _, kv in units)
         buffer = self.assembler.acquire(cached + len(ids) + room,
-                                        request_keys(units, bound.recomputed))
+                                        request_keys(units, request.plan))
         with self._released_on_error(buffer):
-            self.assembler.assemble(buffer, units, bound.recomputed)
+            self.assembler.assemble(buffer, units, request.plan)
             if not ids or (buffer.length and
                            int(buffer.positions[:buffer.length].max()) > positions[-1]):
                 # the last token's output is needed and it is a cached one: recompute it
@@ -383,7 +386,7 @@ class LLM:
         t.total = time.perf_counter() - request.started
         text, token_ids, reason = decoding.result()
         request.result = Result(text, token_ids, reason, t, request.prefill_tokens,
-                                request.cached_length, len(request.bound.recomputed))
+                                request.cached_length, len(request.plan))
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -391,9 +394,8 @@ class LLM:
         """The request's policy, else its schema's, else this LLM's."""
         if policy is not None:
             return policy
-        if bound.layout.schema.recompute is not None:
-            return Recompute.parse(bound.layout.schema.recompute)
-        return self.recompute
+        schema = schema_policy(bound.layout.schema)      # "none" there overrides the LLM's
+        return schema if schema is not None else self.recompute
 
     def _prompt_doc(self, prompt, schema) -> nodes.PromptDoc:
         if schema is not None:
@@ -424,10 +426,8 @@ class LLM:
 
 
 def _policy(recompute) -> Recompute:
-    try:
-        return Recompute.parse(recompute)
-    except RecomputeSpecError as error:
-        raise PromptLangError(str(error)) from None
+    """A request's or the LLM's policy (RecomputeSpecError, a PromptLangError, if malformed)."""
+    return Recompute.parse(recompute)
 
 
 def _read_schema(source) -> nodes.Schema:

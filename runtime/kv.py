@@ -1,4 +1,8 @@
-"""The unit of storage: the attention keys and values of one encoded unit."""
+"""The unit of storage: the attention keys and values of one encoded unit.
+
+A unit is what the encoder encodes in one pass and the store keeps under one key: a
+module, or a scaffold's modules jointly (promptlang/pml/layout.py `Unit`).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import torch
 
 
 @dataclass
-class ModuleKV:
+class UnitKV:
     """Keys and values of one unit (a module, or a scaffold's modules jointly),
     for every layer, at `num_key_value_heads` (never after repeat_kv)."""
 
@@ -27,7 +31,10 @@ class ModuleKV:
         return sum(t.numel() * t.element_size() for t in
                    (self.keys, self.values, self.positions, self.token_ids, self.placeholder))
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "ModuleKV":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "UnitKV":
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return ModuleKV(move(self.keys), move(self.values), move(self.positions),
+        return UnitKV(move(self.keys), move(self.values), move(self.positions),
                         move(self.token_ids), move(self.placeholder))
+
+
+ModuleKV = UnitKV    # the old name: store.py, kvfiles.py and tests/runtime/test_store.py use it

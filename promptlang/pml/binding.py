@@ -15,8 +15,7 @@ whose position is <= its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Iterable
+from dataclasses import dataclass
 
 from promptlang.errors import (ArgumentTooLongError, ContextLengthError, MissingArgumentError,
                                PromptLangError, RoleError, Span, TokenizerMismatchError,
@@ -36,33 +35,14 @@ class BoundPrompt:
     units: tuple[str, ...]            # cached unit ids served from the store, position order
     uncached: tuple[Segment, ...]     # computed per request, position order
     end: int                          # one past the request's last position
-    recomputed: frozenset[int] = frozenset()   # cached tokens' positions computed per request
 
     def segments(self) -> list[tuple[Segment, str]]:
         """(segment, origin) of everything the model sees, position order, placeholders
-        excluded. origin is a unit id, or "uncached" (recomputed tokens included)."""
-        pieces = []
-        for unit in self.units:
-            for seg in self.layout.units[unit].segments:
-                if seg.kind != "param":
-                    pieces += [(piece, unit) for piece in _without(seg, self.recomputed)]
+        excluded. origin is a unit id, or "uncached"."""
+        pieces = [(seg, unit) for unit in self.units for seg in self.layout.units[unit].segments
+                  if seg.kind != "param"]
         pieces += [(seg, "uncached") for seg in self.uncached]
         return sorted(pieces, key=lambda piece: piece[0].start)
-
-    def with_recompute(self, positions: Iterable[int]) -> "BoundPrompt":
-        """The same request with the cached tokens at `positions` computed per request:
-        they become uncached "recompute" segments (attending to every request token at a
-        position <= theirs, like any uncached token), and their cached KV is left out of the
-        request. Cached tokens after them keep the KV they were encoded with."""
-        cached = {p: (t, unit) for t, p, unit in self.sequence() if unit != "uncached"}
-        chosen = frozenset(positions) | self.recomputed
-        missing = sorted(p for p in chosen if p not in cached and p not in self.recomputed)
-        if missing:
-            raise PromptLangError(f"position {missing[0]} holds no cached token of this request")
-        new = sorted(p for p in chosen if p not in self.recomputed)
-        extra = [Segment((cached[p][0],), p, "recompute") for p in new]
-        uncached = tuple(sorted(self.uncached + tuple(extra), key=lambda s: s.start))
-        return replace(self, uncached=uncached, recomputed=chosen)
 
     def sequence(self) -> list[tuple[int, int, str]]:
         """(token id, position, origin) of every token the model sees, position order."""
@@ -83,39 +63,7 @@ class BoundPrompt:
 
     def render(self) -> str:
         """The plain text the model would see without caching."""
-        plain = replace(self, recomputed=frozenset(),
-                        uncached=tuple(s for s in self.uncached if s.kind != "recompute"))
-        return "".join(seg.text for seg, _ in plain.segments())
-
-
-def _without(seg: Segment, positions: frozenset[int]) -> list[Segment]:
-    """`seg` minus the tokens at `positions` (split into the runs that remain)."""
-    if not positions or not any(p in positions for p in seg.positions):
-        return [seg]
-    pieces, run_start = [], None
-    for i, p in enumerate(list(seg.positions) + [None]):
-        keep = p is not None and p not in positions
-        if keep and run_start is None:
-            run_start = i
-        elif not keep and run_start is not None:
-            pieces.append(replace(seg, token_ids=seg.token_ids[run_start:i],
-                                  start=seg.start + run_start, text=""))
-            run_start = None
-    return pieces
-
-
-def first_tokens(bound: BoundPrompt, k: int) -> list[int]:
-    """Positions of the first `k` cached tokens of every unit of `bound` but the root
-    (EPIC-style recompute at module seams: each module's first tokens otherwise act as
-    spurious attention sinks)."""
-    positions = []
-    for unit in bound.units:
-        if not bound.layout.units[unit].modules[0]:
-            continue                                   # the root: nothing precedes it
-        tokens = [seg.start + i for seg in bound.layout.units[unit].segments
-                  if seg.kind != "param" for i in range(len(seg.token_ids))]
-        positions += sorted(tokens)[:k]
-    return positions
+        return "".join(seg.text for seg, _ in self.segments())
 
 
 def bind(prompt: nodes.PromptDoc, layout: SchemaLayout, tokenizer: Tokenizer, *,

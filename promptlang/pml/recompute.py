@@ -1,19 +1,9 @@
-"""Recompute policies: which cached tokens a request computes again (docs/RECOMPUTE.md).
+"""Kept only for the parser's check of a schema's `recompute` attribute (to be deleted).
 
-Cached modules never saw each other. A policy names cached tokens of the request's
-non-root units to compute per request instead, attending to every request token at a
-position <= theirs (BoundPrompt.with_recompute); the cached tokens after them keep
-their stored KV. Written as text wherever a policy is given (a request's `recompute=`,
-`load(recompute=)`, a schema's `recompute` attribute):
-
-  none            serve every cached token as stored
-  first:K         the first K cached tokens of every non-root unit (EPIC, arXiv 2410.15332:
-                  a module's first tokens otherwise become spurious attention sinks)
-  deviation:F     the fraction F (0 < F <= 1) of the non-root units' cached tokens whose
-                  layer-1 keys and values differ most from a pass over the whole request
-                  (in the spirit of CacheBlend, arXiv 2405.16444); `F%` also works
-
-This module is pure (no torch): the parser validates the attribute with it.
+The runtime owns recompute policies (runtime/recompute/policy.py: `Recompute`,
+`RecomputeSpecError`, `schema_policy`). The parser is changing to keep the attribute's raw
+text and location (`Schema.recompute`, `Schema.recompute_span`) and to stop importing
+this module; once it has, nothing imports this file: delete it.
 """
 
 from __future__ import annotations

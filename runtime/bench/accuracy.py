@@ -90,7 +90,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from promptlang.pml.recompute import Recompute
+from promptlang.runtime.recompute import Recompute
 from promptlang.runtime.bench import metrics, qa
 from promptlang.runtime.bench.report import Goal, Progress, Section
 

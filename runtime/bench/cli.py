@@ -169,7 +169,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 def _recompute_list(text: str) -> tuple[str, ...]:
     """Comma-separated recompute policies, canonical and without duplicates; "none"
     alone: no recompute settings."""
-    from promptlang.pml.recompute import RecomputeSpecError
+    from promptlang.runtime.recompute import RecomputeSpecError
     from promptlang.runtime.bench.accuracy import normalize_specs
 
     parts = [part.strip() for part in text.split(",") if part.strip()]

@@ -176,24 +176,3 @@ def test_generation_prompt_opens_the_assistant_after_closed_roles(layout, tok):
     still_open = '<prompt schema="travel">What first?</user><assistant>Sure,</prompt>'
     assert bind(parse_prompt(still_open), layout, tok,
                 add_generation_prompt=True).render().endswith("[assistant]Sure,")
-
-
-def test_recompute_moves_cached_tokens_to_the_uncached_set(layout, tok):
-    from promptlang.pml.binding import first_tokens
-    bound = bind_text('<prompt schema="travel"><trip-plan duration="3 days"><paris/>'
-                      '</trip-plan>Go</prompt>', layout, tok)
-    chosen = first_tokens(bound, 2)
-    trip = layout.modules[("trip-plan",)].start
-    paris = layout.modules[("trip-plan", "paris")].start
-    assert chosen == [trip, trip + 1, paris, paris + 1]
-    again = bound.with_recompute(chosen)
-    assert [(t, p) for t, p, _ in again.sequence()] == [(t, p) for t, p, _ in bound.sequence()]
-    assert again.render() == bound.render()
-    assert again.recomputed == frozenset(chosen)
-    moved = [(s.start, s.token_ids) for s in again.uncached if s.kind == "recompute"]
-    assert moved == [(p, (t,)) for t, p, _ in bound.sequence() if p in chosen]
-    origins = {p: o for _, p, o in again.sequence()}
-    assert all(origins[p] == "uncached" for p in chosen)
-    assert again.cached_token_count == bound.cached_token_count - 4
-    with pytest.raises(PromptLangError, match="holds no cached token"):
-        bound.with_recompute([layout.end])              # prompt text is not cached

@@ -12,9 +12,9 @@ slot). The 4-D mask is the visibility rule written out directly:
 - an uncached token q attends u iff u is a non-placeholder token of a served unit or
   an uncached token, and pos(u) <= pos(q).
 
-Recomputed tokens (bound.recomputed, docs/RECOMPUTE.md) are uncached tokens like any
-other: their served-unit occurrence stays in the pass (the unit's later tokens were
-encoded against it) but leaves the request's tokens, replaced by the uncached copy.
+Recomputed tokens (`recomputed` positions, docs/RECOMPUTE.md) are uncached tokens like
+any other: their served-unit occurrence stays in the pass (the unit's later tokens were
+encoded against it) but leaves the request's tokens, replaced by an uncached copy.
 
 A request without uncached tokens computes its last (highest-positioned) token
 per request (generate.py): here that token becomes the one uncached query, and its
@@ -24,6 +24,7 @@ served occurrence drops out of the request's tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
 
 import torch
 
@@ -39,8 +40,8 @@ class OracleResult:
     positions: torch.Tensor   # [N] sorted
 
 
-def oracle_prefill(adapter: ModelAdapter, bound: BoundPrompt,
-                   isolate: bool = False) -> OracleResult:
+def oracle_prefill(adapter: ModelAdapter, bound: BoundPrompt, isolate: bool = False,
+                   recomputed: Collection[int] = frozenset()) -> OracleResult:
     layout = bound.layout
     units: list[str] = []
 
@@ -71,8 +72,16 @@ def oracle_prefill(adapter: ModelAdapter, bound: BoundPrompt,
             owner.append("uncached")
             placeholder.append(False)
     served = {unit_id for unit_id in bound.units}
+    copies = [i for i in range(len(ids))
+              if owner[i] in served and not placeholder[i] and pos[i] in recomputed]
+    assert len(copies) == len(set(recomputed)), "a recomputed position holds no served token"
+    for i in copies:
+        ids.append(ids[i])
+        pos.append(pos[i])
+        owner.append("uncached")
+        placeholder.append(False)
     request = [i for i in range(len(ids))
-               if (owner[i] in served and not placeholder[i] and pos[i] not in bound.recomputed)
+               if (owner[i] in served and not placeholder[i] and pos[i] not in recomputed)
                or owner[i] == "uncached"]
     last = max(request, key=lambda i: pos[i])
     if owner[last] != "uncached":      # the last token is computed per request

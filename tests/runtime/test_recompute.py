@@ -9,16 +9,20 @@ start, the middle or the end of a unit.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from promptlang.errors import PromptLangError
-from promptlang.pml.binding import first_tokens
-from promptlang.pml.parser import parse_schema
-from promptlang.pml.recompute import Recompute, RecomputeSpecError
+from promptlang.errors import PromptLangError, Span
+from promptlang.pml.binding import bind
+from promptlang.pml.layout import lay_out
+from promptlang.pml.parser import parse_prompt, parse_schema
 from promptlang.runtime import engine as engine_module
 from promptlang.runtime import recompute
 from promptlang.runtime.engine import LLM
+from promptlang.runtime.recompute import (Recompute, RecomputePlan, RecomputeSpecError,
+                                          first_tokens, schema_policy)
 from promptlang.runtime.store import ModuleStore
 from promptlang.tokenizer import WordTokenizer
 
@@ -33,7 +37,8 @@ def models():
 
 def assert_matches_oracle(llm: LLM, prompt: str, isolate: bool, **options):
     cached = llm.prefill(prompt, all_logits=True, **options)
-    expected = oracle_prefill(llm.adapter, cached.bound, isolate=isolate)
+    expected = oracle_prefill(llm.adapter, cached.bound, isolate=isolate,
+                              recomputed=cached.recompute.positions)
     order = torch.argsort(cached.positions)
     assert torch.equal(cached.positions[order], expected.positions)
     assert cached.logits.shape == expected.logits.shape
@@ -62,9 +67,24 @@ def test_malformed_policies_are_rejected_with_what_is_expected(text):
         Recompute.parse(text)
 
 
-def test_a_schema_attribute_with_a_bad_policy_is_a_located_error():
+def test_a_bad_policy_is_a_promptlang_error_located_where_the_schema_gives_one():
+    at = Span("app.pml", 1, 29, '<schema name="s" recompute="first:two">')
+    schema = SimpleNamespace(recompute="first:two", recompute_span=at)
+    with pytest.raises(RecomputeSpecError) as caught:
+        schema_policy(schema)
+    assert isinstance(caught.value, PromptLangError) and caught.value.span == at
+    assert str(caught.value).startswith("app.pml:1:29: bad recompute policy 'first:two'")
+    assert schema_policy(SimpleNamespace(recompute=None)) is None
+    assert schema_policy(SimpleNamespace(recompute=" First:3 ")) == Recompute("first", 3)
+
+
+def test_a_schema_attribute_with_a_bad_policy_is_refused_at_the_attribute(models, tmp_path):
+    """Wherever the check runs (parser or runtime), the error points at the attribute."""
+    llm = make_llm(models["llama"], tmp_path)
     with pytest.raises(PromptLangError) as caught:
-        parse_schema('<schema name="s" recompute="first:two"></schema>', file="app.pml")
+        llm.add_schema(parse_schema('<schema name="t" recompute="first:two"><module name="m">'
+                                    'one two</module></schema>', file="app.pml"))
+        llm.generate('<prompt schema="t"><m/>three</prompt>', max_new_tokens=1)
     assert str(caught.value).startswith("app.pml:1:29: bad recompute policy 'first:two'")
 
 
@@ -81,7 +101,7 @@ def test_recomputed_prefill_equals_one_masked_pass(models, tmp_path, kind, isola
     llm = make_llm(models[kind], tmp_path, isolate=isolate)
     for case in CASES:
         cached = assert_matches_oracle(llm, PROMPTS[case], isolate, recompute=policy)
-        assert cached.bound.recomputed, f"{case}: {policy} recomputed nothing"
+        assert cached.recompute.positions, f"{case}: {policy} recomputed nothing"
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["copied", "read in place"])
@@ -95,7 +115,7 @@ def test_any_recomputed_positions_match_the_oracle(models, tmp_path, monkeypatch
     def every_third(adapter, bound, units, policy, context_of):
         cached = [p for _, p, origin in bound.sequence() if origin != "uncached"]
         return cached[1::3] + [cached[-1]]
-    monkeypatch.setattr(engine_module, "select", every_third)
+    monkeypatch.setattr(engine_module, "choose_positions", every_third)
     for case in CASES:
         assert_matches_oracle(llm, PROMPTS[case], False, recompute="first:1")
         assert_matches_oracle(llm, PROMPTS[case], False, recompute="first:1")   # buffer reused
@@ -113,7 +133,7 @@ def test_recomputing_every_token_that_missed_something_gives_the_full_prefill(mo
                                torch.tensor([p for _, p, _ in sequence]), None, None,
                                torch.tensor([len(sequence) - 1]))
     cached = llm.prefill(prompt, recompute="deviation:1")
-    assert cached.bound.recomputed
+    assert cached.recompute.positions
     assert (cached.logits[-1] - full.logits[-1]).abs().max() < TOL
     none = llm.prefill(prompt, recompute="none")
     assert (none.logits[-1] - full.logits[-1]).abs().max() > 1e-3   # the test can fail
@@ -125,9 +145,35 @@ def test_first_k_takes_the_first_tokens_of_every_module_but_the_root(models, tmp
     llm = make_llm(models["llama"], tmp_path)
     bound = llm.bind(PROMPTS["nested modules"])
     result = llm.prefill(PROMPTS["nested modules"], recompute="first:2")
-    assert sorted(result.bound.recomputed) == sorted(first_tokens(bound, 2))
+    assert sorted(result.recompute.positions) == sorted(first_tokens(bound, 2))
     non_root = [u for u in bound.units if bound.layout.units[u].modules[0]]
-    assert len(result.bound.recomputed) == 2 * len(non_root)
+    assert len(result.recompute) == 2 * len(non_root)
+
+
+def test_a_plan_moves_the_chosen_cached_tokens_to_the_uncached_ones():
+    tok = WordTokenizer(VOCAB, bos=True)
+    layout = lay_out(parse_schema(SCHEMA), tok)
+    bound = bind(parse_prompt(PROMPTS["union"]), layout, tok)
+    chosen = first_tokens(bound, 2)
+    plan_at, paris, b = (layout.modules[path].start for path in
+                         [("plan",), ("plan", "paris"), ("b",)])
+    assert sorted(chosen) == sorted([plan_at, plan_at + 1, paris, paris + 1, b, b + 1])
+    plan = RecomputePlan.of(bound, chosen)
+    assert plan.positions == frozenset(chosen) and len(plan) == 6
+    uncached = plan.uncached(bound)
+    assert [s.start for s in uncached] == sorted(s.start for s in uncached)
+    moved = [(s.start, s.token_ids) for s in uncached if s.kind == "recompute"]
+    assert moved == [(p, (t,)) for t, p, _ in bound.sequence() if p in chosen]
+    assert [s for s in uncached if s.kind != "recompute"] == list(bound.uncached)
+    # served tokens minus the chosen ones, plus what is computed: the request's tokens
+    kept = [(t, p) for t, p, origin in bound.sequence()
+            if origin != "uncached" and p not in plan.positions]
+    computed = [(t, s.start + i) for s in uncached for i, t in enumerate(s.token_ids)]
+    assert sorted(kept + computed, key=lambda tp: tp[1]) == \
+        [(t, p) for t, p, _ in bound.sequence()]
+    assert RecomputePlan.of(bound, []).uncached(bound) is bound.uncached
+    with pytest.raises(PromptLangError, match="holds no cached token"):
+        RecomputePlan.of(bound, [layout.end])              # prompt text is not cached
 
 
 @pytest.mark.parametrize("kind", ARCHITECTURES)
@@ -157,7 +203,7 @@ def test_deviation_candidates_are_the_tokens_whose_kv_differs(models, tmp_path, 
     full = llm.adapter.forward(torch.tensor([t for t, _, _ in sequence]), positions, None, None)
     for unit, kv in units.items():
         for i, p in enumerate(kv.positions.tolist()):
-            if kv.placeholder[i] or p in bound.recomputed:
+            if kv.placeholder[i]:
                 continue
             at = int(torch.searchsorted(positions, p))
             differs = float((full.keys[1][:, at] - kv.keys[1][:, i]).abs().max())
@@ -165,7 +211,8 @@ def test_deviation_candidates_are_the_tokens_whose_kv_differs(models, tmp_path, 
                 continue
             assert differs < TOL, f"position {p} of {unit} is no candidate but deviates"
     assert max(scores.values()) > 1e-6
-    chosen = recompute.select(llm.adapter, bound, units, Recompute("deviation", 0.25), context)
+    chosen = recompute.choose_positions(llm.adapter, bound, units, Recompute("deviation", 0.25),
+                                        context)
     assert len(chosen) == -(-len(scores) // 4)
     assert min(scores[p] for p in chosen) >= max(scores[p] for p in scores if p not in chosen)
 
@@ -184,6 +231,15 @@ def test_request_policy_overrides_schema_default_which_overrides_the_llms(models
     assert llm.generate(prompt, max_new_tokens=1).recomputed_tokens == 6     # the schema's
     assert llm.generate(prompt, max_new_tokens=1, recompute="first:2").recomputed_tokens == 4
     assert llm.generate(prompt, max_new_tokens=1, baseline=True).recomputed_tokens == 0
+
+
+def test_a_schema_that_says_none_overrides_the_llms_policy(models, tmp_path):
+    llm = LLM.from_model(models["llama"], WordTokenizer(VOCAB, bos=True),
+                         store=ModuleStore(disk_dir=tmp_path / "kv"), recompute="first:1")
+    llm.add_schema(SCHEMA.replace('<schema name="s">', '<schema name="s" recompute="none">'))
+    prompt = PROMPTS["two modules with a gap"]
+    assert llm.generate(prompt, max_new_tokens=1).recomputed_tokens == 0
+    assert llm.generate(prompt, max_new_tokens=1, recompute="first:1").recomputed_tokens == 2
 
 
 def test_a_bad_policy_in_a_request_is_a_promptlang_error(models, tmp_path):

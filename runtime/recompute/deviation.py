@@ -1,50 +1,28 @@
-"""Which cached tokens a request recomputes (the policies: promptlang/pml/recompute.py).
+"""The deviation policy's measure: how far each cached token's KV is from a full prefill's.
 
-`select` turns a policy into positions for `BoundPrompt.with_recompute`:
-
-- first:K -- the first K cached tokens of every non-root unit (`first_tokens`).
-- deviation:F -- one pass over the whole request, every token at its position and
-  attending causally by position (what a full prefill computes), stopped once layer
-  DEVIATION_LAYER has written its keys and values. Each candidate's deviation is the
-  squared distance between those and its stored ones (keys and values each scaled by
-  their mean squared norm over the candidates); the ceil(F x candidates) largest are
-  chosen. Candidates are the cached tokens whose encoding missed a request token before
-  them: a token of unit U is one iff some request token at a lower position is neither
-  in U nor (guaranteed context) in U's context units -- another module, an argument,
-  or uncached text. The others computed exactly what a full prefill computes, up to
-  rounding. The pass costs about (DEVIATION_LAYER + 1) / layers of a full prefill.
+One pass over the whole request, every token at its position and attending causally by
+position (what a full prefill computes), stopped once layer DEVIATION_LAYER has written
+its keys and values (`layer_kv`). Each candidate's deviation is the squared distance
+between those and its stored ones (keys and values each scaled by their mean squared
+norm over the candidates). Candidates are the cached tokens whose encoding missed a
+request token before them: a token of unit U is one iff some request token at a lower
+position is neither in U nor (guaranteed context) in U's context units -- another
+module, an argument, or uncached text. The others computed exactly what a full prefill
+computes, up to rounding. The pass costs about (DEVIATION_LAYER + 1) / layers of a full
+prefill.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Sequence
 
 import torch
 
-from promptlang.pml.binding import BoundPrompt, first_tokens
-from promptlang.pml.recompute import Recompute, RecomputeSpecError
-from promptlang.runtime.kv import ModuleKV
+from promptlang.pml.binding import BoundPrompt
+from promptlang.runtime.kv import UnitKV
 from promptlang.runtime.model import ModelAdapter, Past
 
-__all__ = ["Recompute", "RecomputeSpecError", "select", "candidates", "deviations",
-           "layer_kv", "DEVIATION_LAYER"]
-
 DEVIATION_LAYER = 1      # layer 0's KV depends on the token alone; layer 1's on its context
-
-
-def select(adapter: ModelAdapter, bound: BoundPrompt, units: dict[str, ModuleKV],
-           policy: Recompute, context_of: Callable[[str], Sequence[str]]) -> list[int]:
-    """Positions of the cached tokens `policy` recomputes for `bound`. `units`: the KV of
-    each of bound.units; `context_of(unit id)`: the units it was encoded against."""
-    if policy.kind == "first":
-        return first_tokens(bound, int(policy.amount))
-    if policy.kind == "deviation":
-        scores = deviations(adapter, bound, units, context_of)
-        count = math.ceil(policy.amount * len(scores))
-        ranked = sorted(scores, key=lambda p: (-scores[p], p))
-        return sorted(ranked[:count])
-    return []
 
 
 def candidates(bound: BoundPrompt, context_of: Callable[[str], Sequence[str]]
@@ -65,7 +43,7 @@ def candidates(bound: BoundPrompt, context_of: Callable[[str], Sequence[str]]
     return found
 
 
-def deviations(adapter: ModelAdapter, bound: BoundPrompt, units: dict[str, ModuleKV],
+def deviations(adapter: ModelAdapter, bound: BoundPrompt, units: dict[str, UnitKV],
                context_of: Callable[[str], Sequence[str]]) -> dict[int, float]:
     """Each candidate's deviation (position -> score) at layer DEVIATION_LAYER."""
     chosen = candidates(bound, context_of)

@@ -1,0 +1,33 @@
+"""Selective recompute (docs/RECOMPUTE.md): cached tokens a request computes again.
+
+policy.py   the policy as text ("none", "first:K", "deviation:F") -> `Recompute`,
+            and a schema's `recompute` attribute read with its location
+choose.py   a policy -> the positions it recomputes for one request (`choose_positions`)
+deviation.py  the deviation policy's measure: one pass stopped after layer 1
+plan.py     those positions -> a `RecomputePlan`: the request's extra uncached segments,
+            and the stored copies the assembler leaves out
+
+Data flow (runtime/engine.py): request policy, else `schema_policy(schema)`, else the
+LLM's -> choose_positions -> RecomputePlan.of(bound, positions) -> plan.uncached(bound)
+for the prefill, the plan for the assembler.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Recompute", "RecomputeSpecError", "schema_policy", "choose_positions",
+           "first_tokens", "candidates", "deviations", "layer_kv", "DEVIATION_LAYER",
+           "RecomputePlan", "NO_RECOMPUTE"]
+
+# imported on first use: the policy's text parsing (CLI arguments) needs no torch
+_HOME = {"Recompute": "policy", "RecomputeSpecError": "policy", "schema_policy": "policy",
+         "choose_positions": "choose", "first_tokens": "choose", "candidates": "deviation",
+         "deviations": "deviation", "layer_kv": "deviation", "DEVIATION_LAYER": "deviation",
+         "RecomputePlan": "plan", "NO_RECOMPUTE": "plan"}
+
+
+def __getattr__(name: str):
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'promptlang.runtime.recompute' has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f"promptlang.runtime.recompute.{home}"), name)

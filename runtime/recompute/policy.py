@@ -1,0 +1,94 @@
+"""Recompute policies as text: "none", "first:K", "deviation:F" -> a `Recompute`.
+
+A policy is written wherever one is given: a request's `recompute=`, `load(recompute=)`,
+or a schema's `recompute` attribute (PML keeps that attribute's text as written and
+its location in `Schema.recompute_span`; `schema_policy` reads it here, so a malformed
+one is an error located at the attribute). What each policy chooses: choose.py.
+
+  none            serve every cached token as stored
+  first:K         the first K cached tokens of every non-root unit (EPIC, arXiv 2410.15332:
+                  a module's first tokens otherwise become spurious attention sinks)
+  deviation:F     the fraction F (0 < F <= 1) of the non-root units' cached tokens whose
+                  layer-1 keys and values differ most from a pass over the whole request
+                  (in the spirit of CacheBlend, arXiv 2405.16444); `F%` also works
+
+Pure: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from promptlang.errors import PromptLangError, Span
+
+Kind = Literal["none", "first", "deviation"]
+KINDS = ("none", "first", "deviation")
+MAX_SPEC_CHARS = 64         # longer policy text is refused before it is read
+MAX_TOKENS_DIGITS = 9       # digits of K in first:K (int() of them stays cheap)
+
+
+class RecomputeSpecError(PromptLangError):
+    """A recompute policy's text is malformed (the message says what is expected; located
+    at a schema's attribute when it came from one)."""
+
+
+@dataclass(frozen=True)
+class Recompute:
+    kind: Kind = "none"
+    amount: float = 0          # tokens per unit (first) or a fraction (deviation)
+
+    @classmethod
+    def parse(cls, text: "str | Recompute", span: Span | None = None) -> "Recompute":
+        """The policy `text` names; RecomputeSpecError (at `span`) if it names none."""
+        if isinstance(text, Recompute):
+            return text
+        spec = str(text).strip().lower()
+
+        def fail(reason: str) -> RecomputeSpecError:
+            return RecomputeSpecError(f"bad recompute policy {text!r}: {reason}", span)
+
+        if len(spec) > MAX_SPEC_CHARS:
+            raise RecomputeSpecError(f"bad recompute policy ({len(spec)} characters): a "
+                                     f"policy is at most {MAX_SPEC_CHARS}", span)
+        if spec in ("none", "off", "0", ""):
+            return cls()
+        kind, _, amount = spec.partition(":")
+        expected = "expected none, first:K (K tokens per module) or deviation:F (0 < F <= 1)"
+        if kind not in KINDS or not amount:
+            raise fail(expected)
+        if kind == "first":
+            digits = amount.lstrip("0")
+            if not amount.isascii() or not amount.isdigit():
+                raise fail("K must be a whole number of tokens")
+            if len(digits) > MAX_TOKENS_DIGITS:
+                raise fail(f"K has more than {MAX_TOKENS_DIGITS} digits")
+            return cls("first", int(digits)) if digits else cls()
+        percent = amount.endswith("%")
+        try:
+            fraction = float(amount[:-1] if percent else amount) / (100 if percent else 1)
+        except ValueError:
+            raise fail(expected) from None
+        if not (0 <= fraction <= 1) or math.isnan(fraction):
+            raise fail("the fraction must be between 0 and 1")
+        return cls("deviation", fraction) if fraction else cls()
+
+    def __bool__(self) -> bool:
+        return self.kind != "none"
+
+    def __str__(self) -> str:
+        if self.kind == "none":
+            return "none"
+        if self.kind == "first":
+            return f"first:{int(self.amount)}"
+        return f"deviation:{self.amount:g}"
+
+
+def schema_policy(schema) -> Recompute | None:
+    """The policy a schema's `recompute` attribute names (None: it names none), parsed here
+    with the attribute's location. `schema`: duck-typed (`.recompute`, `.recompute_span`)."""
+    text = getattr(schema, "recompute", None)
+    if text is None:
+        return None
+    return Recompute.parse(text, getattr(schema, "recompute_span", None))
