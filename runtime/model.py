@@ -23,7 +23,10 @@ On an x86-64 CPU with AVX2, this runtime's own passes run through runtime/kernel
 native.py): for Llama-family models every decoder layer of an unmasked pass of a few new
 tokens at once (runtime/fused.py, which also reads a 16-bit store's units in place); else
 small linear layers (up to NATIVE_LINEAR_MAX_ROWS rows, any scheme) and the unmasked
-attention of RoPE models inside transformers' layers. Calls from outside the runtime never do.
+attention of RoPE models inside transformers' layers. Calls from outside the runtime (a plain
+`hf_model(ids)`, transformers' `generate()`, another thread while a pass runs) never do: the
+linear layers take pl_linear only on the thread inside `ModelAdapter.forward`, and `_attention`
+serves any call without the adapter's `promptlang_masks` argument by transformers' own SDPA.
 """
 
 from __future__ import annotations
@@ -382,10 +385,20 @@ class _ModelState:
     def __init__(self):
         self.lock = threading.RLock()
         self.hooked = False
-        self.native = False          # inside an adapter's forward: small linears use pl_linear
+        self._thread = threading.local()
         self.linears_wrapped = False
         self.alibi: torch.Tensor | None = None     # [H, 1, K]
         self.mask: torch.Tensor | None = None      # [1, 1, Q, K]
+
+    @property
+    def native(self) -> bool:
+        """Whether this thread is inside an adapter's forward (small linears use pl_linear);
+        per thread, so that a call from another thread meanwhile stays on nn.Linear."""
+        return getattr(self._thread, "native", False)
+
+    @native.setter
+    def native(self, on: bool) -> None:
+        self._thread.native = on
 
     def substitute(self, module, args, kwargs):
         if self.alibi is not None:
@@ -461,9 +474,13 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     Grouped-query heads are folded into the query rows (query heads i*G..i*G+G-1 share
     KV head i) instead of transformers' `repeat_kv` copy of every cached key and value.
     Masks are built or packed once per forward pass, in the `promptlang_masks` dict the
-    adapter passes down, and reused by every layer.
+    adapter passes down, and reused by every layer. A call without that dict comes from
+    outside the runtime and is transformers' own SDPA, as if the model were not adapted.
     """
     # query: [B, H, Q, D]; key, value: [B, H_kv, K, D] (past first, new last); mask: [B|1, 1, Q, K]
+    if kwargs.get("promptlang_masks") is None:
+        return _outside_attention(module, query, key, value, attention_mask, dropout, scaling,
+                                  is_causal, kwargs)
     shared = kwargs.get("promptlang_shared")
     if not shared and (kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
                        or kwargs.get("output_attentions")):
@@ -507,6 +524,19 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
                                              scale=scaling)
     out = out.reshape(b, heads, q, value.shape[-1]).transpose(1, 2).contiguous()
     return out, None                                                   # [B, Q, H, D]
+
+
+def _outside_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                       kwargs):
+    """transformers' SDPA attention for a call from outside the runtime. `_attention_mask`
+    answers None for every causal pass with the new tokens last; SDPA's own causal flag
+    aligns to the first key, so a None mask over a past is written out here."""
+    # query: [B, H, Q, D]; key, value: [B, H_kv, K, D]
+    q, k = query.shape[2], key.shape[2]
+    if attention_mask is None and 1 < q != k:
+        attention_mask = _causal_mask(1, q, k, query.dtype, query.device)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, is_causal=is_causal, **kwargs)
 
 
 # New tokens up to which `_attention` takes pl_attend (it computes each causal block whole,

@@ -1,4 +1,12 @@
-"""The DESIGN.md oracle: what a cached prefill must equal, computed in ONE forward pass.
+"""The DESIGN.md oracle: what a cached prefill must equal, computed in ONE forward pass of
+an unmodified transformers model.
+
+The reference model (`reference_model`) is a fresh instance of the model's class, built
+from a copy of its config with a stock attention implementation ("sdpa" where the class
+has one, else "eager") and loaded with a copy of its state dict. promptlang never touched
+it: no hooks, no swapped forwards, no promptlang attention, no CPU kernels.
+tests/runtime/test_reference_independent.py checks that, and that the reference pass
+makes no call into promptlang.
 
 The pass runs over every token occurrence of the request: each unit the request
 serves plus its context units (placeholders included; a unit that is both served
@@ -19,17 +27,39 @@ encoded against it) but leaves the request's tokens, replaced by an uncached cop
 A request without uncached tokens computes its last (highest-positioned) token
 per request (generate.py): here that token becomes the one uncached query, and its
 served occurrence drops out of the request's tokens.
+
+How each position scheme gets the real positions, with the model's own code only:
+
+- RoPE (Llama family) and learned positions (GPT-2): the model's forward takes
+  `position_ids` and a 4-D float mask of 0 / -inf, so the pass is one plain call of
+  the stock model.
+- ALiBi (BLOOM): the stock forward builds its biases from the 2-D mask's cumulative
+  sum (or the cache index) and rejects a 4-D mask, so no call of it can express
+  occurrences that share a position. The reference is instead the stock forward
+  written out over the model's own modules -- word embeddings, their layer norm,
+  every `BloomBlock` called as is, the final norm, the LM head -- with the two inputs
+  BloomModel.forward would have built passed explicitly: the 4-D mask above and the
+  biases `slope_h * position(key)` (slopes from transformers' own
+  `build_alibi_tensor`). Softmax is shift-invariant per row, so these equal the
+  stock `slope_h * key index` whenever positions are contiguous (checked against the
+  stock forward by test_reference_independent.py). A layout with filler tokens at
+  the gaps (index == position) was rejected: a placeholder and its argument share a
+  position, and the unit tokens after the placeholder must see the placeholder while
+  the uncached tokens must see the argument, which no single index layout allows.
 """
 
 from __future__ import annotations
 
+import copy
+import weakref
 from dataclasses import dataclass
 from typing import Collection
 
 import torch
+import transformers
+from transformers.cache_utils import DynamicCache
 
 from promptlang.pml.binding import BoundPrompt
-from promptlang.runtime.model import ModelAdapter
 
 
 @dataclass
@@ -38,10 +68,15 @@ class OracleResult:
     keys: torch.Tensor        # [L, H, N, D] of the request's tokens, position order
     values: torch.Tensor      # [L, H, N, D]
     positions: torch.Tensor   # [N] sorted
+    token_ids: torch.Tensor   # [N]
+    cached: torch.Tensor      # [N] bool: served from a unit (else computed per request)
 
 
-def oracle_prefill(adapter: ModelAdapter, bound: BoundPrompt, isolate: bool = False,
+def oracle_prefill(adapter, bound: BoundPrompt, isolate: bool = False,
                    recomputed: Collection[int] = frozenset()) -> OracleResult:
+    """The reference prefill of `bound` for the model behind `adapter` (a ModelAdapter or
+    the transformers model itself; only its weights and config are read). `recomputed`:
+    positions of served tokens the request computes again (their uncached copies)."""
     layout = bound.layout
     units: list[str] = []
 
@@ -56,38 +91,37 @@ def oracle_prefill(adapter: ModelAdapter, bound: BoundPrompt, isolate: bool = Fa
     for unit_id in bound.units:
         need(unit_id)
 
-    # one row per token occurrence
+    # one row per token occurrence; owner: index into `units`, len(units) for uncached
+    uncached = len(units)
     ids, pos, owner, placeholder = [], [], [], []
-    for unit_id in units:
+    for index, unit_id in enumerate(units):
         for seg in layout.units[unit_id].segments:
-            for i, token in enumerate(seg.token_ids):
-                ids.append(token)
-                pos.append(seg.start + i)
-                owner.append(unit_id)
-                placeholder.append(seg.kind == "param")
+            ids += seg.token_ids
+            pos += range(seg.start, seg.start + len(seg.token_ids))
+            owner += [index] * len(seg.token_ids)
+            placeholder += [seg.kind == "param"] * len(seg.token_ids)
     for seg in bound.uncached:
-        for i, token in enumerate(seg.token_ids):
-            ids.append(token)
-            pos.append(seg.start + i)
-            owner.append("uncached")
-            placeholder.append(False)
-    served = {unit_id for unit_id in bound.units}
+        ids += seg.token_ids
+        pos += range(seg.start, seg.start + len(seg.token_ids))
+        owner += [uncached] * len(seg.token_ids)
+        placeholder += [False] * len(seg.token_ids)
+    served = {units.index(unit_id) for unit_id in bound.units}
     copies = [i for i in range(len(ids))
               if owner[i] in served and not placeholder[i] and pos[i] in recomputed]
     assert len(copies) == len(set(recomputed)), "a recomputed position holds no served token"
     for i in copies:
         ids.append(ids[i])
         pos.append(pos[i])
-        owner.append("uncached")
+        owner.append(uncached)
         placeholder.append(False)
     request = [i for i in range(len(ids))
                if (owner[i] in served and not placeholder[i] and pos[i] not in recomputed)
-               or owner[i] == "uncached"]
+               or owner[i] == uncached]
     last = max(request, key=lambda i: pos[i])
-    if owner[last] != "uncached":      # the last token is computed per request
+    if owner[last] != uncached:        # the last token is computed per request
         ids.append(ids[last])
         pos.append(pos[last])
-        owner.append("uncached")
+        owner.append(uncached)
         placeholder.append(False)
         request = [i for i in request if i != last] + [len(ids) - 1]
 
@@ -95,23 +129,131 @@ def oracle_prefill(adapter: ModelAdapter, bound: BoundPrompt, isolate: bool = Fa
     in_request = torch.zeros(n, dtype=torch.bool)
     in_request[request] = True
     position = torch.tensor(pos)
-    allowed = torch.zeros(n, n, dtype=torch.bool)
-    for t in range(n):
-        if owner[t] == "uncached":
-            visible = in_request.clone()
-        else:
-            unit = layout.units[owner[t]]
-            sees = {owner[t]} | (set() if isolate else set(unit.context))
-            visible = torch.tensor([o in sees for o in owner])
-        allowed[t] = visible & (position <= pos[t])
+    code = torch.tensor(owner)
+    # sees[a, b]: a token of occurrence a may attend the tokens of occurrence b
+    sees = torch.eye(uncached + 1, dtype=torch.bool)
+    if not isolate:
+        for a, unit_id in enumerate(units):
+            for context_id in layout.units[unit_id].context:
+                sees[a, units.index(context_id)] = True
+    allowed = sees[code][:, code]                                          # [n, n]
+    allowed[code == uncached] = in_request
+    allowed &= position[None, :] <= position[:, None]
 
-    queries = torch.tensor([i for i in range(n) if owner[i] == "uncached"])
+    queries = torch.nonzero(code == uncached)[:, 0]
     queries = queries[torch.argsort(position[queries])]
-    chunk_size, adapter.chunk_size = adapter.chunk_size, 1 << 30   # truly one pass
-    try:
-        step = adapter.forward(torch.tensor(ids), position, None, allowed, queries)
-    finally:
-        adapter.chunk_size = chunk_size
+    reference = reference_model(getattr(adapter, "model", adapter))
+    logits, keys, values = reference_pass(reference, torch.tensor(ids), position, allowed,
+                                          queries)
     order = torch.tensor(request)[torch.argsort(position[request])]
-    return OracleResult(step.logits, step.keys[:, :, order], step.values[:, :, order],
-                        position[order])
+    return OracleResult(logits, keys[:, :, order], values[:, :, order], position[order],
+                        torch.tensor(ids)[order], code[order] != uncached)
+
+
+def oracle_over_stored(adapter, expected: OracleResult, store_dtype: torch.dtype) -> OracleResult:
+    """The reference for a store that keeps units at `store_dtype` (e.g. bfloat16): the
+    request's cached tokens keep `expected`'s KV rounded to that dtype and widened back,
+    and the uncached tokens are computed again over it -- one pass of the reference model
+    with that KV as its cache, each uncached token attending to every request token at a
+    position <= its own. (Units encoded against rounded context units carry a second-order
+    difference this does not model; the tests bound it.)"""
+    reference = reference_model(getattr(adapter, "model", adapter))
+    dtype = expected.keys.dtype
+    cached = expected.cached
+    past_keys = expected.keys[:, :, cached].to(store_dtype).to(dtype)
+    past_values = expected.values[:, :, cached].to(store_dtype).to(dtype)
+    past_positions = expected.positions[cached]
+    new_positions = expected.positions[~cached]                     # sorted: position order
+    key_positions = torch.cat([past_positions, new_positions])
+    allowed = key_positions[None, :] <= new_positions[:, None]      # [Q, S + Q]
+    logits, keys, values = reference_pass(
+        reference, expected.token_ids[~cached], new_positions, allowed,
+        torch.arange(int(new_positions.shape[0])), (past_keys, past_values, past_positions))
+    all_keys = torch.cat([past_keys, keys], dim=2)
+    all_values = torch.cat([past_values, values], dim=2)
+    order = torch.argsort(key_positions)
+    return OracleResult(logits, all_keys[:, :, order], all_values[:, :, order],
+                        key_positions[order], torch.cat([expected.token_ids[cached],
+                                                         expected.token_ids[~cached]])[order],
+                        torch.cat([torch.ones_like(past_positions, dtype=torch.bool),
+                                   torch.zeros_like(new_positions, dtype=torch.bool)])[order])
+
+
+# --- the unmodified reference model ---------------------------------------------------------------
+
+_REFERENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def reference_model(hf_model: torch.nn.Module) -> torch.nn.Module:
+    """A fresh, unmodified instance of `hf_model`'s class holding a copy of its weights,
+    kept while `hf_model` lives and its parameters are the same tensors, unchanged."""
+    params = tuple((p.data_ptr(), p._version) for p in hf_model.parameters())
+    hit = _REFERENCES.get(hf_model)
+    if hit is not None and hit[0] == params:
+        return hit[1]
+    config = copy.deepcopy(hf_model.config)
+    attention = "sdpa" if type(hf_model)._supports_sdpa else "eager"
+    dtype = next(hf_model.parameters()).dtype
+    reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention,
+                                                              dtype=dtype)
+    reference.load_state_dict(hf_model.state_dict())      # copies into its own parameters
+    reference.to(next(hf_model.parameters()).device).eval()
+    _REFERENCES[hf_model] = (params, reference)
+    return reference
+
+
+@torch.inference_mode()
+def reference_pass(reference: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                   allowed: torch.Tensor, logits_rows: torch.Tensor, past=None):
+    """One forward pass of the reference model: logits [R, V] of `logits_rows` and the new
+    tokens' keys/values [L, H_kv, Q, D].
+
+    input_ids, positions: [Q]; allowed: [Q, S + Q] bool (past keys first); past: None or
+    (keys [L, H_kv, S, D], values, positions [S]) put in the model's own DynamicCache.
+    """
+    device = next(reference.parameters()).device
+    dtype = next(reference.parameters()).dtype
+    input_ids, positions = input_ids.to(device), positions.to(device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed.to(device), float("-inf"))
+    mask = mask[None, None]                                                  # [1, 1, Q, S+Q]
+    cache = DynamicCache(config=reference.config)
+    past_len = 0
+    key_positions = positions
+    if past is not None:
+        past_keys, past_values, past_positions = past
+        for layer in range(past_keys.shape[0]):
+            cache.update(past_keys[layer][None].to(device), past_values[layer][None].to(device),
+                         layer)
+        past_len = int(past_positions.shape[0])
+        key_positions = torch.cat([past_positions.to(device), positions])
+    if reference.config.model_type == "bloom":
+        hidden = _bloom_layers(reference, input_ids, key_positions, mask, cache)
+        logits = reference.lm_head(hidden[logits_rows.to(device)])
+    else:
+        out = reference(input_ids=input_ids[None], position_ids=positions[None],
+                        attention_mask=mask, cache=cache, use_cache=True,
+                        logits_to_keep=logits_rows.to(device))
+        logits = out.logits[0]
+    keys = torch.stack([layer.keys[0, :, past_len:] for layer in cache.layers])
+    values = torch.stack([layer.values[0, :, past_len:] for layer in cache.layers])
+    return logits, keys, values
+
+
+def _bloom_layers(reference, input_ids, key_positions, mask, cache) -> torch.Tensor:
+    """BloomModel.forward over the model's own modules, with the ALiBi biases of the real
+    key positions and the 4-D mask passed in; the final hidden states [Q, hidden]."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    base = reference.transformer
+    heads = reference.config.n_head
+    dtype = next(reference.parameters()).dtype
+    # slope_h * 1: the stock biases of key index 1
+    slopes = build_alibi_tensor(torch.ones(1, 2, device=input_ids.device), heads,
+                                torch.float32)[:, 0, 1]                       # [H]
+    alibi = (slopes[:, None, None] * key_positions.to(torch.float32)).to(dtype)   # [H, 1, K]
+    hidden = base.word_embeddings_layernorm(base.word_embeddings(input_ids[None]))
+    for block in base.h:
+        hidden = block(hidden, alibi=alibi, attention_mask=mask, layer_past=cache,
+                       use_cache=True)[0]
+    return base.ln_f(hidden)[0]

@@ -4,7 +4,8 @@ For tiny randomly initialised float32 models of every supported position scheme
 (RoPE with GQA, learned absolute positions, ALiBi), the runtime's cached prefill --
 units encoded separately at their layout positions, assembled, then the uncached
 tokens computed in one pass -- must give the logits (uncached rows) and KV (every
-request token) of tests/runtime/oracle.py within 1e-4.
+request token) of tests/runtime/oracle.py within 1e-4: one forward pass of a fresh,
+unmodified transformers model over the same token occurrences, positions and visibility.
 """
 
 from __future__ import annotations
@@ -19,39 +20,11 @@ from promptlang.runtime.model import SCHEMES, Past, adapt, causal_allowed
 from promptlang.runtime.store import ModuleStore
 from promptlang.tokenizer import WordTokenizer
 
-from .oracle import oracle_prefill
+from .oracle import oracle_prefill, reference_model
+from .tiny import tiny_model
 
 TOL = 1e-4
 VOCAB = 1000
-
-
-def tiny_model(kind: str) -> torch.nn.Module:
-    torch.manual_seed(1234)
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4)
-    rope = dict(common, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2,
-                max_position_embeddings=512)
-    configs = {
-        "llama": lambda: transformers.LlamaConfig(**rope),
-        "mistral": lambda: transformers.MistralConfig(**rope, sliding_window=None),
-        "qwen2": lambda: transformers.Qwen2Config(**rope),
-        "qwen3": lambda: transformers.Qwen3Config(**rope, head_dim=16),
-        "gemma": lambda: transformers.GemmaConfig(**rope, head_dim=16),
-        "olmo2": lambda: transformers.Olmo2Config(**rope),
-        "granite": lambda: transformers.GraniteConfig(**rope),
-        "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
-                                                n_positions=512, bos_token_id=1, eos_token_id=2),
-        "bloom": lambda: transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2,
-                                                  n_head=4),
-    }
-    model = transformers.AutoModelForCausalLM.from_config(configs[kind]())
-    # Larger weights than the default init: sharp attention, so that a wrong mask entry or
-    # position moves the outputs far above the tolerance.
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.1)
-    return model.eval()
-
 
 SCHEMA = """\
 <schema name="s">
@@ -189,12 +162,13 @@ def test_scaffold_covering_all_modules_equals_plain_prefill(models, tmp_path, ki
 
 @pytest.mark.parametrize("kind", list(SCHEMES))
 def test_adapter_reproduces_the_models_own_forward(models, kind):
-    """Contiguous positions, causal: our explicit inputs give what transformers computes."""
+    """Contiguous positions, causal: our explicit inputs give what the unmodified
+    transformers model computes from the token ids alone."""
     model = models[kind]
     adapter = adapt(model)
     ids = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        reference = model(input_ids=ids[None]).logits[0]
+        reference = reference_model(model)(input_ids=ids[None]).logits[0]
     explicit = adapter.forward(ids, torch.arange(12), None, causal_allowed(0, 12), torch.arange(12))
     implicit = adapter.forward(ids, torch.arange(12), None, None, torch.arange(12))
     assert (explicit.logits - reference).abs().max() < TOL

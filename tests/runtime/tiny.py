@@ -22,3 +22,31 @@ def tiny_llama(seed: int, vocab: int, *, layers: int = 2, kv_heads: int = 2,
                 if param.dim() >= 2:
                     param.normal_(0.0, 0.1)
     return model
+
+
+def tiny_model(kind: str, vocab: int = 1000) -> torch.nn.Module:
+    """A tiny randomly initialised model of a supported `model_type` (model.SCHEMES), with
+    sharp weights as in `tiny_llama`."""
+    torch.manual_seed(1234)
+    common = dict(vocab_size=vocab, hidden_size=64, num_attention_heads=4)
+    rope = dict(common, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2,
+                max_position_embeddings=512)
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**rope),
+        "mistral": lambda: transformers.MistralConfig(**rope, sliding_window=None),
+        "qwen2": lambda: transformers.Qwen2Config(**rope),
+        "qwen3": lambda: transformers.Qwen3Config(**rope, head_dim=16),
+        "gemma": lambda: transformers.GemmaConfig(**rope, head_dim=16),
+        "olmo2": lambda: transformers.Olmo2Config(**rope),
+        "granite": lambda: transformers.GraniteConfig(**rope),
+        "gpt2": lambda: transformers.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4,
+                                                n_positions=512, bos_token_id=1, eos_token_id=2),
+        "bloom": lambda: transformers.BloomConfig(vocab_size=vocab, hidden_size=64, n_layer=2,
+                                                  n_head=4),
+    }
+    model = transformers.AutoModelForCausalLM.from_config(configs[kind]())
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.1)
+    return model.eval()
