@@ -162,8 +162,8 @@ FOREIGN = [
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Each test sees the store's once-per-process warnings afresh."""
-    from promptlang.runtime import store
-    monkeypatch.setattr(store, "_warned", set())
+    from promptlang.runtime.store import tier
+    monkeypatch.setattr(tier, "_warned", set())
 
 
 @pytest.mark.parametrize("damage, reason", DAMAGES, ids=[d.__name__.strip("_") for d, _ in DAMAGES])
