@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from promptlang.errors import CacheError
-from promptlang.runtime import kvfiles, store as store_module
+from promptlang.runtime.store import kvfile, tier
 from promptlang.runtime.store import (MARKER, CacheWarning, ModuleStore, clear_disk,
                                       list_disk_entries)
 from .test_store import assert_same, file_of, key_of, make_kv
@@ -21,7 +21,7 @@ from .test_store import assert_same, file_of, key_of, make_kv
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Each test sees the store's once-per-process warnings afresh."""
-    monkeypatch.setattr(store_module, "_warned", set())
+    monkeypatch.setattr(tier, "_warned", set())
 
 
 def plant_foreign_files(folder) -> dict[str, bytes]:
@@ -257,7 +257,7 @@ def test_a_foreign_owned_file_is_not_loaded_but_re_encoded(tmp_path, monkeypatch
     folder = tmp_path / "kv"
     ModuleStore(disk_dir=folder).put(key_of(1), make_kv(1))
     victim = file_of(folder, key_of(1))
-    real_reason = kvfiles.untrusted_reason
+    real_reason = kvfile.untrusted_reason
 
     def reason(path):
         if os.fspath(path) == os.fspath(victim) and os.lstat(path).st_ino == planted_inode:
@@ -265,7 +265,7 @@ def test_a_foreign_owned_file_is_not_loaded_but_re_encoded(tmp_path, monkeypatch
         return real_reason(path)
 
     planted_inode = victim.stat().st_ino
-    monkeypatch.setattr(kvfiles, "untrusted_reason", reason)
+    monkeypatch.setattr(kvfile, "untrusted_reason", reason)
     store = ModuleStore(disk_dir=folder)
     with pytest.warns(CacheWarning, match="owned by uid 4242"):
         assert store.get(key_of(1)) is None

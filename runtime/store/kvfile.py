@@ -1,22 +1,9 @@
-"""The disk tier's files: the KV file format, and the folder rules that keep the store to its
-own files.
+"""One KV file of the disk tier: its format, how it is written, read and verified.
 
-Folder: private (0700), marked with a `.promptlang-kv-store` file when the store creates it
-or adopts an empty folder or one holding only promptlang KV files (`open_dir`); any other
-unmarked folder is refused, by `clear_disk` and `list_disk_entries` too (which adopt the KV
-home as a store would).
-
-Files: only regular files (lstat first; opened O_NONBLOCK | O_NOFOLLOW, so a FIFO never
-blocks) whose safetensors header carries the `promptlang-kv` tag are listed, counted,
-evicted or deleted; anything else is left alone. They are written 0600 by
-`promptlang.home.write_private` (temporary name, then rename). `read_file` raises
-UntrustedFileError for what `promptlang.home.untrusted_reason` refuses (another user's
-file, or one others can write); the store misses, re-encodes and replaces it.
-
-Disk file `<key>.<stored>.safetensors`, where <stored> is the store dtype (`float32`,
-`bfloat16`, ...) or `put` for a store without one (KV kept as put), so stores of different
-dtypes sharing a folder never serve each other's KV. A valid safetensors file, written and
-read without extra copies (the data is read into one buffer, checksummed, and viewed):
+A valid safetensors file, but written and read by this hand-written code on purpose, not by
+the `safetensors` library: loading through the library needs one more copy of the data to
+verify our checksum, and was measured slower; this reader reads the data into one buffer,
+checksums it and views the tensors in place, with no further copy however long the unit.
 
     u64 little-endian header length N | N bytes of JSON header | tensor data
     tensors, in data order: positions [S] i64, token_ids [S] i64, keys [L,H,S,Dk],
@@ -24,6 +11,13 @@ read without extra copies (the data is read into one buffer, checksummed, and vi
     __metadata__: format, format_version, key, stored (as in the name), meta (JSON of the
     caller's meta), tensors (JSON: dtype and shape of each), put_dtype, sha256 (of the whole
     data section)
+
+Files are written 0600 by `promptlang.home.write_private` (temporary name, then rename).
+`read_file` opens only regular files (O_NONBLOCK | O_NOFOLLOW, so a FIFO never blocks) and
+raises UntrustedFileError for what `promptlang.home.untrusted_reason` refuses (another
+user's file, or one others can write), CorruptFileError for a file that fails a check; its
+`ours` is False when the file carries no promptlang-kv tag (nothing says who wrote it).
+The folder the files live in, and its rules, are in `folder.py`.
 """
 
 from __future__ import annotations
@@ -31,25 +25,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import stat
 import struct
 from pathlib import Path
 
 import torch
 
-from promptlang.errors import CacheError
-from promptlang.home import kv_dir, private_dir, untrusted_reason, write_private
-from promptlang.inputs import read_bytes
+from promptlang.home import untrusted_reason, write_private
 from promptlang.runtime.kv import ModuleKV
 
 FORMAT = "promptlang-kv"
 FORMAT_VERSION = "2"
-SUFFIX = ".safetensors"
-MARKER = ".promptlang-kv-store"
 
-_MARKER_TEXT = b"promptlang-kv-store 1\n"
-_TMP_RE = re.compile(r"\.[0-9A-Za-z_.-]+\.tmp\Z")  # write_private's temporary names (and v1's)
 _MAX_HEADER = 16 << 20  # our headers are a few hundred bytes; anything huge is foreign
 _TENSOR_ORDER = ("positions", "token_ids", "keys", "values", "placeholder")  # 8-byte ints first keeps data aligned
 _DTYPE_CODES = {
@@ -74,55 +61,7 @@ class CorruptFileError(Exception):
     ours = True                               # False: no promptlang-kv tag, so not deleted
 
 
-# ---- listing and clearing (`promptlang cache ls` / `cache clear`) ----------------------------
-
-def list_disk_entries(disk_dir: str | os.PathLike | None = None) -> list[dict]:
-    """Every promptlang KV file in `disk_dir` (default the KV home), sorted by key.
-
-    Each dict: key, path, stored (the store dtype, or "put"), file_bytes, nbytes (tensor
-    bytes), modified (mtime, seconds), meta (the caller's meta), put_dtype, length (tokens),
-    error (None, or why the file is not one this promptlang reads). Only headers are read:
-    checksums are verified on load. Files without the promptlang-kv tag are not listed; a
-    folder without the store's marker raises CacheError (a missing one lists nothing).
-    """
-    directory = _existing_dir(disk_dir, "list")
-    if directory is None:
-        return []
-    result = []
-    for path, info, header, data_start in _our_files(directory):
-        md = header["__metadata__"]
-        key, stored = str(md.get("key", "")), str(md.get("stored", ""))
-        item = {"key": key, "path": str(path), "stored": stored, "file_bytes": info.st_size,
-                "nbytes": 0, "modified": info.st_mtime, "meta": {}, "put_dtype": "",
-                "length": 0, "error": None}
-        try:
-            checked = _check_header(header, key, stored, info.st_size - data_start)
-            if path.name != f"{key}.{stored}{SUFFIX}":
-                raise CorruptFileError("its name does not match its key and store dtype")
-            item.update(nbytes=checked["data_bytes"], meta=checked["meta"],
-                        put_dtype=dtype_name(checked["put_dtype"]), length=checked["length"])
-        except FileNotFoundError:
-            continue
-        except (CorruptFileError, OSError) as err:
-            item["error"] = str(err)
-        result.append(item)
-    return sorted(result, key=lambda item: (item["key"], item["stored"], item["path"]))
-
-
-def clear_disk(disk_dir: str | os.PathLike | None = None) -> int:
-    """Delete every promptlang KV file (and leftover temporary one) in `disk_dir`; returns the
-    number of KV files removed. Other files stay; a folder without the store's marker raises
-    CacheError and nothing in it is deleted (a missing folder: 0)."""
-    directory = _existing_dir(disk_dir, "delete")
-    if directory is None:
-        return 0
-    removed = sum(unlink_same(path, info) for path, info, _, _ in _our_files(directory))
-    for path, info, _, _ in _our_files(directory, temporary=True):
-        unlink_same(path, info)
-    return removed
-
-
-# ---- file format -----------------------------------------------------------------------------
+# ---- writing and reading -------------------------------------------------------------------
 
 def write_file(path: Path, key: str, kv: ModuleKV, meta: dict[str, str],
                put_dtype: torch.dtype, stored: str) -> int:
@@ -178,7 +117,7 @@ def read_file(path: Path, key: str,
 
 def _read_verified(f, size: int, key: str, stored: str) -> tuple[ModuleKV, dict, int]:
     header, data_start = _read_header(f, size)
-    info = _check_header(header, key, stored, size - data_start)
+    info = check_header(header, key, stored, size - data_start)
     data = bytearray(size - data_start)
     if f.readinto(data) != len(data):
         raise CorruptFileError("file shorter than its header says (truncated?)")
@@ -233,7 +172,7 @@ def _parse_header(f, size: int) -> tuple[dict, int]:
     return header, 8 + length
 
 
-def _check_header(header: dict, key: str, stored: str, data_bytes: int) -> dict:
+def check_header(header: dict, key: str, stored: str, data_bytes: int) -> dict:
     """Validate a header against our format, the key and store dtype its name says, and the
     file's data size; returns its metadata."""
     md = header.get("__metadata__")
@@ -284,110 +223,7 @@ def _check_header(header: dict, key: str, stored: str, data_bytes: int) -> dict:
             "sha256": sha, "data_bytes": offset, "length": int(header["positions"]["shape"][0])}
 
 
-# ---- the folder and the files in it ---------------------------------------------------------
-
-def open_dir(directory: Path) -> None:
-    """Make `directory` this store's folder: created 0700 and marked, or an existing folder of
-    the user's that is marked, empty, or holds nothing but promptlang KV files (marked now)."""
-    if os.path.lexists(directory) and not directory.is_dir():
-        raise CacheError(f"KV cache directory {directory} is not a directory")
-    try:
-        private_dir(directory)
-    except OSError as err:
-        raise CacheError(f"KV cache directory {directory} cannot be created: {err}") from None
-    if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
-        raise CacheError(f"KV cache directory {directory} is not readable and writable "
-                         "(set PROMPTLANG_HOME or pass disk_dir= to use another place)")
-    info = os.stat(directory)
-    if info.st_uid != os.getuid() or info.st_mode & 0o022:
-        whose = (f"belongs to uid {info.st_uid}" if info.st_uid != os.getuid()
-                 else "is writable by others")
-        raise CacheError(f"KV cache directory {directory} {whose}: promptlang keeps KV only in "
-                         "a folder private to the user (pass disk_dir= another place)")
-    problem = _marker_problem(directory)
-    if problem is None:
-        return
-    if os.path.lexists(directory / MARKER):
-        raise CacheError(f"KV cache directory {directory} cannot be used: {problem}")
-    ours = {path.name for path, _, _, _ in _our_files(directory)}
-    ours |= {path.name for path, _, _, _ in _our_files(directory, temporary=True)}
-    others = sorted(entry.name for entry in listdir(directory)
-                    if entry.name not in ours and not entry.name.startswith(f".{MARKER}."))
-    if others:
-        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise CacheError(f"KV cache directory {directory} is not a promptlang KV folder: it has "
-                         f"no {MARKER} marker and holds other files ({shown}); pass disk_dir= "
-                         "an empty or new folder")
-    try:
-        write_private(directory / MARKER, _MARKER_TEXT)
-    except OSError as err:
-        raise CacheError(f"KV cache directory {directory} cannot be marked: {err}") from None
-
-
-def _marker_problem(directory: Path) -> str | None:
-    """Why `directory` is not marked as a folder the store created, or None when it is."""
-    marker = directory / MARKER
-    reason = untrusted_reason(marker)
-    if reason is not None:
-        return f"{marker}: {reason}"
-    try:
-        text = read_bytes(marker, max_bytes=4096, error=CacheError)
-    except CacheError as err:
-        return str(err)
-    return None if text == _MARKER_TEXT else f"{marker} is not promptlang's marker"
-
-
-def _existing_dir(disk_dir: str | os.PathLike | None, action: str) -> Path | None:
-    """The marked folder `disk_dir` names, or None if there is none. The KV home (None) is
-    adopted as a store would adopt it, so a KV home from before markers can be listed and
-    cleared; any other folder without the marker is refused."""
-    if disk_dir is None:
-        directory = kv_dir()
-        if not os.path.lexists(directory):
-            return None
-        open_dir(directory)
-        return directory
-    directory = Path(disk_dir)
-    if not os.path.lexists(directory):
-        return None
-    problem = _marker_problem(directory)
-    if problem is not None:
-        raise CacheError(f"promptlang does not {action} files in {directory}: it is not a folder "
-                         f"promptlang's KV store created ({problem}); nothing was changed")
-    return directory
-
-
-def listdir(directory: Path) -> list[os.DirEntry]:
-    try:
-        with os.scandir(directory) as entries:
-            return list(entries)
-    except FileNotFoundError:
-        return []
-    except OSError as err:
-        raise CacheError(f"KV cache directory {directory} cannot be read: {err}") from None
-
-
-def _our_files(directory: Path, temporary: bool = False):
-    """(path, lstat, header, data start) of each regular file in `directory` whose header
-    carries the promptlang-kv tag: KV files, or with `temporary` write_private's leftovers.
-    Names are filtered and types checked with lstat before anything is opened."""
-    for entry in sorted(listdir(directory), key=lambda e: e.name):
-        name = entry.name
-        if temporary:
-            if not _TMP_RE.match(name) or name.startswith(f".{MARKER}."):
-                continue
-        elif name.startswith(".") or not name.endswith(SUFFIX):
-            continue
-        try:
-            info = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(info.st_mode):
-            continue
-        peeked = peek_header(Path(entry.path), info)
-        if peeked is not None:
-            yield Path(entry.path), info, *peeked
-
+# ---- looking at a file without loading it ----------------------------------------------------
 
 def peek_header(path: Path, info: os.stat_result) -> tuple[dict, int] | None:
     """(header, data start) if the file at `path` is still the regular file `info` describes
@@ -424,43 +260,6 @@ def existing_file(path: Path, key: str, stored: str) -> str:
     if current == (FORMAT_VERSION, key, stored) and untrusted_reason(path) is None:
         return "current"
     return "replace"
-
-
-def is_regular(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def unlink_same(path: Path, info: os.stat_result) -> bool:
-    """Delete `path` if it is still the file `info` describes (not one put there since)."""
-    try:
-        now = os.lstat(path)
-        if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
-            return False
-        path.unlink()
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def unlink_ours(path: Path) -> bool:
-    """Delete `path` if it is a regular file carrying our tag."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    if not stat.S_ISREG(info.st_mode) or peek_header(path, info) is None:
-        return False
-    return unlink_same(path, info)
-
-
-def touch(path: Path) -> None:
-    try:
-        os.utime(path, follow_symlinks=False)
-    except (OSError, NotImplementedError):
-        pass  # evicted meanwhile, or a read-only file: only the disk LRU order is affected
 
 
 # ---- small helpers ---------------------------------------------------------------------------
