@@ -14,7 +14,7 @@ from promptlang.compiler.decorator import PromptFunction, prompt
 from promptlang.compiler.diagnostics import CODES, CompileError, Diagnostic
 from promptlang.compiler.generation import gen, select
 from promptlang.compiler.markers import MaxTokens, assistant, system, user
-from promptlang.compiler.prompt import Prompt
+from promptlang.pml.prompt import Prompt
 
 __all__ = ["prompt", "Prompt", "PromptFunction", "MaxTokens", "system", "user", "assistant",
            "gen", "select", "CompileError", "Diagnostic", "CODES"]

@@ -33,7 +33,7 @@ from promptlang.compiler import lower
 from promptlang.compiler.analyze import analyze_function
 from promptlang.compiler.diagnostics import CompileError, Diagnostic, errors
 from promptlang.compiler.instrument import instrument
-from promptlang.compiler.prompt import Prompt
+from promptlang.compiler.prompt import CompiledPrompt
 from promptlang.compiler.source import caller_span, deepest_span, module_name_for_file
 from promptlang.compiler.trace import Hooks, Trace
 from promptlang.pml import nodes
@@ -138,12 +138,13 @@ class PromptFunction:
 
     # -- calling --------------------------------------------------------------------------
 
-    def __call__(self, *args, **kwargs) -> Prompt:
+    def __call__(self, *args, **kwargs) -> CompiledPrompt:
         self.plan()
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
         doc = Trace().run(self, args, kwargs)
-        return Prompt(self.__qualname__, self.schema, doc, MappingProxyType(dict(bound.arguments)))
+        return CompiledPrompt(self.__qualname__, self.schema, doc,
+                              MappingProxyType(dict(bound.arguments)))
 
     @property
     def generates(self) -> bool:

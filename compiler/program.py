@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 from promptlang.compiler.generation import Gen, Select
-from promptlang.compiler.prompt import Prompt
+from promptlang.compiler.prompt import CompiledPrompt, Prompt
 from promptlang.compiler.trace import Trace
 from promptlang.pml import nodes
 
@@ -117,7 +117,7 @@ class _Call:
         from promptlang.runtime.session import Session
 
         function = self.program.function
-        prompt = Prompt(function.__qualname__, function.schema, doc, self.arguments)
+        prompt = CompiledPrompt(function.__qualname__, function.schema, doc, self.arguments)
         session = Session(self.program.llm, prompt, baseline=self.program.baseline)
         self.live = _Live(ProgramRun(prompt, session), self.started, self.program.seed)
         return self.live
