@@ -22,7 +22,7 @@ from __future__ import annotations
 import ast
 import linecache
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
@@ -44,9 +44,6 @@ class Analysis:
     ir: ir.FunctionIR | None
     diagnostics: list[Diagnostic]
     source: FunctionSource | None = None
-    # where each item's statement is, as (kind, line, byte column[, case index]): the
-    # positions CPython's own parser gives, which `instrument.py` works on
-    places: dict[tuple, int | tuple[int, int]] = field(default_factory=dict)
 
 
 def analyze_function(fn, where: Span | None = None) -> Analysis:
@@ -110,7 +107,6 @@ class _Analyzer:
         self.fn, self.source, self.module, self.node = fn, source, module, node
         self.positions = positions
         self.diagnostics: list[Diagnostic] = []
-        self.places: dict[tuple, int | tuple[int, int]] = {}
         self.lines = source.text.split("\n")
         self.statement_calls: set[cst.Call] = set()
         self.next_id = 0
@@ -165,7 +161,7 @@ class _Analyzer:
             name=node.name.value, qualname=self.fn.__qualname__, file=self.source.file,
             span=self.span(node.name), parameters=names, locals=frozenset(scan.stores),
             body=body, expression_calls=calls, params_span=self.params_span())
-        return Analysis(function, self.diagnostics, self.source, self.places)
+        return Analysis(function, self.diagnostics, self.source)
 
     def params_span(self) -> Span | None:
         for decorator in self.node.decorators:
@@ -209,10 +205,8 @@ class _Analyzer:
             return self.string_statement(node, value)
         if isinstance(value, cst.Call):
             self.statement_calls.add(value)
-            item = ir.CallItem(self.new_id(), _dotted(value.func), self.code(value.func),
-                               self.span(value))
-            self.places[self.place("expr", node)] = item.id
-            return [item]
+            return [ir.CallItem(self.new_id(), _dotted(value.func), self.code(value.func),
+                                self.span(value), self.place("expr", node))]
         if isinstance(value, cst.Ellipsis) or (isinstance(value, cst.Name)
                                                and value.value == "None"):
             return []           # `...` is a placeholder; None emits nothing
@@ -226,14 +220,10 @@ class _Analyzer:
                 self.report("PL109", f"this number cannot be printed as text: {e}", value,
                             "write the number as a string literal")
                 return []
-            item = ir.TextItem(self.new_id(), text, self.span(node))
-            self.places[self.place("expr", node)] = item.id
-            return [item]
+            return [ir.TextItem(self.new_id(), text, self.span(node), self.place("expr", node))]
         hole = ir.Hole(_normalise(self.code(value)),
                        value.value if isinstance(value, cst.Name) else None, self.span(value))
-        item = ir.ValueItem(self.new_id(), hole, self.span(node))
-        self.places[self.place("expr", node)] = item.id
-        return [item]
+        return [ir.ValueItem(self.new_id(), hole, self.span(node), self.place("expr", node))]
 
     def string_statement(self, node: cst.Expr, value) -> list[ir.Item]:
         code = self.code(value)
@@ -254,16 +244,16 @@ class _Analyzer:
         holes = [ir.Hole(_normalise(self.code(e.expression)),
                          e.expression.value if isinstance(e.expression, cst.Name) else None,
                          self.span(e.expression)) for e in expressions]
+        place = self.place("expr", node)
         if not holes:
-            item: ir.Item = ir.TextItem(self.new_id(), template, self.span(node))
+            item: ir.Item = ir.TextItem(self.new_id(), template, self.span(node), place)
         else:
             parts: list[str | ir.Hole] = []
             for k, hole in enumerate(holes):
                 parts.extend([literal[k], hole])
             parts.append(literal[-1])
             item = ir.FStringItem(self.new_id(), tuple(p for p in parts if p != ""),
-                                  self.span(node))
-        self.places[self.place("expr", node)] = item.id
+                                  self.span(node), place)
         return [item]
 
     def assignment(self, node, value) -> list[ir.Item]:
@@ -298,13 +288,12 @@ class _Analyzer:
         while current is not None:
             arm_id = self.new_id()
             if isinstance(current, cst.If):
-                self.places[self.place("if", current)] = arm_id
                 arms.append(ir.Arm(arm_id, self.code(current.test), self.suite(current.body),
-                                   self.span(current)))
+                                   self.span(current), self.place("if", current)))
                 owner, current = current, current.orelse
             else:    # CPython's ast has no node for `else`: it is placed by its `if`
-                self.places[self.place("else", owner)] = arm_id
-                arms.append(ir.Arm(arm_id, "", self.suite(current.body), self.span(current)))
+                arms.append(ir.Arm(arm_id, "", self.suite(current.body), self.span(current),
+                                   self.place("else", owner)))
                 current = None
         if not any(arm.body for arm in arms):
             return []
@@ -315,11 +304,11 @@ class _Analyzer:
         arms = []
         for index, case in enumerate(node.cases):
             arm_id = self.new_id()
-            self.places[self.place("case", node, index)] = arm_id
             label = self.code(case.pattern)
             if case.guard is not None:
                 label += " if " + self.code(case.guard)
-            arms.append(ir.Arm(arm_id, label, self.suite(case.body), self.span(case)))
+            arms.append(ir.Arm(arm_id, label, self.suite(case.body), self.span(case),
+                               self.place("case", node, index)))
         if not any(arm.body for arm in arms):
             return []
         return [ir.BranchItem(branch_id, "match", tuple(arms), self.span(node))]
@@ -368,13 +357,13 @@ class _Analyzer:
                 return list(self.suite(node.body))
             path, role = roles[0][1]
             open_id, close_id = self.new_id(), self.new_id()
-            self.places[self.place("with", node)] = (open_id, close_id)
             self.in_role = True
             try:
                 body = self.suite(node.body)
             finally:
                 self.in_role = False
-            return [ir.RoleItem(open_id, close_id, role, path, body, self.span(node))]
+            return [ir.RoleItem(open_id, close_id, role, path, body, self.span(node),
+                                self.place("with", node))]
         block_id = self.new_id()
         body = self.suite(node.body)
         return [ir.BlockItem(block_id, "with", body, self.span(node))] if body else []
