@@ -31,7 +31,7 @@ from contextvars import ContextVar
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from promptlang.compiler import lower
+from promptlang.compiler.lower import plan_function, schema_of
 from promptlang.compiler.analyze import analyze_function
 from promptlang.compiler.diagnostics import CompileError, Diagnostic, errors
 from promptlang.compiler.instrument import instrument
@@ -95,7 +95,7 @@ class PromptFunction(PlannedFunction):
             with _PLANNING:
                 if self._plan is None:
                     try:
-                        plan = lower.plan_function(self, stack)
+                        plan = plan_function(self, stack)
                         instrumented = instrument(self.__wrapped__, self.analysis, plan,
                                                   Hooks(self))
                     except RecursionError:
@@ -125,7 +125,7 @@ class PromptFunction(PlannedFunction):
     def schema(self) -> nodes.Schema:
         """The PML schema of this function (and the @prompt functions it calls)."""
         if self._schema is None:
-            self._schema = lower.schema_of(self)
+            self._schema = schema_of(self)
         return self._schema
 
     def schema_pml(self) -> str:

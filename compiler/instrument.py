@@ -33,7 +33,7 @@ from __future__ import annotations
 import ast
 import types
 
-from promptlang.compiler import ir
+import promptlang.compiler.ir as ir   # not `from promptlang.compiler`: that names the package
 from promptlang.compiler.analyze import Analysis
 from promptlang.compiler.plan import FunctionPlan
 

@@ -28,7 +28,7 @@ import builtins
 from dataclasses import dataclass
 from typing import Any
 
-from promptlang.compiler import ir
+import promptlang.compiler.ir as ir   # not `from promptlang.compiler`: that names the package
 from promptlang.compiler.diagnostics import CompileError, Diagnostic, errors
 from promptlang.compiler.generation import is_generator
 from promptlang.compiler.markers import RoleHelper

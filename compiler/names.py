@@ -13,7 +13,7 @@ import io
 import re
 import tokenize
 
-from promptlang.compiler import ir
+import promptlang.compiler.ir as ir   # not `from promptlang.compiler`: that names the package
 from promptlang.pml import nodes
 
 RESERVED = nodes.ROLES + ("scaffold",)

@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
-from promptlang.compiler import ir
+import promptlang.compiler.ir as ir   # not `from promptlang.compiler`: that names the package
 from promptlang.compiler.diagnostics import Diagnostic
 from promptlang.errors import Span
 from promptlang.pml import nodes

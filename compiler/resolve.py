@@ -13,7 +13,7 @@ import inspect
 import typing
 from typing import Callable
 
-from promptlang.compiler import ir
+import promptlang.compiler.ir as ir   # not `from promptlang.compiler`: that names the package
 from promptlang.compiler.markers import MaxTokens, token_count_problem
 
 UNRESOLVED = object()      # a name that depends on local values: unknown before the call
