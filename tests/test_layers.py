@@ -175,7 +175,8 @@ def test_the_scan_reads_every_layer_and_lazy_imports():
     graph = scan(ROOT)
     assert {layer(name) for name in graph} >= {"pml", "compiler", "runtime", "bench", "face"}
     assert JOIN in {i.target for i in graph["promptlang.compiler.decorator"] if i.lazy}
-    assert all(layer(name) == "compiler" for name in graph if name.startswith("promptlang.compiler"))
+    assert all(layer(name) == "compiler" for name in graph
+               if name.startswith("promptlang.compiler"))
 
 
 def test_the_layers_import_only_what_their_rules_allow():
@@ -207,7 +208,8 @@ def test_a_violation_planted_in_a_copy_of_a_compiler_file_is_caught(tmp_path):
                     "    from ..runtime.session import Session\n    return Session\n")
     found = violations({name: imports_of(name, copy, modules)})
     assert len(found) == 1
-    assert "promptlang.runtime.session" in found[0] and "compiler must not import runtime" in found[0]
+    assert "promptlang.runtime.session" in found[0]
+    assert "compiler must not import runtime" in found[0]
 
 
 def test_a_cycle_planted_in_copies_of_two_files_is_caught(tmp_path):
