@@ -62,11 +62,6 @@ class FunctionPlan:
         """The own cached items of module `key` (None: the function's; else an arm id)."""
         return self.own if key is None else self.items[key].own
 
-    @property
-    def modules(self) -> frozenset[int]:
-        """Ids of the arms and calls that open a child module."""
-        return frozenset(i for i, item in self.items.items() if item.module is not None)
-
 
 class PlannedFunction:
     """What lowering and tracing use of a @prompt function (`decorator.PromptFunction`
