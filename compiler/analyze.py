@@ -21,17 +21,17 @@ from __future__ import annotations
 
 import ast
 import linecache
-import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from promptlang.compiler import ir
+import promptlang.compiler.ir as ir   # not `from promptlang.compiler`: that names the package
 from promptlang.compiler.diagnostics import Diagnostic
 from promptlang.compiler.source import FunctionSource, deepest_span, function_source
+from promptlang.compiler.syntax import (ScopeScan, dedent_block, dotted, hole_nodes,
+                                        is_block_literal, is_docstring, normalise, role_call)
 from promptlang.errors import Span
-from promptlang.pml.nodes import ROLES
 
 GENERATOR_NAMES = ("gen", "select")   # what `x = name(...)` may call to be a generation
 _HOLE = "\ue000"     # stands for a hole while the literal parts around it are dedented
@@ -44,9 +44,6 @@ class Analysis:
     ir: ir.FunctionIR | None
     diagnostics: list[Diagnostic]
     source: FunctionSource | None = None
-    # where each item's statement is, as (kind, line, byte column[, case index]): the
-    # positions CPython's own parser gives, which `instrument.py` works on
-    places: dict[tuple, int | tuple[int, int]] = field(default_factory=dict)
 
 
 def analyze_function(fn, where: Span | None = None) -> Analysis:
@@ -110,7 +107,6 @@ class _Analyzer:
         self.fn, self.source, self.module, self.node = fn, source, module, node
         self.positions = positions
         self.diagnostics: list[Diagnostic] = []
-        self.places: dict[tuple, int | tuple[int, int]] = {}
         self.lines = source.text.split("\n")
         self.statement_calls: set[cst.Call] = set()
         self.next_id = 0
@@ -145,7 +141,7 @@ class _Analyzer:
         if node.asynchronous is not None:
             self.report("PL101", f"{node.name.value} is an async function; a @prompt function "
                                  "is a plain `def`", node.name)
-        scan = _ScopeScan()
+        scan = ScopeScan()
         node.body.visit(scan)
         for y in scan.yields:
             self.report("PL101", "a @prompt function cannot be a generator (`yield`)", y)
@@ -155,7 +151,7 @@ class _Analyzer:
         body = self.block(statements, docstring=True)
         calls = tuple(ir.ExpressionCall(path, self.code(c.func), self.span(c))
                       for c in scan.calls if c not in self.statement_calls
-                      for path in [_dotted(c.func)] if path is not None)
+                      for path in [dotted(c.func)] if path is not None)
         params = node.params
         names = tuple(p.name.value for p in (
             *params.posonly_params, *params.params,
@@ -165,7 +161,7 @@ class _Analyzer:
             name=node.name.value, qualname=self.fn.__qualname__, file=self.source.file,
             span=self.span(node.name), parameters=names, locals=frozenset(scan.stores),
             body=body, expression_calls=calls, params_span=self.params_span())
-        return Analysis(function, self.diagnostics, self.source, self.places)
+        return Analysis(function, self.diagnostics, self.source)
 
     def params_span(self) -> Span | None:
         for decorator in self.node.decorators:
@@ -193,7 +189,7 @@ class _Analyzer:
     def block(self, statements, docstring: bool = False) -> tuple[ir.Item, ...]:
         items: list[ir.Item] = []
         for index, statement in enumerate(statements):
-            if docstring and index == 0 and _is_docstring(statement):
+            if docstring and index == 0 and is_docstring(statement):
                 continue
             visit = getattr(self, "visit_" + type(statement).__name__, None)
             if visit is not None:
@@ -209,10 +205,8 @@ class _Analyzer:
             return self.string_statement(node, value)
         if isinstance(value, cst.Call):
             self.statement_calls.add(value)
-            item = ir.CallItem(self.new_id(), _dotted(value.func), self.code(value.func),
-                               self.span(value))
-            self.places[self.place("expr", node)] = item.id
-            return [item]
+            return [ir.CallItem(self.new_id(), dotted(value.func), self.code(value.func),
+                                self.span(value), self.place("expr", node))]
         if isinstance(value, cst.Ellipsis) or (isinstance(value, cst.Name)
                                                and value.value == "None"):
             return []           # `...` is a placeholder; None emits nothing
@@ -226,14 +220,10 @@ class _Analyzer:
                 self.report("PL109", f"this number cannot be printed as text: {e}", value,
                             "write the number as a string literal")
                 return []
-            item = ir.TextItem(self.new_id(), text, self.span(node))
-            self.places[self.place("expr", node)] = item.id
-            return [item]
-        hole = ir.Hole(_normalise(self.code(value)),
+            return [ir.TextItem(self.new_id(), text, self.span(node), self.place("expr", node))]
+        hole = ir.Hole(normalise(self.code(value)),
                        value.value if isinstance(value, cst.Name) else None, self.span(value))
-        item = ir.ValueItem(self.new_id(), hole, self.span(node))
-        self.places[self.place("expr", node)] = item.id
-        return [item]
+        return [ir.ValueItem(self.new_id(), hole, self.span(node), self.place("expr", node))]
 
     def string_statement(self, node: cst.Expr, value) -> list[ir.Item]:
         code = self.code(value)
@@ -246,30 +236,30 @@ class _Analyzer:
             self.report("PL109", "a bytes literal is not text", value)
             return []
         pieces = tree.values if isinstance(tree, ast.JoinedStr) else [tree]
-        expressions = _hole_nodes(value)
+        expressions = hole_nodes(value)
         template = "".join(p.value if isinstance(p, ast.Constant) else _HOLE for p in pieces)
-        if _is_block_literal(value):
+        if is_block_literal(value):
             template = dedent_block(template)
         literal = template.split(_HOLE)
-        holes = [ir.Hole(_normalise(self.code(e.expression)),
+        holes = [ir.Hole(normalise(self.code(e.expression)),
                          e.expression.value if isinstance(e.expression, cst.Name) else None,
                          self.span(e.expression)) for e in expressions]
+        place = self.place("expr", node)
         if not holes:
-            item: ir.Item = ir.TextItem(self.new_id(), template, self.span(node))
+            item: ir.Item = ir.TextItem(self.new_id(), template, self.span(node), place)
         else:
             parts: list[str | ir.Hole] = []
             for k, hole in enumerate(holes):
                 parts.extend([literal[k], hole])
             parts.append(literal[-1])
             item = ir.FStringItem(self.new_id(), tuple(p for p in parts if p != ""),
-                                  self.span(node))
-        self.places[self.place("expr", node)] = item.id
+                                  self.span(node), place)
         return [item]
 
     def assignment(self, node, value) -> list[ir.Item]:
         """`x = gen(...)`: an item when the call may be a generation (decided in lower.py);
         any other assignment is ordinary code."""
-        path = _dotted(value.func) if isinstance(value, cst.Call) else None
+        path = dotted(value.func) if isinstance(value, cst.Call) else None
         if path is None or path[-1] not in GENERATOR_NAMES:
             return []
         self.statement_calls.add(value)
@@ -298,13 +288,12 @@ class _Analyzer:
         while current is not None:
             arm_id = self.new_id()
             if isinstance(current, cst.If):
-                self.places[self.place("if", current)] = arm_id
                 arms.append(ir.Arm(arm_id, self.code(current.test), self.suite(current.body),
-                                   self.span(current)))
+                                   self.span(current), self.place("if", current)))
                 owner, current = current, current.orelse
             else:    # CPython's ast has no node for `else`: it is placed by its `if`
-                self.places[self.place("else", owner)] = arm_id
-                arms.append(ir.Arm(arm_id, "", self.suite(current.body), self.span(current)))
+                arms.append(ir.Arm(arm_id, "", self.suite(current.body), self.span(current),
+                                   self.place("else", owner)))
                 current = None
         if not any(arm.body for arm in arms):
             return []
@@ -315,11 +304,11 @@ class _Analyzer:
         arms = []
         for index, case in enumerate(node.cases):
             arm_id = self.new_id()
-            self.places[self.place("case", node, index)] = arm_id
             label = self.code(case.pattern)
             if case.guard is not None:
                 label += " if " + self.code(case.guard)
-            arms.append(ir.Arm(arm_id, label, self.suite(case.body), self.span(case)))
+            arms.append(ir.Arm(arm_id, label, self.suite(case.body), self.span(case),
+                               self.place("case", node, index)))
         if not any(arm.body for arm in arms):
             return []
         return [ir.BranchItem(branch_id, "match", tuple(arms), self.span(node))]
@@ -350,7 +339,7 @@ class _Analyzer:
     visit_TryStar = visit_Try
 
     def visit_With(self, node: cst.With) -> list[ir.Item]:
-        roles = [(item, _role_call(item.item)) for item in node.items]
+        roles = [(item, role_call(item.item)) for item in node.items]
         if any(role is not None for _, role in roles):
             problem = None
             if len(node.items) > 1:
@@ -368,154 +357,13 @@ class _Analyzer:
                 return list(self.suite(node.body))
             path, role = roles[0][1]
             open_id, close_id = self.new_id(), self.new_id()
-            self.places[self.place("with", node)] = (open_id, close_id)
             self.in_role = True
             try:
                 body = self.suite(node.body)
             finally:
                 self.in_role = False
-            return [ir.RoleItem(open_id, close_id, role, path, body, self.span(node))]
+            return [ir.RoleItem(open_id, close_id, role, path, body, self.span(node),
+                                self.place("with", node))]
         block_id = self.new_id()
         body = self.suite(node.body)
         return [ir.BlockItem(block_id, "with", body, self.span(node))] if body else []
-
-
-# -- small syntactic helpers ---------------------------------------------------------------
-
-
-def dedent_block(text: str) -> str:
-    """The dedent rule for a multi-line triple-quoted text statement (see the module doc)."""
-    first, _, rest = text.partition("\n")
-    if not _:
-        return text
-    rest = textwrap.dedent(rest)
-    return rest if not first.strip() else first + "\n" + rest
-
-
-def _is_block_literal(value) -> bool:
-    if not isinstance(value, (cst.SimpleString, cst.FormattedString)):
-        return False
-    if isinstance(value, cst.SimpleString):
-        quote = value.value.lstrip("rRbBuU")[:3]
-        raw = value.value
-    else:
-        quote = value.start.lstrip("rRfF")[:3]
-        raw = value.start + "".join(
-            p.value if isinstance(p, cst.FormattedStringText) else "{}" for p in value.parts)
-    return quote in ('"""', "'''") and "\n" in raw
-
-
-def _is_docstring(statement) -> bool:
-    """Whether a first statement is what Python takes as the docstring (a str literal)."""
-    if not isinstance(statement, cst.Expr):
-        return False
-    strings = [statement.value]
-    while strings and isinstance(strings[-1], cst.ConcatenatedString):
-        last = strings.pop()
-        strings += [last.left, last.right]
-    return all(isinstance(s, cst.SimpleString) and "b" not in s.prefix.lower() for s in strings)
-
-
-def _hole_nodes(value) -> list[cst.FormattedStringExpression]:
-    if isinstance(value, cst.ConcatenatedString):
-        return _hole_nodes(value.left) + _hole_nodes(value.right)
-    if isinstance(value, cst.FormattedString):
-        return [p for p in value.parts if isinstance(p, cst.FormattedStringExpression)]
-    return []
-
-
-def _dotted(node) -> tuple[str, ...] | None:
-    if isinstance(node, cst.Name):
-        return (node.value,)
-    if isinstance(node, cst.Attribute):
-        base = _dotted(node.value)
-        return None if base is None else base + (node.attr.value,)
-    return None
-
-
-def _role_call(node) -> tuple[tuple[str, ...], str] | None:
-    """(path, role) when `node` looks like `user()` / `pl.user()`."""
-    if isinstance(node, cst.Call):
-        path = _dotted(node.func)
-        if path is not None and path[-1] in ROLES:
-            return path, path[-1]
-    return None
-
-
-def _normalise(code: str) -> str:
-    return " ".join(code.split())
-
-
-class _ScopeScan(cst.CSTVisitor):
-    """What a function body contains, not counting nested functions, lambdas and classes:
-    calls, names it assigns, `yield` and `await`."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[cst.Call] = []
-        self.stores: set[str] = set()
-        self.yields: list[cst.CSTNode] = []
-        self.awaits: list[cst.CSTNode] = []
-
-    def visit_FunctionDef(self, node) -> bool:
-        self.stores.add(node.name.value)
-        return False
-
-    def visit_ClassDef(self, node) -> bool:
-        self.stores.add(node.name.value)
-        return False
-
-    def visit_Lambda(self, node) -> bool:
-        return False
-
-    def visit_Call(self, node: cst.Call) -> None:
-        self.calls.append(node)
-
-    def visit_Yield(self, node) -> None:
-        self.yields.append(node)
-
-    def visit_Await(self, node) -> None:
-        self.awaits.append(node)
-
-    def _targets(self, node) -> None:
-        if isinstance(node, cst.Name):
-            self.stores.add(node.value)
-        elif isinstance(node, (cst.Tuple, cst.List)):
-            for element in node.elements:
-                self._targets(element.value)
-        elif isinstance(node, cst.StarredElement):
-            self._targets(node.value)
-
-    def visit_AssignTarget(self, node) -> None:
-        self._targets(node.target)
-
-    def visit_AnnAssign(self, node) -> None:
-        self._targets(node.target)
-
-    def visit_AugAssign(self, node) -> None:
-        self._targets(node.target)
-
-    def visit_For(self, node) -> None:
-        self._targets(node.target)
-
-    def visit_AsName(self, node) -> None:
-        self._targets(node.name)
-
-    def visit_NamedExpr(self, node) -> None:
-        self._targets(node.target)
-
-    def visit_MatchAs(self, node) -> None:
-        if node.name is not None:
-            self.stores.add(node.name.value)
-
-    def visit_MatchStar(self, node) -> None:
-        if node.name is not None:
-            self.stores.add(node.name.value)
-
-    def visit_ImportAlias(self, node) -> None:
-        if node.asname is None:
-            name = node.name
-            while isinstance(name, cst.Attribute):
-                name = name.value
-            if isinstance(name, cst.Name):
-                self.stores.add(name.value)

@@ -8,13 +8,15 @@
 
 Decorating analyses the source (`analyze.py`) and raises `CompileError` for what
 is wrong in the function alone. The first call (or `.schema`) lowers it
-(`lower.py`: names resolved, bounds read, cached part chosen) and builds its
-instrumented twin (`instrument.py`); errors that need other functions surface
-then. Calling it runs the twin with the real arguments and returns a `Prompt`.
+(`lower.py`: names resolved, bounds read, cached part chosen: a `plan.FunctionPlan`)
+and builds its instrumented twin (`instrument.py`); errors that need other functions
+surface then. Calling it runs the twin with the real arguments (`trace.py`) and
+returns a `CompiledPrompt`.
 
 A function that calls gen()/select() is also a program: `fn.run(llm, ...)` runs
-it with a model (`program.py`); `fn(...)` still returns the Prompt of its static
-part (everything before the first generation).
+it with a model. That is the public face's job (`promptlang/programs.py`, which joins
+compiler and runtime), imported only when `run` or `runner` is called; `fn(...)`
+still returns the Prompt of its static part (everything before the first generation).
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ from contextvars import ContextVar
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from promptlang.compiler import lower
+from promptlang.compiler.lower import plan_function, schema_of
 from promptlang.compiler.analyze import analyze_function
 from promptlang.compiler.diagnostics import CompileError, Diagnostic, errors
 from promptlang.compiler.instrument import instrument
-from promptlang.compiler.prompt import Prompt
+from promptlang.compiler.plan import FunctionPlan, PlannedFunction
+from promptlang.compiler.prompt import CompiledPrompt
 from promptlang.compiler.source import caller_span, deepest_span, module_name_for_file
 from promptlang.compiler.trace import Hooks, Trace
 from promptlang.pml import nodes
@@ -54,7 +57,7 @@ def prompt(fn: Callable | None = None, *, name: str | None = None,
     return decorate if fn is None else decorate(fn)
 
 
-class PromptFunction:
+class PromptFunction(PlannedFunction):
     """A @prompt function. Calling it returns a `Prompt`; on a class it binds like a method."""
 
     def __init__(self, fn: Callable, *, name: str | None = None,
@@ -74,7 +77,7 @@ class PromptFunction:
         self.schema_name = name or default_schema_name(fn)
         self.defined_at = where          # where it was decorated (an exec call, for exec'd code)
         self.analysis = analyze_function(fn, where)
-        self._plan: lower.FunctionPlan | None = None
+        self._plan: FunctionPlan | None = None
         self._instrumented: types.FunctionType | None = None
         self._schema: nodes.Schema | None = None
         self._signature = inspect.signature(fn)
@@ -86,15 +89,15 @@ class PromptFunction:
 
     # -- compiling ------------------------------------------------------------------------
 
-    def plan(self, stack: tuple = ()) -> lower.FunctionPlan:
+    def plan(self, stack: tuple = ()) -> FunctionPlan:
         """What this function caches (computed once; raises CompileError)."""
         if self._plan is None:
             with _PLANNING:
                 if self._plan is None:
                     try:
-                        plan = lower.plan_function(self, stack)
-                        instrumented = instrument(self.__wrapped__, self.analysis,
-                                                  Hooks(self), set(plan.module_names))
+                        plan = plan_function(self, stack)
+                        instrumented = instrument(self.__wrapped__, self.analysis, plan,
+                                                  Hooks(self))
                     except RecursionError:
                         raise self._too_deep(None) from None
                     except SyntaxError as e:     # CPython's limits on the rewritten body
@@ -122,7 +125,7 @@ class PromptFunction:
     def schema(self) -> nodes.Schema:
         """The PML schema of this function (and the @prompt functions it calls)."""
         if self._schema is None:
-            self._schema = lower.schema_of(self)
+            self._schema = schema_of(self)
         return self._schema
 
     def schema_pml(self) -> str:
@@ -138,12 +141,13 @@ class PromptFunction:
 
     # -- calling --------------------------------------------------------------------------
 
-    def __call__(self, *args, **kwargs) -> Prompt:
+    def __call__(self, *args, **kwargs) -> CompiledPrompt:
         self.plan()
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
         doc = Trace().run(self, args, kwargs)
-        return Prompt(self.__qualname__, self.schema, doc, MappingProxyType(dict(bound.arguments)))
+        return CompiledPrompt(self.__qualname__, self.schema, doc,
+                              MappingProxyType(dict(bound.arguments)))
 
     @property
     def generates(self) -> bool:
@@ -159,7 +163,7 @@ class PromptFunction:
     def runner(self, llm, *, baseline: bool = False, seed: int | None = None):
         """A callable that runs this function with `llm` and these options:
         `fn.runner(llm, baseline=True)(*args)` serves the static part with no reuse."""
-        from promptlang.compiler.program import Program
+        from promptlang.programs import Program   # the public face: compiler + runtime
 
         self.plan()
         return Program(self, llm, baseline=baseline, seed=seed)

@@ -13,7 +13,7 @@
 
 The compiler recognises calls to these two functions (resolved like role helpers):
 the first one that runs ends the cached part of the function, and everything after
-it runs live against a `Session` (`compiler/program.py`). At run time each call
+it runs live against a session (`promptlang/programs.py`). At run time each call
 forwards a frozen request (`Gen`, `Select`) to the trace of the current call
 (`trace.py`), which returns the text the model produced or chose.
 
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from promptlang.compiler.markers import bad_token_count, token_count_problem
+from promptlang.compiler.trace import current_trace
 from promptlang.errors import PromptLangError
 
 Normalise = Literal["sum", "mean"]
@@ -122,8 +123,6 @@ def select(*args, name: str | None = None, options: Sequence[str] | None = None,
 
 
 def _current_trace(what: str):
-    from promptlang.compiler.trace import current_trace   # trace imports lower, which imports us
-
     trace = current_trace()
     if trace is None:
         raise PromptLangError(f"{what}() only runs inside a @prompt function: call the function "
@@ -132,3 +131,8 @@ def _current_trace(what: str):
 
 
 GENERATORS = (gen, select)
+
+
+def is_generator(value) -> bool:
+    """Whether `value` is promptlang's gen() or select()."""
+    return any(value is g for g in GENERATORS)

@@ -19,7 +19,9 @@ leaves open is closed by the trace when the function returns.
 The rewrite works on CPython's `ast` (the analysis uses libcst) because an AST
 compiles with the original line and column of every expression: a traceback
 from inside a @prompt function points at the user's own file, line and column.
-Statements are matched to items by the positions the analysis recorded. The new
+Statements are matched to items by the `place` each IR item carries (the position
+CPython's parser gives its statement); an arm is rewritten only when the plan makes
+it a module. The new
 `def` is compiled inside a factory whose parameters are the original's free
 variables (the function is then built on the original closure cells), under a
 class of the same name for a method (private names mangle the same way and
@@ -31,24 +33,22 @@ from __future__ import annotations
 import ast
 import types
 
-from promptlang.compiler import ir
+import promptlang.compiler.ir as ir   # not `from promptlang.compiler`: that names the package
 from promptlang.compiler.analyze import Analysis
+from promptlang.compiler.plan import FunctionPlan
 
 RT = "_promptlang_rt"
 _FACTORY = "_promptlang_factory"
 
 
-def instrument(fn, analysis: Analysis, hooks, modules) -> types.FunctionType:
+def instrument(fn, analysis: Analysis, plan: FunctionPlan, hooks) -> types.FunctionType:
     """A function with `fn`'s signature, defaults, globals and closure that reports to
-    `hooks` while it runs. `modules`: the ids of the arms that are modules."""
+    `hooks` while it runs."""
     tree = ast.parse(analysis.source.text, analysis.source.file)
     node = tree.body[0]
     if analysis.source.indented:
         node = node.body[0]
-    items = {getattr(i, "id", getattr(i, "open_id", None)): i for i in analysis.ir.walk()}
-    places = {k: v for k, v in analysis.places.items()
-              if k[0] not in ("if", "else", "case") or v in modules}
-    new_def = _plain_signature(_Instrument(places, items, node).visit(node))
+    new_def = _plain_signature(_Instrument(_places(analysis.ir, plan), node).visit(node))
     freevars = [n for n in fn.__code__.co_freevars if n != "__class__"]
     factory = ast.FunctionDef(
         name=_FACTORY, args=_arguments([RT, *freevars]),
@@ -71,16 +71,30 @@ def instrument(fn, analysis: Analysis, hooks, modules) -> types.FunctionType:
     return new
 
 
+def _places(fir: ir.FunctionIR, plan: FunctionPlan) -> dict:
+    """The items to rewrite by their statement's place: every item that reports, and
+    the arms the plan makes modules."""
+    places = {}
+    for item in fir.walk():
+        if isinstance(item, ir.BranchItem):
+            places.update((arm.place, arm) for arm in item.arms
+                          if plan.items[arm.id].module is not None)
+        elif hasattr(item, "place"):
+            places[item.place] = item
+    return places
+
+
 def _rt(method: str, *args: ast.expr, keywords=()) -> ast.Call:
     return ast.Call(func=ast.Attribute(ast.Name(RT, ast.Load()), method, ast.Load()),
                     args=list(args), keywords=list(keywords))
 
 
 class _Instrument(ast.NodeTransformer):
-    def __init__(self, places: dict, items: dict, root: ast.FunctionDef):
-        self.places, self.items, self.root = places, items, root
+    def __init__(self, places: dict, root: ast.FunctionDef):
+        self.places, self.root = places, root
 
     def at(self, kind: str, node: ast.AST, *extra):
+        """The item whose statement is `node` (an `else` and a `case` by their `if` / `match`)."""
         return self.places.get((kind, node.lineno, node.col_offset, *extra))
 
     # nested scopes are ordinary code: their strings are not this prompt's text
@@ -97,10 +111,10 @@ class _Instrument(ast.NodeTransformer):
         return node
 
     def visit_Expr(self, node: ast.Expr):
-        item_id = self.at("expr", node)
-        if item_id is None:
+        item = self.at("expr", node)
+        if item is None:
             return node
-        item, number, value = self.items[item_id], ast.Constant(item_id), node.value
+        number, value = ast.Constant(item.id), node.value
         if isinstance(item, ir.TextItem):
             call = _rt("text", number)
         elif isinstance(item, ir.ValueItem):
@@ -119,28 +133,28 @@ class _Instrument(ast.NodeTransformer):
         return [ast.copy_location(enter, body[0]), *body, ast.copy_location(leave, body[-1])]
 
     def visit_If(self, node: ast.If):
-        else_id = self.at("else", node)    # before the visit: the orelse may change
+        else_arm = self.at("else", node)    # before the visit: the orelse may change
         self.generic_visit(node)
-        arm_id = self.at("if", node)
-        if arm_id is not None:
-            node.body = self.module(arm_id, node.body)
-        if else_id is not None:
-            node.orelse = self.module(else_id, node.orelse)
+        arm = self.at("if", node)
+        if arm is not None:
+            node.body = self.module(arm.id, node.body)
+        if else_arm is not None:
+            node.orelse = self.module(else_arm.id, node.orelse)
         return node
 
     def visit_Match(self, node: ast.Match):
         self.generic_visit(node)
         for index, case in enumerate(node.cases):
-            arm_id = self.at("case", node, index)
-            if arm_id is not None:
-                case.body = self.module(arm_id, case.body)
+            arm = self.at("case", node, index)
+            if arm is not None:
+                case.body = self.module(arm.id, case.body)
         return node
 
     def visit_With(self, node: ast.With):
-        ids = self.at("with", node)
+        item = self.at("with", node)
         self.generic_visit(node)
-        if ids is not None:
-            role = _rt("role", ast.Constant(ids[0]), ast.Constant(ids[1]))
+        if item is not None:
+            role = _rt("role", ast.Constant(item.open_id), ast.Constant(item.close_id))
             node.items = [ast.withitem(ast.copy_location(role, node.items[0].context_expr))]
         return node
 

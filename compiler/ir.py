@@ -1,8 +1,9 @@
 """The compiler's view of one @prompt function body: what each statement emits.
 
 `analyze.py` builds it from libcst nodes; `lower.py` decides what is cached and
-turns it into PML; the instrumented function reports each item by its `id`
-when it runs. Items are in source order; ids are unique within a function.
+turns it into PML and a `plan.FunctionPlan`; `instrument.py` finds each item's
+statement by its `place` and rewrites it to report the item's `id` when it runs.
+Items are in source order; ids are unique within a function.
 
     TextItem     "literal text"             always the same text
     ValueItem    question                   a bare expression: one hole
@@ -25,6 +26,11 @@ from typing import Literal, Union
 
 from promptlang.errors import Span
 
+# Where instrument.py finds an item's statement in CPython's `ast`: (kind, line, UTF-8 byte
+# column[, case index]), kind one of expr / if / else / case / with; `else` has no ast
+# node of its own and is placed by its `if`.
+Place = tuple
+
 
 @dataclass(frozen=True)
 class Hole:
@@ -40,6 +46,7 @@ class TextItem:
     id: int
     text: str
     span: Span
+    place: Place                   # its statement, for instrument.py
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,7 @@ class ValueItem:
     id: int
     hole: Hole
     span: Span
+    place: Place                   # its statement, for instrument.py
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,7 @@ class FStringItem:
     id: int
     parts: tuple[Union[str, Hole], ...]     # literal text (evaluated, dedented) and holes
     span: Span
+    place: Place                   # its statement, for instrument.py
 
     @property
     def holes(self) -> tuple[Hole, ...]:
@@ -66,6 +75,7 @@ class CallItem:
     path: tuple[str, ...] | None   # `a.b.c(...)` -> ("a", "b", "c"); None if not a dotted name
     code: str                      # the callee expression's source
     span: Span
+    place: Place                   # its statement, for instrument.py
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,7 @@ class RoleItem:
     path: tuple[str, ...]          # how the helper is named: ("user",) or ("pl", "user")
     body: tuple["Item", ...]
     span: Span
+    place: Place                   # its statement, for instrument.py
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,7 @@ class Arm:
     label: str                     # source the module name is derived from; "" for else
     body: tuple["Item", ...]
     span: Span
+    place: Place                   # its statement, for instrument.py
 
 
 @dataclass(frozen=True)

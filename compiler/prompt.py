@@ -1,49 +1,27 @@
-"""`Prompt`: what calling a @prompt function returns.
+"""`CompiledPrompt`: the `Prompt` (promptlang/pml/prompt.py) a @prompt function call returns.
 
-It holds the function's schema (what may be reused), the PML prompt of this call
-(which modules it imports, with which arguments, and its uncached text) and the
-call's arguments. The runtime runs it (`llm.generate(prompt)` reads `.schema` and
-`.doc`); `render` shows the plain text a model would see.
+It is a PML-level Prompt whose `bind` first checks each length bound against the
+model's context and reports one that does not fit as a PL104 `CompileError` at the
+hole in the Python source (the schema's Param spans point there).
+`promptlang.compiler.prompt.Prompt` is kept as an import path for compatibility.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
-
 from promptlang.compiler.diagnostics import CompileError, Diagnostic
 from promptlang.pml import nodes
-from promptlang.pml.binding import BoundPrompt, bind
-from promptlang.pml.layout import lay_out
-from promptlang.pml.writer import write
+from promptlang.pml.prompt import Prompt
 from promptlang.tokenizer import Tokenizer
 
+__all__ = ["CompiledPrompt", "Prompt", "check_bounds"]
 
-@dataclass(frozen=True)
-class Prompt:
-    function: str                  # the @prompt function's qualified name
-    schema: nodes.Schema
-    doc: nodes.PromptDoc
-    arguments: Mapping[str, Any]   # the call's arguments by parameter name, defaults applied
 
-    def bind(self, tokenizer: Tokenizer) -> BoundPrompt:
-        """The request this prompt makes against its schema's layout. A length bound
-        longer than the tokenizer's model context is a PL104 error at its hole."""
+class CompiledPrompt(Prompt):
+    """A Prompt made by the compiler: a length bound longer than the tokenizer's model
+    context is a PL104 error at its hole when it is bound."""
+
+    def check(self, tokenizer: Tokenizer) -> None:
         check_bounds(self.schema, tokenizer.max_positions)
-        return bind(self.doc, lay_out(self.schema, tokenizer), tokenizer)
-
-    def render(self, tokenizer: Tokenizer) -> str:
-        """The plain text of this prompt, as the model would see it without caching."""
-        return self.bind(tokenizer).render()
-
-    def schema_pml(self) -> str:
-        return write(self.schema)
-
-    def prompt_pml(self) -> str:
-        return write(self.doc)
-
-    def __repr__(self) -> str:
-        return f"<Prompt of {self.function}: {self.prompt_pml()}>"
 
 
 def check_bounds(schema: nodes.Schema, limit: int | None) -> None:

@@ -10,12 +10,18 @@ plan did not cache, after which every piece of text becomes uncached prompt text
 When a frame closes, the cached items it emitted must be exactly the module's own
 items of the schema: the prompt must render to what the Python code emitted.
 
+Each reported item id is looked up in the function's plan (`plan.py`): one
+`PlannedItem` says whether it is cached, its text, its holes' parameters, the module
+it opens.
+
 Programs. The first `gen()` / `select()` that runs (`generation.py`) ends the static
 part: every open frame is closed (the plan puts every cached item before it), and
 the prompt so far becomes the call's `PromptDoc`. Without a program (a plain call,
 `fn(...)`), the call stops there and returns that prompt. With one (`fn.run(llm,
-...)`, `program.py`), the program opens a live session on that prompt, and from then
-on every text, role marker and generation goes to the session as it runs.
+...)`, `promptlang/programs.py`), the trace asks the program to `open` a live run on
+that prompt, and from then on every text, role marker and generation goes to that
+run as it happens. `Program` and `Live` below are all the compiler asks of them: the
+public face implements them with a runtime session, which the compiler never imports.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from promptlang.compiler.lower import FunctionPlan, prompt_function_of, merge_text
+from promptlang.compiler.plan import FunctionPlan, merge_text, prompt_function_of
 from promptlang.errors import PromptLangError
 from promptlang.pml import nodes
 
@@ -34,6 +41,23 @@ _CURRENT: ContextVar["Trace | None"] = ContextVar("promptlang_trace", default=No
 def current_trace() -> "Trace | None":
     """The trace of the @prompt call running in this context, if any."""
     return _CURRENT.get()
+
+
+class Live(Protocol):
+    """A program's live run: receives the text and role markers after the static part
+    and runs each generation (a `generation.Gen` or `Select`), returning its text."""
+
+    def text(self, text: str) -> None: ...
+
+    def role(self, marker: nodes.RoleOpen | nodes.RoleClose) -> None: ...
+
+    def generate(self, spec) -> str: ...
+
+
+class Program(Protocol):
+    """What runs a call's generations: opened with the static part at the first one."""
+
+    def open(self, doc: nodes.PromptDoc) -> Live: ...
 
 
 class _StaticPartDone(BaseException):
@@ -88,13 +112,13 @@ class _Frame:
 
 
 class Trace:
-    def __init__(self, program=None):
+    def __init__(self, program: Program | None = None):
         self.tail = False
         self.forced = 0                   # callees running inside the tail, all uncached
         self.frames: list[_Frame] = []
         self.uncached: list = []          # Text / RoleOpen / RoleClose after the modules
         self.program = program            # opens a live run at the first generation
-        self.live = None                  # that run, once open: receives text and roles
+        self.live: Live | None = None     # that run, once open: receives text and roles
         self.doc: nodes.PromptDoc | None = None    # the static part, once complete
         self.schema_name = ""
 
@@ -126,11 +150,11 @@ class Trace:
         self.doc = nodes.PromptDoc(self.schema_name, (root, *merge_text(self.uncached)))
 
     def close(self, frame: _Frame) -> nodes.ModuleRef:
-        expected = frame.plan.expected.get(frame.key, ())
+        expected = frame.plan.expected(frame.key)
         if tuple(frame.own) != expected:
             missing = next((i for k, i in enumerate(expected)
                             if k >= len(frame.own) or frame.own[k] != i), None)
-            span = frame.plan.spans.get(missing) if missing is not None else None
+            span = frame.plan.items[missing].span if missing is not None else None
             raise PromptLangError(
                 f"{frame.plan.ir.qualname} left out cached text of module '{frame.name}' that "
                 "its schema always includes (an early exit from a block, or a suppressed "
@@ -138,19 +162,20 @@ class Trace:
         return nodes.ModuleRef(frame.name, tuple(frame.args), tuple(frame.children))
 
     def is_tail(self, plan: FunctionPlan, item: int) -> bool:
-        if not self.tail and item not in plan.cached:
+        cached = plan.items[item].cached
+        if not self.tail and not cached:
             self.tail = True
-        elif self.tail and not self.forced and item in plan.cached:
+        elif self.tail and not self.forced and cached:
             # the plan puts every item that can run after uncached text in the tail
             if self.doc is not None:
                 raise PromptLangError(
                     f"cached text of {plan.ir.qualname} ran after a generation: gen() or "
                     "select() was called where the compiler did not see it (from a helper "
                     "function?); call them directly in the @prompt function's body",
-                    plan.spans.get(item))
+                    plan.items[item].span)
             raise PromptLangError(f"internal error: cached item {item} of "
                                   f"{plan.ir.qualname} ran after uncached text",
-                                  plan.spans.get(item))
+                                  plan.items[item].span)
         return self.tail
 
     def generation(self, spec) -> str:
@@ -189,7 +214,7 @@ class Trace:
             self.uncached.append(marker)
 
     def text(self, plan: FunctionPlan, item: int) -> None:
-        text = plan.texts[item]
+        text = plan.items[item].text
         if self.is_tail(plan, item):
             self._emit(text)
         else:
@@ -202,10 +227,11 @@ class Trace:
             return
         frame = self.frames[-1]
         frame.own.append(item)
-        frame.args.append(nodes.Argument(plan.param_names[item][0], text))
+        frame.args.append(nodes.Argument(plan.items[item].params[0], text))
 
     def fstring(self, plan: FunctionPlan, item: int, values: tuple[str, ...]) -> None:
-        parts, holes = plan.fstrings[item], iter(values)
+        planned = plan.items[item]
+        parts, holes = planned.parts, iter(values)
         text = "".join(next(holes) if p is None else p for p in parts)
         if self.is_tail(plan, item):
             self._emit(text)
@@ -213,13 +239,14 @@ class Trace:
         frame = self.frames[-1]
         frame.own.append(item)
         frame.args.extend(nodes.Argument(name, value)
-                          for name, value in zip(plan.param_names[item], values))
+                          for name, value in zip(planned.params, values))
 
     def call(self, plan: FunctionPlan, item: int, func, args, kwargs) -> None:
-        static = plan.callees.get(item)
+        planned = plan.items[item]
+        static = planned.callee
         target = prompt_function_of(func)
-        span = plan.spans.get(item)
-        if item in plan.generations:        # gen()/select(): the live run keeps the text
+        span = planned.span
+        if planned.kind == "generation":     # gen()/select(): the live run keeps the text
             func(*args, **kwargs)
             return
         if static is None:        # compiled as a plain call: its text is uncached
@@ -244,10 +271,10 @@ class Trace:
         if self.is_tail(plan, item):
             self.run_uncached(run, args, kwargs)
             return
-        if item not in plan.module_names:     # a callee that caches nothing
+        if planned.module is None:          # a callee that caches nothing
             run(*args, **kwargs)
             return
-        frame = _Frame(static.plan(), None, plan.module_names[item])
+        frame = _Frame(static.plan(), None, planned.module)
         self.frames.append(frame)
         run(*args, **kwargs)
         if self.doc is not None:         # it generated: finish_static closed the frame
@@ -264,8 +291,9 @@ class Trace:
 
     def enter(self, plan: FunctionPlan, item: int) -> None:
         """An arm that is a module starts running."""
-        if not self.tail and item in plan.module_names:
-            self.frames.append(_Frame(plan, item, plan.module_names[item]))
+        module = plan.items[item].module
+        if not self.tail and module is not None:
+            self.frames.append(_Frame(plan, item, module))
 
     def leave(self, plan: FunctionPlan, item: int) -> None:
         """An arm ran to its end; its module is closed unless `enter` opened none (the
@@ -276,7 +304,7 @@ class Trace:
 
     @contextmanager
     def role(self, plan: FunctionPlan, open_item: int, close_item: int):
-        role = plan.roles[open_item]
+        role = plan.items[open_item].role
         if self.is_tail(plan, open_item):
             self._role(nodes.RoleOpen(role))
         else:

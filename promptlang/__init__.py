@@ -18,7 +18,7 @@ __all__ = ["prompt", "Prompt", "MaxTokens", "system", "user", "assistant", "gen"
            "ArgumentTooLongError", "UnionConflictError", "__version__"]
 
 _LAZY = {
-    "prompt": "promptlang.compiler", "Prompt": "promptlang.compiler",
+    "prompt": "promptlang.compiler", "Prompt": "promptlang.pml.prompt",
     "MaxTokens": "promptlang.compiler", "system": "promptlang.compiler",
     "user": "promptlang.compiler", "assistant": "promptlang.compiler",
     "gen": "promptlang.compiler", "select": "promptlang.compiler",

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal, Sequence
 
-from promptlang.compiler.prompt import Prompt
+from promptlang.pml.prompt import Prompt
 from promptlang.errors import PromptLangError
 from promptlang.pml import nodes
 

@@ -1,17 +1,21 @@
-"""Running a @prompt function that generates: the static part cached, the rest live.
+"""Programs: a @prompt function that generates, run with a model (`fn.run(llm, ...)`).
 
     run = qa.run(llm, "What is KV caching?")          # or qa.runner(llm, baseline=True)(...)
     run["answer"], run.ttft, run.text
 
-`Program.__call__` traces the call (`trace.py`) with itself as the trace's program.
-At the first gen()/select() the trace hands over the prompt so far (cached modules,
-and any uncached text before the generation); `open` binds it and opens a `Session`
-(`runtime/session.py`: the modules' KV assembled, the uncached tokens prefilled).
-From then on the trace sends the function's text and role markers to `_Live`, which
-queues them on the session, and each generation runs on the session and returns its
-text to the function: control flow after it is ordinary Python with the results.
+This is the public face's join of the compiler and the runtime; neither knows the
+other. `Program.__call__` traces the call (`compiler/trace.py`) with a `_Call` as the
+trace's program (the `trace.Program` protocol the compiler owns). At the first
+gen()/select() the trace hands over the prompt so far (cached modules, and any
+uncached text before the generation); `_Call.open` opens a runtime `Session` on it
+(`runtime/session.py`: the modules' KV assembled, the uncached tokens prefilled) and
+returns a `_Live` (the `trace.Live` protocol): from then on the trace sends the
+function's text and role markers to it, which queues them on the session, and each
+generation runs on the session and returns its text to the function: control flow
+after it is ordinary Python with the results.
 
-No torch here at import: the session module is imported when a program runs.
+`PromptFunction.run` / `.runner` import this module when called; the runtime (torch)
+is imported when a program opens its session.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from types import MappingProxyType
 from typing import Any
 
 from promptlang.compiler.generation import Gen, Select
-from promptlang.compiler.prompt import Prompt
+from promptlang.compiler.prompt import CompiledPrompt
 from promptlang.compiler.trace import Trace
 from promptlang.pml import nodes
+from promptlang.pml.prompt import Prompt
 
 
 @dataclass
@@ -117,7 +122,7 @@ class _Call:
         from promptlang.runtime.session import Session
 
         function = self.program.function
-        prompt = Prompt(function.__qualname__, function.schema, doc, self.arguments)
+        prompt = CompiledPrompt(function.__qualname__, function.schema, doc, self.arguments)
         session = Session(self.program.llm, prompt, baseline=self.program.baseline)
         self.live = _Live(ProgramRun(prompt, session), self.started, self.program.seed)
         return self.live
