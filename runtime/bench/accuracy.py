@@ -120,7 +120,7 @@ METRIC_NAMES = {"found": "answer in output", "correct": "exact match"}
 
 def normalize_specs(specs: Sequence[str | Recompute]) -> tuple[str, ...]:
     """Recompute policies as canonical text, in order, duplicates and "none" dropped
-    (raises promptlang.pml.recompute.RecomputeSpecError on a malformed one)."""
+    (raises promptlang.runtime.recompute.RecomputeSpecError on a malformed one)."""
     out: list[str] = []
     for spec in specs:
         policy = Recompute.parse(spec)
