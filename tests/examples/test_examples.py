@@ -39,13 +39,14 @@ def example(monkeypatch):
     return load
 
 
-def n_tokens(llm, *texts: str) -> int:
-    """Tokens of pieces tokenized one by one, as a session tokenizes role affixes."""
-    return sum(len(llm.tokenizer.encode(t)) for t in texts)
+def n_tokens(llm, *pieces) -> int:
+    """Tokens of pieces tokenized one by one, as a session does: text as plain text, role
+    affixes as the template's ids (`affixes`)."""
+    return sum(len(llm.tokenizer.encode(p)) if isinstance(p, str) else len(p) for p in pieces)
 
 
-def affixes(llm, role: str) -> tuple[str, str]:
-    return llm.tokenizer.role_affixes(role)
+def affixes(llm, role: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return llm.tokenizer.role_affix_ids(role)
 
 
 def assert_timed(out: dict) -> None:
