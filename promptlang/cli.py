@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 from promptlang.errors import PromptLangError
 
 COMMAND_MODULES = ("promptlang.compiler.cli", "promptlang.runtime.cli",
-                   "promptlang.runtime.bench.cli")
+                   "promptlang.bench.cli")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

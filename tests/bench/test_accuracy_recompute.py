@@ -8,7 +8,7 @@ import math
 import pytest
 
 from promptlang.cli import main
-from promptlang.runtime.bench import accuracy, qa
+from promptlang.bench import accuracy, qa
 
 NAMES = ("baseline", "cached", "cached+first:4", "cached+deviation:0.15", "isolate",
          "isolate+first:4", "isolate+deviation:0.15", "scaffold")
@@ -183,7 +183,7 @@ def test_plot_writes_a_png(tmp_path):
 # --- option parsing -----------------------------------------------------------------------
 
 def test_recompute_option_parses_lists_and_none():
-    from promptlang.runtime.bench import cli
+    from promptlang.bench import cli
 
     assert cli._recompute_list("first:4, deviation:15%,first:4") == ("first:4", "deviation:0.15")
     assert cli._recompute_list("none") == ()
@@ -207,7 +207,7 @@ def test_bad_recompute_spec_is_a_usage_error(spec, message, capsys):
 
 
 def test_command_line_keeps_zero_none_and_negated_options():
-    from promptlang.runtime.bench import cli
+    from promptlang.bench import cli
 
     args = argparse.Namespace(bench="accuracy", quick=False, out="bench-out", cost_tokens=0,
                               recompute=("first:4", "deviation:0.15"), func=print,
@@ -224,7 +224,7 @@ def test_rules_and_scaffold_options_choose_the_settings():
 
     args = build_parser().parse_args(["bench", "accuracy", "--recompute", "first:16",
                                       "--recompute-rules", "cached", "--no-scaffold"])
-    from promptlang.runtime.bench import cli
+    from promptlang.bench import cli
 
     options = cli._accuracy_options(args)
     assert options.settings == ("baseline", "cached", "cached+first:16", "cached-bf16",

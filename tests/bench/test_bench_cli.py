@@ -149,7 +149,7 @@ def test_all_quick_writes_one_folder_with_a_report_and_every_goal(tmp_path, caps
 
 def test_latency_exits_1_when_cached_and_baseline_first_tokens_disagree(tmp_path, capsys,
                                                                          monkeypatch):
-    from promptlang.runtime.bench import latency
+    from promptlang.bench import latency
     from tests.bench.test_bench_logic import point
 
     def fake_run(llm, options, **kwargs):     # a run whose 6.4k point picked another token

@@ -59,10 +59,10 @@ import torch
 
 from promptlang.pml import nodes
 from promptlang.runtime import native
-from promptlang.runtime.bench import floor, qa
-from promptlang.runtime.bench.report import (Goal, Progress, Section, Spread, fit_exponent,
+from promptlang.bench import floor, qa
+from promptlang.bench.report import (Goal, Progress, Section, Spread, fit_exponent,
                                              plot_ttft, ratios)
-from promptlang.runtime.bench.shapes import shape_from_config
+from promptlang.bench.shapes import shape_from_config
 from promptlang.runtime.engine import LLM
 from promptlang.runtime.store import ModuleStore
 

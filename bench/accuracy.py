@@ -91,8 +91,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from promptlang.pml.recompute import Recompute
-from promptlang.runtime.bench import metrics, qa
-from promptlang.runtime.bench.report import Goal, Progress, Section
+from promptlang.bench import metrics, qa
+from promptlang.bench.report import Goal, Progress, Section
 
 BASE_SETTINGS = ("baseline", "cached", "isolate", "scaffold")
 SETTINGS = BASE_SETTINGS                # the settings without recompute (see `settings`)

@@ -170,7 +170,7 @@ def _recompute_list(text: str) -> tuple[str, ...]:
     """Comma-separated recompute policies, canonical and without duplicates; "none"
     alone: no recompute settings."""
     from promptlang.pml.recompute import RecomputeSpecError
-    from promptlang.runtime.bench.accuracy import normalize_specs
+    from promptlang.bench.accuracy import normalize_specs
 
     parts = [part.strip() for part in text.split(",") if part.strip()]
     if not parts:
@@ -195,7 +195,7 @@ def _rules(text: str) -> tuple[str, ...]:
 
 
 def _kinds(text: str) -> tuple[str, ...]:
-    from promptlang.runtime.bench.qa import KINDS
+    from promptlang.bench.qa import KINDS
 
     kinds = tuple(part.strip() for part in text.split(",") if part.strip())
     unknown = [k for k in kinds if k not in KINDS]
@@ -254,13 +254,13 @@ class _Run:
     @property
     def machine(self):
         if self._machine is None:
-            from promptlang.runtime.bench import floor
+            from promptlang.bench import floor
 
             self._machine = floor.measure_machine()
         return self._machine
 
     def machine_lines(self) -> list[str]:
-        from promptlang.runtime.bench.floor import machine_facts
+        from promptlang.bench.floor import machine_facts
 
         m = machine_facts(self.machine)
         return [f"CPU: {m['cpu'] or 'unknown'}; {m['usable_cores']} usable cores "
@@ -289,7 +289,7 @@ def _options(cls, args: argparse.Namespace, mapping: dict[str, str]):
 
 
 def _latency_options(args):
-    from promptlang.runtime.bench.latency import LatencyOptions
+    from promptlang.bench.latency import LatencyOptions
 
     return _options(LatencyOptions, args, {
         "lengths": "lengths", "samples": "samples", "repeats": "repeats",
@@ -298,14 +298,14 @@ def _latency_options(args):
 
 
 def _rag_options(args):
-    from promptlang.runtime.bench.rag import RagOptions
+    from promptlang.bench.rag import RagOptions
 
     return _options(RagOptions, args, {"rag_docs": "docs", "rag_k": "k",
                                        "rag_requests": "requests"})
 
 
 def _accuracy_options(args):
-    from promptlang.runtime.bench.accuracy import AccuracyOptions
+    from promptlang.bench.accuracy import AccuracyOptions
 
     return _options(AccuracyOptions, args, {
         "items": "items_per_kind", "kinds": "kinds", "docs_per_item": "docs_per_item",
@@ -317,8 +317,8 @@ def _accuracy_options(args):
 
 
 def _run_latency(run: _Run):
-    from promptlang.runtime.bench import latency, rag
-    from promptlang.runtime.bench.report import render_markdown, render_text, write_csv, \
+    from promptlang.bench import latency, rag
+    from promptlang.bench.report import render_markdown, render_text, write_csv, \
         write_json
 
     report = latency.run_latency(run.llm, _latency_options(run.args),
@@ -343,8 +343,8 @@ def _run_latency(run: _Run):
 
 
 def _run_memory(run: _Run):
-    from promptlang.runtime.bench import memory
-    from promptlang.runtime.bench.report import render_markdown, render_text, write_csv, \
+    from promptlang.bench import memory
+    from promptlang.bench.report import render_markdown, render_text, write_csv, \
         write_json
 
     report = memory.run_memory(run.llm, run.model_name, workdir=run.out)
@@ -357,8 +357,8 @@ def _run_memory(run: _Run):
 
 
 def _run_accuracy(run: _Run):
-    from promptlang.runtime.bench import accuracy
-    from promptlang.runtime.bench.report import render_markdown, render_text, write_csv, \
+    from promptlang.bench import accuracy
+    from promptlang.bench.report import render_markdown, render_text, write_csv, \
         write_json
 
     report = accuracy.run_accuracy(run.llm, _accuracy_options(run.args),
@@ -379,7 +379,7 @@ def _run_accuracy(run: _Run):
 
 
 def _header(run: _Run) -> list[str]:
-    from promptlang.runtime.bench.report import Section, render_text
+    from promptlang.bench.report import Section, render_text
 
     lines = [f"command: {command_line(run.args)}", *run.machine_lines()]
     if run.args.quick:
@@ -417,7 +417,7 @@ def _all(args: argparse.Namespace) -> int:
 def _run_all(run: _Run) -> int:
     from dataclasses import asdict
 
-    from promptlang.runtime.bench.report import Section, render_markdown, render_text, \
+    from promptlang.bench.report import Section, render_markdown, render_text, \
         write_json
 
     began = time.perf_counter()
