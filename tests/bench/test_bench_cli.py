@@ -169,6 +169,34 @@ def test_latency_exits_1_when_cached_and_baseline_first_tokens_disagree(tmp_path
     assert "first tokens disagree" in captured.err
 
 
+def test_without_matplotlib_the_tables_are_written_and_one_line_says_how_to_plot(
+        tmp_path, capsys, monkeypatch):
+    import sys
+
+    from promptlang.bench import latency
+    from tests.bench.test_bench_logic import point
+
+    def fake_run(llm, options, **kwargs):
+        report = latency.LatencyReport(options, "fake", {"matmul_gflops": 1.0,
+                                                         "copy_gb_per_s": 1.0}, 0, 0,
+                                       [point(512, 10.0, 0.1), point(6400, 30.0, 0.1)],
+                                       [], None, [], 0.0)
+        report.goals = latency.latency_goals(report)
+        return report
+
+    monkeypatch.setattr(latency, "run_latency", fake_run)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # import matplotlib fails
+    code = main(["bench", "latency", "--quick", "--no-progress", "--rag-requests", "0",
+                 "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert (tmp_path / "latency.csv").exists() and (tmp_path / "latency.md").exists()
+    assert not (tmp_path / "latency.png").exists()
+    hints = [line for line in captured.err.splitlines() if "promptlang[bench]" in line]
+    assert hints == ["promptlang bench: no plots: matplotlib is not installed; "
+                     "pip install 'promptlang[bench]' gives the plots"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["latency", "--lengths", "0,64"], "positive token counts"),
     (["latency", "--rag-k", "0"], "at least 1"),

@@ -197,7 +197,7 @@ def test_make_items_interleaves_kinds_deterministically():
 
 
 def test_quick_options_take_command_line_overrides():
-    from promptlang.bench import cli
+    from promptlang.bench import run as cli
 
     args = argparse.Namespace(quick=True, lengths=(32, 64), samples=None, repeats=None,
                               decode_tokens=None, decode_samples=3, goal_length=None,
@@ -215,7 +215,7 @@ def test_quick_options_take_command_line_overrides():
 
 
 def test_command_line_is_rebuilt_from_the_given_options():
-    from promptlang.bench import cli
+    from promptlang.cli import bench as cli
 
     args = argparse.Namespace(bench="latency", quick=True, out="bench-out", model=None,
                               no_progress=False, lengths=(64, 128), repeats=3, func=print)

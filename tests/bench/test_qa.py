@@ -240,7 +240,8 @@ def test_schema_and_prompt_survive_write_then_parse(items, mode, docs_role):
 def test_bench_modules_that_run_no_model_import_without_torch():
     code = ("import sys; import promptlang.bench.qa, promptlang.bench.memory, "
             "promptlang.bench.report, promptlang.bench.accuracy, "
-            "promptlang.bench.cli; print('torch' in sys.modules)")
+            "promptlang.bench.run, promptlang.bench.settings, promptlang.cli.bench; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"
