@@ -44,7 +44,7 @@ from promptlang.errors import PromptLangError
 from promptlang.pml import nodes
 from promptlang.pml.layout import module_unit_id
 from promptlang.bench import qa
-from promptlang.bench.latency import document, rotated, timed_first_token
+from promptlang.bench.latency.sweep import document, rotated, timed_first_token
 from promptlang.bench.report import Progress, Section, Spread, ratios
 from promptlang.runtime.engine import LLM
 from promptlang.runtime.generate import prefill
