@@ -102,18 +102,14 @@ def test_importing_the_cli_does_not_import_torch():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-# --- command modules ----------------------------------------------------------------
+# --- command groups ------------------------------------------------------------------
 
-def test_missing_command_module_is_skipped():
-    assert cli._optional_module("promptlang.no_such_cli_module") is None
-    assert cli._optional_module("no_such_package_at_all.cli") is None
-
-
-def test_command_module_with_a_broken_import_propagates(tmp_path, monkeypatch):
-    (tmp_path / "broken_cli_mod.py").write_text("import no_such_dependency_of_broken_cli\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ModuleNotFoundError, match="no_such_dependency_of_broken_cli"):
-        cli._optional_module("broken_cli_mod")
+def test_help_lists_every_command_with_one_line_each(capsys):
+    status, out, _ = run(["--help"], capsys)
+    assert status == 0
+    listed = [line.split()[0] for line in out.splitlines()
+              if line.startswith("    ") and len(line.split()) > 1]
+    assert listed == ["check", "compile", "pml", "run", "cache", "bench"]
 
 
 def test_registered_command_runs_and_its_errors_print_without_traceback(tmp_path, monkeypatch,
@@ -133,7 +129,9 @@ def test_registered_command_runs_and_its_errors_print_without_traceback(tmp_path
             return 3
         """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("hello_cli_mod",))
+    import hello_cli_mod
+
+    monkeypatch.setattr(cli, "GROUPS", (hello_cli_mod,))
     assert run(["hello"], capsys)[:2] == (3, "hello ran\n")
     status, _, err = run(["hello", "--fail"], capsys)
     assert status == 1
@@ -278,3 +276,58 @@ def test_check_default_tokenizer_is_the_default_models(files, default_tokenizer,
     assert seen == [None]                       # loaded once, the default
     assert out.count("positions of 8192") == 2
     assert os.path.basename(str(files["travel.pml"])) in out
+
+
+# --- one `check`, by kind of file ---------------------------------------------------------
+
+APP = textwrap.dedent("""\
+    from promptlang import prompt
+
+    @prompt
+    def greet(name: str):
+        "Hello, "
+        name
+    """)
+
+
+def test_check_of_pml_files_is_pml_check(files, default_tokenizer, capsys):
+    from promptlang.default_model import default_tokenizer_dir
+
+    argv = ["--tokenizer", default_tokenizer_dir(), files["travel.pml"], files["prompt.pml"]]
+    alias = run(["pml", "check", *argv], capsys)
+    assert alias[0] == 0, alias[2]
+    assert run(["check", *argv], capsys) == alias
+    assert "imports: (root), trip-plan, trip-plan/paris" in alias[1]
+
+
+def test_check_of_a_broken_pml_file_exits_one_with_a_located_error(files, capsys):
+    status, out, err = run(["check", "--no-layout", files["broken.pml"]], capsys)
+    assert status == 1 and err.startswith(f"{files['broken.pml']}:3:") and "valid" not in out
+
+
+def test_check_of_a_python_file_prints_its_prompt_diagnostics(tmp_path, capsys):
+    app = tmp_path / "greet_app.py"
+    app.write_text(APP)
+    status, out, _ = run(["check", app], capsys)
+    assert status == 0 and out.strip() == f"{app}: 1 @prompt function, no errors"
+
+
+def test_check_of_mixed_files_checks_each_and_returns_the_worst_status(files, tmp_path,
+                                                                      capsys):
+    app = tmp_path / "greet_app.py"
+    app.write_text(APP)
+    status, out, err = run(["check", "--no-layout", app, files["travel.pml"],
+                            files["broken.pml"]], capsys)
+    assert status == 1
+    assert f"{app}: 1 @prompt function, no errors" in out
+    assert "schema 'travel': valid" in out and f"{files['broken.pml']}:3:" in err
+    status, _, err = run(["check", tmp_path / "missing_app.py", files["travel.pml"],
+                          "--no-layout"], capsys)
+    assert status == 2 and "missing_app.py" in err
+
+
+def test_check_help_documents_both_kinds_and_the_pml_options(capsys):
+    status, out, _ = run(["check", "--help"], capsys)
+    assert status == 0
+    for words in (".py", "PML", "--tokenizer", "--no-layout", "--schema"):
+        assert words in out

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from promptlang.cli import main
-from promptlang.runtime.bench import accuracy, qa
+from promptlang.bench import accuracy, qa
 
 NAMES = ("baseline", "cached", "cached+first:4", "cached+deviation:0.15", "isolate",
          "isolate+first:4", "isolate+deviation:0.15", "scaffold")
@@ -182,17 +182,19 @@ def test_plot_writes_a_png(tmp_path):
 
 # --- option parsing -----------------------------------------------------------------------
 
-def test_recompute_option_parses_lists_and_none():
-    from promptlang.runtime.bench import cli
+def test_recompute_option_parses_lists_and_none(capsys):
+    from promptlang.bench import run
+    from promptlang.cli import bench as cli
 
     assert cli._recompute_list("first:4, deviation:15%,first:4") == ("first:4", "deviation:0.15")
     assert cli._recompute_list("none") == ()
-    assert cli._DEFAULT_RECOMPUTE == ",".join(accuracy.DEFAULT_RECOMPUTE)
+    assert main(["bench", "accuracy", "--help"]) == 0      # the default, from its one owner
+    assert ",".join(accuracy.DEFAULT_RECOMPUTE) in "".join(capsys.readouterr().out.split())
     for bad in ("first:x", "deviation:2", "sometimes:3", ",", "none,first:0"):
         with pytest.raises(argparse.ArgumentTypeError):
             cli._recompute_list(bad)
     args = argparse.Namespace(quick=True, recompute=("first:8",), cost_tokens=0)
-    options = cli._accuracy_options(args)
+    options = run._accuracy_options(args)
     assert options.recompute == ("first:8",) and options.cost_tokens == 0
     assert options.items_per_kind == accuracy.AccuracyOptions.quick().items_per_kind
 
@@ -207,7 +209,7 @@ def test_bad_recompute_spec_is_a_usage_error(spec, message, capsys):
 
 
 def test_command_line_keeps_zero_none_and_negated_options():
-    from promptlang.runtime.bench import cli
+    from promptlang.cli import bench as cli
 
     args = argparse.Namespace(bench="accuracy", quick=False, out="bench-out", cost_tokens=0,
                               recompute=("first:4", "deviation:0.15"), func=print,
@@ -224,13 +226,14 @@ def test_rules_and_scaffold_options_choose_the_settings():
 
     args = build_parser().parse_args(["bench", "accuracy", "--recompute", "first:16",
                                       "--recompute-rules", "cached", "--no-scaffold"])
-    from promptlang.runtime.bench import cli
+    from promptlang.bench import run
+    from promptlang.cli import bench as cli
 
-    options = cli._accuracy_options(args)
+    options = run._accuracy_options(args)
     assert options.settings == ("baseline", "cached", "cached+first:16", "cached-bf16",
                                 "isolate")
     args = build_parser().parse_args(["bench", "accuracy", "--recompute", "none", "--no-bf16"])
-    assert cli._accuracy_options(args).settings == accuracy.BASE_SETTINGS
+    assert run._accuracy_options(args).settings == accuracy.BASE_SETTINGS
     assert cli.command_line(args) == "promptlang bench accuracy --recompute none --no-bf16"
     assert accuracy.AccuracyOptions(recompute=()).settings == \
         ("baseline", "cached", "cached-bf16", "isolate", "scaffold")

@@ -149,7 +149,7 @@ def test_all_quick_writes_one_folder_with_a_report_and_every_goal(tmp_path, caps
 
 def test_latency_exits_1_when_cached_and_baseline_first_tokens_disagree(tmp_path, capsys,
                                                                          monkeypatch):
-    from promptlang.runtime.bench import latency
+    from promptlang.bench import latency
     from tests.bench.test_bench_logic import point
 
     def fake_run(llm, options, **kwargs):     # a run whose 6.4k point picked another token
@@ -167,6 +167,34 @@ def test_latency_exits_1_when_cached_and_baseline_first_tokens_disagree(tmp_path
     assert code == 1
     assert goals(captured.out)["cached first token == baseline's at every length"] == "FAIL"
     assert "first tokens disagree" in captured.err
+
+
+def test_without_matplotlib_the_tables_are_written_and_one_line_says_how_to_plot(
+        tmp_path, capsys, monkeypatch):
+    import sys
+
+    from promptlang.bench import latency
+    from tests.bench.test_bench_logic import point
+
+    def fake_run(llm, options, **kwargs):
+        report = latency.LatencyReport(options, "fake", {"matmul_gflops": 1.0,
+                                                         "copy_gb_per_s": 1.0}, 0, 0,
+                                       [point(512, 10.0, 0.1), point(6400, 30.0, 0.1)],
+                                       [], None, [], 0.0)
+        report.goals = latency.latency_goals(report)
+        return report
+
+    monkeypatch.setattr(latency, "run_latency", fake_run)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # import matplotlib fails
+    code = main(["bench", "latency", "--quick", "--no-progress", "--rag-requests", "0",
+                 "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert (tmp_path / "latency.csv").exists() and (tmp_path / "latency.md").exists()
+    assert not (tmp_path / "latency.png").exists()
+    hints = [line for line in captured.err.splitlines() if "promptlang[bench]" in line]
+    assert hints == ["promptlang bench: no plots: matplotlib is not installed; "
+                     "pip install 'promptlang[bench]' gives the plots"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from promptlang.runtime.bench import accuracy, latency, qa
-from promptlang.runtime.bench.report import Goal, Section, markdown_table, render_markdown
+from promptlang.bench import accuracy, latency, qa
+from promptlang.bench.report import Goal, Section, markdown_table, render_markdown
 
 
 def point(cached, baseline, device, encode=1.0, floor=0.05, agree=True):
@@ -197,7 +197,7 @@ def test_make_items_interleaves_kinds_deterministically():
 
 
 def test_quick_options_take_command_line_overrides():
-    from promptlang.runtime.bench import cli
+    from promptlang.bench import run as cli
 
     args = argparse.Namespace(quick=True, lengths=(32, 64), samples=None, repeats=None,
                               decode_tokens=None, decode_samples=3, goal_length=None,
@@ -207,7 +207,7 @@ def test_quick_options_take_command_line_overrides():
     assert options.samples == latency.LatencyOptions.quick().samples
     args.quick = False
     assert cli._latency_options(args).samples == latency.LatencyOptions().samples
-    from promptlang.runtime.bench.rag import RagOptions
+    from promptlang.bench.rag import RagOptions
 
     assert cli._rag_options(args) == RagOptions(k=3)
     args.quick = True
@@ -215,7 +215,7 @@ def test_quick_options_take_command_line_overrides():
 
 
 def test_command_line_is_rebuilt_from_the_given_options():
-    from promptlang.runtime.bench import cli
+    from promptlang.cli import bench as cli
 
     args = argparse.Namespace(bench="latency", quick=True, out="bench-out", model=None,
                               no_progress=False, lengths=(64, 128), repeats=3, func=print)

@@ -3,8 +3,8 @@
 import pytest
 from transformers import FalconConfig, GPT2Config, LlamaConfig
 
-from promptlang.runtime.bench import floor, memory
-from promptlang.runtime.bench.shapes import PUBLISHED, ModelShape, shape_from_config
+from promptlang.bench import floor, memory
+from promptlang.bench.shapes import PUBLISHED, ModelShape, shape_from_config
 
 
 def test_default_model_caches_46080_bytes_per_token_in_float32():

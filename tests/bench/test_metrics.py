@@ -1,12 +1,12 @@
 """Paired bootstrap intervals, the recovery ratio's interval and KL divergence
-(runtime/bench/metrics.py), on data whose answers are known."""
+(bench/metrics.py), on data whose answers are known."""
 
 import math
 
 import numpy as np
 import pytest
 
-from promptlang.runtime.bench import metrics
+from promptlang.bench import metrics
 
 
 def test_a_constant_difference_gives_a_zero_width_interval():

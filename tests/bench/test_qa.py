@@ -11,7 +11,7 @@ import pytest
 from promptlang.pml import nodes as n
 from promptlang.pml.binding import bind
 from promptlang.pml.layout import lay_out
-from promptlang.runtime.bench import qa
+from promptlang.bench import qa
 from promptlang.tokenizer import WordTokenizer
 
 ANY_NAME = re.compile(r"\b(?:%s)\b" % "|".join(qa.FEMALE_NAMES + qa.MALE_NAMES + qa.SURNAMES))
@@ -43,7 +43,7 @@ def test_item_does_not_depend_on_how_many_items_are_generated():
 
 
 def test_another_process_with_another_hash_seed_generates_the_same_items():
-    code = ("import json; from promptlang.runtime.bench import qa; "
+    code = ("import json; from promptlang.bench import qa; "
             "print(json.dumps([i.to_dict() for i in qa.generate(6, seed=4, kind='mixed')]))")
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
@@ -238,9 +238,10 @@ def test_schema_and_prompt_survive_write_then_parse(items, mode, docs_role):
 
 
 def test_bench_modules_that_run_no_model_import_without_torch():
-    code = ("import sys; import promptlang.runtime.bench.qa, promptlang.runtime.bench.memory, "
-            "promptlang.runtime.bench.report, promptlang.runtime.bench.accuracy, "
-            "promptlang.runtime.bench.cli; print('torch' in sys.modules)")
+    code = ("import sys; import promptlang.bench.qa, promptlang.bench.memory, "
+            "promptlang.bench.report, promptlang.bench.accuracy, "
+            "promptlang.bench.run, promptlang.bench.settings, promptlang.cli.bench; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from promptlang.errors import PromptLangError
-from promptlang.runtime.bench import rag
+from promptlang.bench import rag
 from promptlang.runtime.engine import LLM
 from tests.runtime.tiny import tiny_llama
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from promptlang.runtime.bench.report import (Progress, Spread, fit_exponent, format_table,
+from promptlang.bench.report import (Progress, Spread, fit_exponent, format_table,
                                              plot_ttft, ratios, write_csv, write_json)
 
 

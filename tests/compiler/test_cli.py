@@ -1,23 +1,21 @@
-"""`promptlang compile` and `promptlang check`: outputs, files and exit codes (0 ok,
-1 diagnostics, 2 usage), driven through `register()` on a parser built here."""
+"""`promptlang compile` and `promptlang check` of Python files: outputs, files and exit codes
+(0 ok, 1 diagnostics, 2 usage), driven through the `promptlang` command's parser."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import textwrap
 
 import pytest
 
-from promptlang.compiler.cli import register
+from promptlang.cli import build_parser
 from promptlang.pml.parser import parse_prompt, parse_schema
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "compile_demo.py")
 
 
 def run(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="promptlang")
-    register(parser.add_subparsers())
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:

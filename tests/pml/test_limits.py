@@ -163,7 +163,7 @@ def test_spans_on_one_line_share_one_copy_of_its_text():
 # --- the scaling bench --------------------------------------------------------------------
 
 def test_parse_scaling_prints_one_row_per_case_with_three_times_and_an_exponent(capsys):
-    from promptlang.runtime.bench import parse_scaling
+    from promptlang.bench import parse_scaling
 
     assert parse_scaling.main(["--size", "3", "--repeat", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -178,7 +178,7 @@ def test_parse_scaling_prints_one_row_per_case_with_three_times_and_an_exponent(
 
 
 def test_parse_scaling_cases_build_valid_documents():
-    from promptlang.runtime.bench import parse_scaling
+    from promptlang.bench import parse_scaling
 
     for _, _, build in parse_scaling.CASES:
         assert build(5)() is not None       # parses, lays out or binds without an error

@@ -101,7 +101,7 @@ def test_very_deep_nesting_is_a_syntax_error_not_a_recursion_error():
 
 
 def test_many_references_decode_into_one_text_node():
-    # growth with size is measured by `python -m promptlang.runtime.bench.parse_scaling`
+    # growth with size is measured by `python -m promptlang.bench.parse_scaling`
     count = 100_000
     tree = parse_schema('<schema name="s"><module name="m">' + "&amp;&#65;" * count
                         + "</module></schema>")

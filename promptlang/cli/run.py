@@ -1,13 +1,11 @@
-"""`promptlang run` and `promptlang cache`: the runtime's commands.
+"""`promptlang run`: answer a prompt with cached modules.
 
     promptlang run SCHEMA.pml PROMPT.pml [--model PATH] [--max-new-tokens N] [--baseline]
                    [--isolate] [--recompute POLICY] [--temperature T] [--seed S]
                    [--stream]
-    promptlang cache ls [--dir DIR]
-    promptlang cache clear [--dir DIR]
 
-`run` prints the answer on stdout and the timing breakdown on stderr. Nothing here
-imports torch until a command runs (`promptlang pml check` stays light).
+Prints the answer on stdout and the timing breakdown on stderr. The runtime (torch) is
+imported when the command runs, not when the parser is built.
 """
 
 from __future__ import annotations
@@ -43,20 +41,6 @@ def register(subparsers: Any) -> None:
     run.add_argument("--stream", action="store_true", help="print text as it is generated")
     run.set_defaults(func=_run)
 
-    cache = subparsers.add_parser("cache", help="inspect or empty the KV store on disk",
-                                  description="The module store's disk tier.")
-    cache.set_defaults(group_parser=cache)
-    commands = cache.add_subparsers(title="commands", metavar="COMMAND")
-    ls = commands.add_parser("ls", help="list stored units")
-    ls.add_argument("--dir", metavar="DIR", help="store folder (default: the KV home)")
-    ls.set_defaults(func=_cache_ls)
-    clear = commands.add_parser("clear", help="delete every stored unit",
-                                description="Delete the KV files promptlang wrote; other files "
-                                            "stay. A folder the store did not create (it has no "
-                                            ".promptlang-kv-store marker) is refused.")
-    clear.add_argument("--dir", metavar="DIR", help="store folder (default: the KV home)")
-    clear.set_defaults(func=_cache_clear)
-
 
 def _run(args: argparse.Namespace) -> int:
     from promptlang.runtime import engine
@@ -84,36 +68,3 @@ def _run(args: argparse.Namespace) -> int:
           f"model load {loaded:.1f} s", file=sys.stderr)
     print(f"[{mode}] {result.timings}", file=sys.stderr)
     return 0
-
-
-def _cache_ls(args: argparse.Namespace) -> int:
-    from promptlang.runtime.store import list_disk_entries
-
-    entries = list_disk_entries(args.dir)
-    total = 0
-    for e in entries:
-        total += e["file_bytes"]
-        if e["error"]:
-            print(f"{e['key'][:16]}  unreadable: {e['error']}")
-            continue
-        meta = e["meta"]
-        modified = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["modified"]))
-        print(f"{e['key'][:16]}  {e['length']:>6} tokens  {_size(e['file_bytes']):>9}  "
-              f"{e['stored']:>8}  {modified}  {meta.get('schema', '?')}:{meta.get('unit', '?')}")
-    print(f"{len(entries)} entries, {_size(total)}")
-    return 0
-
-
-def _cache_clear(args: argparse.Namespace) -> int:
-    from promptlang.runtime.store import clear_disk
-
-    print(f"removed {clear_disk(args.dir)} entries")
-    return 0
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from promptlang.runtime.bench.shapes import ModelShape, shape_from_config
+from promptlang.bench.shapes import ModelShape, shape_from_config
 
 SQUARE_SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048))   # (M, K, N)
 PREFILL_ROWS = 2048        # rows of the workload shapes: a prefill chunk of the baseline

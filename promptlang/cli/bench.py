@@ -1,4 +1,4 @@
-"""`promptlang bench`: the benchmarks, each printing its tables and writing raw numbers.
+"""`promptlang bench`: the benchmarks' command lines (the benchmarks are promptlang.bench).
 
     promptlang bench latency  [--lengths 256,512,...] [--samples S] [--repeats R]
                               [--decode-tokens N] [--decode-samples D] [--goal-length L]
@@ -17,21 +17,21 @@ to stdout, progress bars to stderr; the folder gets NAME.csv, NAME.json, NAME.md
 latency.png, rag.csv, rag.json, accuracy.png, accuracy-items.json). Each PASS/FAIL goal
 line is printed whether it passes or not; `latency` and `all` exit with 1 when the cached
 and baseline first tokens disagree (a correctness check, not a speed goal).
+The parser is built here; each command hands the parsed options and the command as typed to
+promptlang.bench.run, imported when the command runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-import time
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 DEFAULT_OUT = "bench-out"
-_DEFAULT_RECOMPUTE = "first:4,first:16,first:32,deviation:0.15"   # accuracy.DEFAULT_RECOMPUTE
 
 
 def register(subparsers: Any) -> None:
+    from promptlang.bench.settings import DEFAULT_RECOMPUTE
+
     bench = subparsers.add_parser(
         "bench", help="measure latency, KV memory and accuracy of cached prompts",
         description="Benchmarks that reproduce the Prompt Cache paper's claims on this "
@@ -89,7 +89,7 @@ def register(subparsers: Any) -> None:
     accuracy.add_argument("--recompute", type=_recompute_list, metavar="SPEC,SPEC,...",
                           help="recompute policies, each adding the settings cached+SPEC and "
                                "isolate+SPEC: first:K or deviation:F; 'none' for no such "
-                               "settings (default " + _DEFAULT_RECOMPUTE + ")")
+                               "settings (default " + ",".join(DEFAULT_RECOMPUTE) + ")")
     accuracy.add_argument("--recompute-rules", type=_rules, metavar="RULE,...",
                           help="the cached rules the policies apply to: cached (guaranteed "
                                "context), isolate (default both)")
@@ -111,17 +111,17 @@ def register(subparsers: Any) -> None:
                                "(default 2000)")
 
     for name, parents, func, short, text in (
-            ("latency", [common, latency], _one(_run_latency),
+            ("latency", [common, latency], _handler("latency"),
              "time to first token, baseline vs cached",
              "Time to first token, baseline against cached, over prompt length, with "
              "modules in the device, host and disk tiers; encode cost, break-even, the "
              "machine's floor, the decode comparison, the first-token agreement check, "
              "the latency goals, and a RAG workload (k of N documents per request) "
              "against a prefix-cache policy on the same engine."),
-            ("memory", [common], _one(_run_memory), "KV bytes per token",
+            ("memory", [common], _handler("memory"), "KV bytes per token",
              "KV bytes per token: the model's, its store's in 32 and 16 bits, and a table "
              "of well-known models' shapes."),
-            ("accuracy", [common, accuracy], _one(_run_accuracy),
+            ("accuracy", [common, accuracy], _handler("accuracy"),
              "exact match with and without caching",
              "Exact match and answer-in-output (a distractor's answer first counts as "
              "wrong) on synthetic multi-document QA: baseline, "
@@ -131,11 +131,20 @@ def register(subparsers: Any) -> None:
              "first-token KL from the baseline, each setting against the baseline with "
              "paired bootstrap intervals; the TTFT of "
              "every setting at ~6k tokens, accuracy.png and the issue-8 goal."),
-            ("all", [common, latency, accuracy], _all, "all three into one folder",
+            ("all", [common, latency, accuracy], _handler("all"), "all three into one folder",
              "memory, latency and accuracy in one run (about 20 minutes on 2 cores at the "
              "defaults), into one folder with a report.md of every table.")):
         command = commands.add_parser(name, parents=parents, help=short, description=text)
         command.set_defaults(func=func, bench=name)
+
+
+def _handler(name: str):
+    """The command `bench NAME`: promptlang.bench.run's runner, given the command as typed."""
+    def handle(args: argparse.Namespace) -> int:
+        from promptlang.bench import run
+
+        return run.COMMANDS[name](args, command_line(args))
+    return handle
 
 
 # --- argument types ---------------------------------------------------------------------
@@ -169,8 +178,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 def _recompute_list(text: str) -> tuple[str, ...]:
     """Comma-separated recompute policies, canonical and without duplicates; "none"
     alone: no recompute settings."""
+    from promptlang.bench.settings import normalize_specs
     from promptlang.runtime.recompute import RecomputeSpecError
-    from promptlang.runtime.bench.accuracy import normalize_specs
 
     parts = [part.strip() for part in text.split(",") if part.strip()]
     if not parts:
@@ -195,7 +204,7 @@ def _rules(text: str) -> tuple[str, ...]:
 
 
 def _kinds(text: str) -> tuple[str, ...]:
-    from promptlang.runtime.bench.qa import KINDS
+    from promptlang.bench.qa import KINDS
 
     kinds = tuple(part.strip() for part in text.split(",") if part.strip())
     unknown = [k for k in kinds if k not in KINDS]
@@ -203,261 +212,6 @@ def _kinds(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"unknown kind(s) {unknown}: choose from "
                                          f"{', '.join(KINDS)}")
     return kinds
-
-
-# --- running ----------------------------------------------------------------------------
-
-class _Run:
-    """One command's model, output folder, thread setting and machine measurement;
-    a context manager that restores torch's thread count on exit."""
-
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
-        self._threads = None
-        self.out = Path(args.out)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.progress = not args.no_progress
-        self._llm = None
-        self._machine = None
-        self.written: list[Path] = []
-
-    def __enter__(self) -> "_Run":
-        if self.args.threads is not None:
-            import torch
-
-            self._threads = torch.get_num_threads()
-            torch.set_num_threads(self.args.threads)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._threads is not None:
-            import torch
-
-            torch.set_num_threads(self._threads)
-
-    @property
-    def llm(self):
-        if self._llm is None:
-            from promptlang.runtime import engine
-
-            began = time.perf_counter()
-            self._llm = engine.load(self.args.model)
-            _say(f"loaded {self.model_name} in {time.perf_counter() - began:.1f} s")
-        return self._llm
-
-    @property
-    def model_name(self) -> str:
-        if self._llm is None:
-            return self.args.model or "SmolLM2-135M-Instruct (default)"
-        return getattr(self._llm.tokenizer, "name", "") or str(self.args.model)
-
-    @property
-    def machine(self):
-        if self._machine is None:
-            from promptlang.runtime.bench import floor
-
-            self._machine = floor.measure_machine()
-        return self._machine
-
-    def machine_lines(self) -> list[str]:
-        from promptlang.runtime.bench.floor import machine_facts
-
-        m = machine_facts(self.machine)
-        return [f"CPU: {m['cpu'] or 'unknown'}; {m['usable_cores']} usable cores "
-                f"({m['logical_cores']} logical), torch threads {m['torch_threads']}",
-                f"measured in this run: float32 matmul {m['matmul_gflops']} GFLOP/s (best "
-                f"sustained sgemm: {m['matmul_sgemm']}), "
-                f"memory copy {m['copy_gb_per_s']} GB/s (read + write)",
-                f"python {m['python']}, torch {m['torch']}, transformers {m['transformers']}",
-                f"CPU kernels: {m['kernels']}"]
-
-    def write(self, name: str, writer: Callable[[Path], Any]) -> Path:
-        path = self.out / name
-        writer(path)
-        self.written.append(path)
-        return path
-
-
-def _options(cls, args: argparse.Namespace, mapping: dict[str, str]):
-    """Quick or default options, with every option given on the command line applied."""
-    from dataclasses import replace
-
-    base = cls.quick() if args.quick else cls()
-    given = {field: getattr(args, arg) for arg, field in mapping.items()
-             if getattr(args, arg, None) is not None}
-    return replace(base, **given)
-
-
-def _latency_options(args):
-    from promptlang.runtime.bench.latency import LatencyOptions
-
-    return _options(LatencyOptions, args, {
-        "lengths": "lengths", "samples": "samples", "repeats": "repeats",
-        "decode_tokens": "decode_tokens", "decode_samples": "decode_samples",
-        "goal_length": "goal_length"})
-
-
-def _rag_options(args):
-    from promptlang.runtime.bench.rag import RagOptions
-
-    return _options(RagOptions, args, {"rag_docs": "docs", "rag_k": "k",
-                                       "rag_requests": "requests"})
-
-
-def _accuracy_options(args):
-    from promptlang.runtime.bench.accuracy import AccuracyOptions
-
-    return _options(AccuracyOptions, args, {
-        "items": "items_per_kind", "kinds": "kinds", "docs_per_item": "docs_per_item",
-        "doc_words": "doc_words", "max_new_tokens": "max_new_tokens", "seed": "seed",
-        "recompute": "recompute", "recompute_rules": "recompute_rules", "scaffold": "scaffold",
-        "store16": "store16",
-        "cost_tokens": "cost_tokens", "cost_repeats": "cost_repeats",
-        "resamples": "resamples"})
-
-
-def _run_latency(run: _Run):
-    from promptlang.runtime.bench import latency, rag
-    from promptlang.runtime.bench.report import render_markdown, render_text, write_csv, \
-        write_json
-
-    report = latency.run_latency(run.llm, _latency_options(run.args),
-                                 model_source=run.args.model, model_name=run.model_name,
-                                 workdir=run.out, progress=run.progress)
-    parts = latency.sections(report, run.llm.tokenizer)
-    rag_options = _rag_options(run.args)
-    if rag_options.requests:
-        workload = rag.run_rag(run.llm, rag_options, model_name=run.model_name,
-                               progress=run.progress)
-        parts += rag.sections(workload)
-        run.write("rag.csv", lambda p: write_csv(p, workload.rows()))
-        run.write("rag.json", lambda p: write_json(p, rag.to_json(workload)))
-    print(render_text(parts))
-    run.write("latency.csv", lambda p: write_csv(p, report.rows()))
-    run.write("latency.json", lambda p: write_json(p, latency.to_json(report)))
-    if report.points:
-        note = " (QUICK RUN)" if run.args.quick else ""
-        run.write("latency.png", lambda p: latency.plot(report, p, note))
-    run.write("latency.md", lambda p: p.write_text(render_markdown(parts)))
-    return report, parts
-
-
-def _run_memory(run: _Run):
-    from promptlang.runtime.bench import memory
-    from promptlang.runtime.bench.report import render_markdown, render_text, write_csv, \
-        write_json
-
-    report = memory.run_memory(run.llm, run.model_name, workdir=run.out)
-    parts = memory.sections(report)
-    print(render_text(parts))
-    run.write("memory.csv", lambda p: write_csv(p, report.rows))
-    run.write("memory.json", lambda p: write_json(p, memory.to_json(report)))
-    run.write("memory.md", lambda p: p.write_text(render_markdown(parts)))
-    return report, parts
-
-
-def _run_accuracy(run: _Run):
-    from promptlang.runtime.bench import accuracy
-    from promptlang.runtime.bench.report import render_markdown, render_text, write_csv, \
-        write_json
-
-    report = accuracy.run_accuracy(run.llm, _accuracy_options(run.args),
-                                   model_name=run.model_name, progress=run.progress,
-                                   workers=getattr(run.args, "workers", None) or 1,
-                                   model_source=run.args.model, worker_threads=run.args.threads)
-    parts = accuracy.sections(report)
-    print(render_text(parts))
-    run.write("accuracy.csv", lambda p: write_csv(p, report.rows()))
-    run.write("accuracy.json", lambda p: write_json(p, accuracy.to_json(report)))
-    run.write("accuracy-items.json",
-              lambda p: write_json(p, [r.to_dict() for r in report.results]))
-    if report.cost is not None:
-        note = " (QUICK RUN)" if run.args.quick else ""
-        run.write("accuracy.png", lambda p: accuracy.plot(report, p, note))
-    run.write("accuracy.md", lambda p: p.write_text(render_markdown(parts)))
-    return report, parts
-
-
-def _header(run: _Run) -> list[str]:
-    from promptlang.runtime.bench.report import Section, render_text
-
-    lines = [f"command: {command_line(run.args)}", *run.machine_lines()]
-    if run.args.quick:
-        lines.append("QUICK RUN: tiny sizes for tests; these numbers are not the benchmark")
-    print(render_text([Section("promptlang bench", (), lines)]))
-    return lines
-
-
-def _one(bench: Callable[[_Run], Any]) -> Callable[[argparse.Namespace], int]:
-    """The command that runs one benchmark: header, the benchmark, the files written;
-    1 when the report says its results are not correct (see `_status`)."""
-    def command(args: argparse.Namespace) -> int:
-        with _Run(args) as run:
-            _header(run)
-            report, _ = bench(run)
-            _done(run)
-        return _status([report])
-    return command
-
-
-def _status(reports) -> int:
-    """1 when a report's `correct` is False (latency: cached and baseline picked different
-    first tokens), else 0. Speed goals that FAIL do not change it: they are measurements."""
-    wrong = [r for r in reports if getattr(r, "correct", True) is False]
-    if wrong:
-        _say("FAIL: cached and baseline first tokens disagree (see the goal lines)")
-    return 1 if wrong else 0
-
-
-def _all(args: argparse.Namespace) -> int:
-    with _Run(args) as run:
-        return _run_all(run)
-
-
-def _run_all(run: _Run) -> int:
-    from dataclasses import asdict
-
-    from promptlang.runtime.bench.report import Section, render_markdown, render_text, \
-        write_json
-
-    began = time.perf_counter()
-    header = _header(run)
-    timings = {}
-    parts: dict[str, list] = {}
-    goals, reports = [], []
-    for name, bench in (("memory", _run_memory), ("latency", _run_latency),
-                        ("accuracy", _run_accuracy)):
-        started = time.perf_counter()
-        report, parts[name] = bench(run)
-        reports.append(report)
-        goals += getattr(report, "goals", [])
-        timings[name] = round(time.perf_counter() - started, 1)
-    total = time.perf_counter() - began
-    summary = Section("Goals (issues 7 and 8), all benchmarks", (), [str(g) for g in goals])
-    print(render_text([summary]))
-    write_json(run.out / "goals.json", [asdict(g) | {"verdict": g.verdict} for g in goals])
-    run.written.append(run.out / "goals.json")
-    timing_line = (f"wall time {total / 60:.1f} min (" +
-                   ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()) +
-                   ", the rest loading the model and measuring the machine)")
-    document = [f"## Run of {time.strftime('%Y-%m-%d %H:%M')}", "",
-                render_markdown([Section("Command and machine", (), header + [timing_line])]),
-                "## Memory", "", render_markdown(parts["memory"]),
-                "## Latency", "", "![TTFT against prompt length](latency.png)", "",
-                render_markdown(parts["latency"]),
-                "## Accuracy", "",
-                *(["![Accuracy against TTFT at ~6k tokens](accuracy.png)", ""]
-                  if (run.out / "accuracy.png") in run.written else []),
-                render_markdown(parts["accuracy"]),
-                "## All goals", "", render_markdown([summary])]
-    run.write("report.md", lambda p: p.write_text("\n".join(document)))
-    _say(timing_line)
-    _done(run)
-    return _status(reports)
-
-
-def _done(run: _Run) -> None:
-    _say("wrote " + ", ".join(str(p) for p in run.written))
 
 
 _NEGATED = {"scaffold": "--no-scaffold", "store16": "--no-bf16"}     # store_false options: dest -> flag
@@ -482,7 +236,3 @@ def command_line(args: argparse.Namespace) -> str:
         else:
             words += [flag, str(value)]
     return " ".join(words)
-
-
-def _say(message: str) -> None:
-    print(f"promptlang bench: {message}", file=sys.stderr, flush=True)

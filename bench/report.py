@@ -203,6 +203,18 @@ def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float
     return k, math.exp(my - k * mx)
 
 
+PLOTS_HINT = "pip install 'promptlang[bench]' gives the plots"
+
+
+def can_plot() -> bool:
+    """Whether matplotlib (the `bench` extra) is installed: without it, no plots."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plot_ttft(path: str | Path, series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
               title: str = "Time to first token", xlabel: str = "prompt length (tokens)",
               ylabel: str = "TTFT (s)", dashed: Sequence[str] = ()) -> Path:

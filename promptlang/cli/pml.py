@@ -1,115 +1,50 @@
-"""The `promptlang` command.
+"""`promptlang pml check`: parse PML files, lay out schemas, bind prompts.
 
-    promptlang --help | --version
     promptlang pml check FILE... [--tokenizer NAME_OR_PATH] [--no-layout] [--schema FILE]
 
-`pml check` lays out each schema and binds each prompt against the schema of the same
-call that it names (or `--schema`); parse warnings print as `file:line:col: warning: ...`.
-
-Command groups live next to the code they drive: a module that exposes
-`register(subparsers)` adds its subcommands, each with
-`set_defaults(func=handler)` where `handler(args) -> int` is the exit status.
-This file registers `pml` itself, then `promptlang.compiler.cli` and
-`promptlang.runtime.cli` when they are installed.
-
-Exit status: 0 success, 1 errors in the input (each printed as
-`file:line:col: message`, never a traceback), 2 usage errors. No torch import
-here: checking PML needs only a tokenizer.
+A schema is laid out with the tokenizer and printed as a table of its modules' positions;
+a prompt is bound against the schema of the same call that it names (or `--schema`); parse
+warnings print as `file:line:col: warning: ...`. `promptlang check FILE.pml` is the same
+check (check.py dispatches here). Needs only a tokenizer: no torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from promptlang.errors import PromptLangError
 
-COMMAND_MODULES = ("promptlang.compiler.cli", "promptlang.runtime.cli",
-                   "promptlang.runtime.bench.cli")
+DESCRIPTION = ("Parse each FILE. A schema is laid out with the tokenizer and its modules' "
+               "positions are printed; a prompt is bound against --schema, else against the "
+               "schema among the FILEs that it names (e.g. `promptlang pml check SCHEMA "
+               "PROMPT`). Warnings go to stderr as file:line:col: warning: message.")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit:                 # --help, --version, usage errors
-        return exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 2)
-    func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
-    if func is None:
-        (getattr(args, "group_parser", None) or parser).print_help(sys.stderr)
-        return 2
-    try:
-        return int(func(args) or 0)
-    except PromptLangError as err:
-        print(err, file=sys.stderr)
-        return 1
-    except BrokenPipeError:            # `promptlang ... | head`: stop quietly
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 1
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="promptlang",
-        description="Prompt programs served from modular attention (KV) caches.")
-    parser.add_argument("--version", action="version", version=f"promptlang {_version()}")
-    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
-    _register_pml(commands)
-    for name in COMMAND_MODULES:
-        module = _optional_module(name)
-        if module is not None:
-            module.register(commands)
-    return parser
-
-
-def _optional_module(name: str) -> Any:
-    """The module, or None when it (or its package) is not installed; an import
-    error raised from inside the module propagates."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        if err.name is not None and (name == err.name or name.startswith(err.name + ".")):
-            return None
-        raise
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("promptlang")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
-# --- promptlang pml ---------------------------------------------------------------
-
-def _register_pml(commands: Any) -> None:
-    pml = commands.add_parser("pml", help="work with Prompt Markup Language files",
-                              description="Work with Prompt Markup Language (PML) files.")
-    pml.set_defaults(group_parser=pml)
-    pml_commands = pml.add_subparsers(title="commands", metavar="COMMAND")
+def register(commands: Any) -> None:
+    group = commands.add_parser("pml", help="PML files: `pml check` (= `check` for .pml files)",
+                                description="Work with Prompt Markup Language (PML) files.")
+    group.set_defaults(group_parser=group)
+    pml_commands = group.add_subparsers(title="commands", metavar="COMMAND")
     check = pml_commands.add_parser(
         "check", help="parse PML files; lay out schemas and bind prompts",
-        description="Parse each FILE. A schema is laid out with the tokenizer and its "
-                    "modules' positions are printed; a prompt is bound against --schema, "
-                    "else against the schema among the FILEs that it names (e.g. "
-                    "`promptlang pml check SCHEMA PROMPT`). Warnings go to stderr as "
-                    "file:line:col: warning: message.")
+        description=DESCRIPTION + " The same as `promptlang check` given PML files.")
     check.add_argument("files", nargs="+", metavar="FILE", help="schema or prompt files")
-    check.add_argument("--tokenizer", metavar="NAME_OR_PATH",
-                       help="tokenizer (model id or folder) for the layout; default: the "
-                            "default model's")
-    check.add_argument("--no-layout", action="store_true",
-                       help="only parse (no tokenizer, no layout, no binding)")
-    check.add_argument("--schema", metavar="FILE",
-                       help="schema to bind every prompt file against (default: the schema "
-                            "among the FILEs that the prompt names)")
-    check.set_defaults(func=_pml_check)
+    add_options(check)
+    check.set_defaults(func=check_files)
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """The PML check's options (shared with `promptlang check`)."""
+    parser.add_argument("--tokenizer", metavar="NAME_OR_PATH",
+                        help="tokenizer (model id or folder) for the layout; default: the "
+                             "default model's")
+    parser.add_argument("--no-layout", action="store_true",
+                        help="only parse (no tokenizer, no layout, no binding)")
+    parser.add_argument("--schema", metavar="FILE",
+                        help="schema to bind every prompt file against (default: the schema "
+                             "among the FILEs that the prompt names)")
 
 
 class _LazyTokenizer:
@@ -134,7 +69,8 @@ class _LazyTokenizer:
         return self._tokenizer
 
 
-def _pml_check(args: argparse.Namespace) -> int:
+def check_files(args: argparse.Namespace) -> int:
+    """Check the PML files `args.files` (see the `pml check` help); the exit status."""
     from promptlang.pml import nodes
     from promptlang.pml.parser import parse_file
 

@@ -1,6 +1,6 @@
 """How PML parsing, layout and binding grow with pathological inputs.
 
-    python -m promptlang.runtime.bench.parse_scaling [--size N] [--repeat R]
+    python -m promptlang.bench.parse_scaling [--size N] [--repeat R]
 
 Each case builds an input of N units (attributes, union members, parameters...), then
 of 2N and 4N, times the work on it (the best of R runs) and prints the growth exponent
@@ -146,7 +146,7 @@ def format_rows(rows: list[tuple[str, str, list[float], float]], repeat: int) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m promptlang.runtime.bench.parse_scaling",
+    parser = argparse.ArgumentParser(prog="python -m promptlang.bench.parse_scaling",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=2000,
                         help="units per case at 1x (default 2000)")

@@ -1,25 +1,15 @@
-"""`promptlang compile` and `promptlang check`: the compiler on the command line.
+"""A Python file's @prompt functions, compiled, with every diagnostic located.
 
-    promptlang compile app.py [-o DIR] [--call 'f(x=1)']
-    promptlang check app.py
-
-Both import the file (as the module its package folders make it): its top-level
-code RUNS, as `python FILE` would run it, so check only files you would run. @prompt
-collects analysis errors instead of raising them; then every @prompt function
-defined in the file is lowered and every diagnostic printed, mypy-style. Whatever
-the file raises while it is imported (SystemExit and KeyboardInterrupt included)
-is a diagnostic located at the file's line in the traceback. `compile` writes
-one schema per function (`DIR/<schema name>.pml`, or stdout) and, with `--call`,
-the PML prompt of that call, whose arguments must be Python literals.
-
-Exit status: 0 ok (warnings allowed), 1 diagnostics (syntax errors included),
-2 usage errors (no such file, a malformed --call, an unknown function).
+`compile_file(path)` imports the file (as the module its package folders make it): its
+top-level code RUNS, as `python FILE` would run it. @prompt collects analysis errors instead
+of raising them; then every @prompt function defined in the file is planned and every
+diagnostic kept, sorted, with the file named as the command line named it. Whatever the file
+raises while it is imported (SystemExit and KeyboardInterrupt included) is a diagnostic
+located at the file's line in the traceback. compile.py and check.py print the results.
 """
 
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
 import importlib.util
 import io
@@ -36,97 +26,19 @@ from promptlang.errors import InputFileError, PromptLangError, Span, span_in
 from promptlang.inputs import decode_utf8, read_bytes
 
 
-def register(subparsers) -> None:
-    """Add `compile` and `check` to the `promptlang` command's subparsers."""
-    compile_ = subparsers.add_parser(
-        "compile", help="compile the @prompt functions of a Python file to PML "
-                        "(imports, i.e. runs, the file)",
-        description="Write the PML schema of every @prompt function in FILE (one .pml each "
-                    "in DIR, or to stdout); with --call, also the PML prompt of that call. "
-                    "FILE is imported: its top-level code runs, as with `python FILE`.")
-    compile_.add_argument("file", metavar="FILE", help="a Python file")
-    compile_.add_argument("-o", "--output", metavar="DIR", help="folder for the .pml files")
-    compile_.add_argument("--call", metavar="CALL",
-                          help="a call with literal arguments, e.g. 'answer(city=\"Paris\")'")
-    compile_.set_defaults(func=run_compile)
-    check = subparsers.add_parser(
-        "check", help="report the diagnostics of a Python file's @prompt functions "
-                      "(imports, i.e. runs, the file)",
-        description="Compile every @prompt function in FILE and print what cannot be "
-                    "cached, as file:line:col: severity: message [code]. FILE is imported "
-                    "to find its @prompt functions: its top-level code runs, as with "
-                    "`python FILE`, so check only files you trust to run.")
-    check.add_argument("file", metavar="FILE", help="a Python file")
-    check.set_defaults(func=run_check)
-
-
 @dataclass
-class _Compiled:
+class Compiled:
     functions: list[PromptFunction] = field(default_factory=list)
     diagnostics: list[Diagnostic] = field(default_factory=list)
     module: object = None
 
 
-class _UsageError(Exception):
+class UsageError(Exception):
     pass
 
 
-def run_check(args: argparse.Namespace) -> int:
-    try:
-        compiled = _compile_file(args.file)
-    except _UsageError as e:
-        print(f"promptlang check: {e}", file=sys.stderr)
-        return 2
-    _print(compiled.diagnostics, sys.stdout)
-    if errors(compiled.diagnostics):
-        return 1
-    count = len(compiled.functions)
-    print(f"{args.file}: {count} @prompt function{'s' if count != 1 else ''}, no errors")
-    return 0
-
-
-def run_compile(args: argparse.Namespace) -> int:
-    try:
-        call = _parse_call(args.call) if args.call else None
-        compiled = _compile_file(args.file)
-    except _UsageError as e:
-        print(f"promptlang compile: {e}", file=sys.stderr)
-        return 2
-    _print(compiled.diagnostics, sys.stderr)
-    if errors(compiled.diagnostics):
-        return 1
-    outputs = [(f"{f.schema_name}.pml", f.schema_pml()) for f in compiled.functions]
-    if call is not None:
-        path, args_, kwargs = call
-        function = _find(compiled, path, args.file)
-        if function is None:
-            return 2
-        try:
-            result = function(*args_, **kwargs)
-        except PromptLangError as e:
-            print(e, file=sys.stderr)
-            return 1
-        except BaseException as e:  # noqa: BLE001 - the user's code failed: say where, no trace
-            print(_located(e, args.file, f"the call {args.call} raised"), file=sys.stderr)
-            return 1
-        outputs.append((f"{function.schema_name}.prompt.pml", result.prompt_pml()))
-    if args.output:
-        os.makedirs(args.output, exist_ok=True)
-        for name, text in outputs:
-            with open(os.path.join(args.output, name), "w", encoding="utf-8") as f:
-                f.write(text + "\n")
-            print(os.path.join(args.output, name), file=sys.stderr)
-    else:
-        for _, text in outputs:
-            print(text)
-    return 0
-
-
-# -- steps ------------------------------------------------------------------------------------
-
-
-def _compile_file(path: str) -> _Compiled:
-    compiled = _Compiled()
+def compile_file(path: str) -> Compiled:
+    compiled = Compiled()
     source = _read_source(path, compiled)
     if source is None or not _compiles(source, path, compiled):
         return compiled
@@ -180,13 +92,13 @@ def _compile_file(path: str) -> _Compiled:
     return compiled
 
 
-def _read_source(path: str, compiled: _Compiled) -> str | None:
+def _read_source(path: str, compiled: Compiled) -> str | None:
     """The file's text, decoded as Python decodes it (UTF-8, a BOM dropped, or the
     encoding its coding line declares); None, with a PL005 diagnostic, when it is not."""
     try:
         data = read_bytes(path)
     except InputFileError as e:
-        raise _UsageError(e.message) from None
+        raise UsageError(e.message) from None
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
     except SyntaxError as e:          # an unknown codec, or a BOM with another coding line
@@ -205,7 +117,7 @@ def _read_source(path: str, compiled: _Compiled) -> str | None:
     return None
 
 
-def _compiles(source: str, path: str, compiled: _Compiled) -> bool:
+def _compiles(source: str, path: str, compiled: Compiled) -> bool:
     """Whether CPython compiles the file; else a located diagnostic says why not."""
     try:
         compile(source, path, "exec", dont_inherit=True)
@@ -266,56 +178,12 @@ def _as_given(diagnostic: Diagnostic, here: str, path: str) -> Diagnostic:
     return dataclasses.replace(diagnostic, span=dataclasses.replace(span, file=path))
 
 
-def _parse_call(text: str):
-    try:
-        tree = ast.parse(text.strip(), mode="eval").body
-    except SyntaxError as e:
-        raise _UsageError(f"--call {text!r} is not a Python call: {e.msg}") from None
-    if not isinstance(tree, ast.Call):
-        raise _UsageError(f"--call {text!r} is not a call like f(x=1)")
-    path = _dotted(tree.func)
-    if path is None:
-        raise _UsageError(f"--call {text!r}: call a function by its name")
-    try:
-        args = [ast.literal_eval(a) for a in tree.args]
-        kwargs = {}
-        for keyword in tree.keywords:
-            if keyword.arg is None:
-                raise _UsageError(f"--call {text!r}: write each keyword argument out")
-            kwargs[keyword.arg] = ast.literal_eval(keyword.value)
-    except (ValueError, TypeError, SyntaxError):
-        raise _UsageError(f"--call {text!r}: arguments must be Python literals "
-                          "(strings, numbers, lists, dicts, True/False/None)") from None
-    return path, args, kwargs
-
-
-def _find(compiled: _Compiled, path: str, file: str) -> PromptFunction | None:
-    value = compiled.module
-    for part in path.split("."):
-        value = getattr(value, part, None)
-    if isinstance(value, PromptFunction) and value in compiled.functions:
-        return value
-    names = ", ".join(f.__qualname__ for f in compiled.functions) or "none"
-    print(f"promptlang compile: no @prompt function {path!r} in {file} (found: {names})",
-          file=sys.stderr)
-    return None
-
-
-def _dotted(node) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
-        return None if base is None else f"{base}.{node.attr}"
-    return None
-
-
 def _import_failure(error: BaseException, path: str) -> Diagnostic:
     return Diagnostic("PL003", f"importing the file raised {_describe(error)}",
                       _frame_span(error, path) or Span(path, 1, 1))
 
 
-def _located(error: BaseException, path: str, what: str) -> str:
+def located(error: BaseException, path: str, what: str) -> str:
     span = _frame_span(error, path)
     where = f"{span}: " if span is not None else ""
     return f"{where}error: {what} {_describe(error)}"
@@ -348,6 +216,6 @@ def _frame_span(error: BaseException, path: str) -> Span | None:
     return Span(path, found.lineno or 1, (found.colno or 0) + 1, found.line or "")
 
 
-def _print(diagnostics, stream) -> None:
+def print_diagnostics(diagnostics, stream) -> None:
     for d in diagnostics:
         print(d.format(), file=stream)

@@ -43,9 +43,9 @@ import torch
 from promptlang.errors import PromptLangError
 from promptlang.pml import nodes
 from promptlang.pml.layout import module_unit_id
-from promptlang.runtime.bench import qa
-from promptlang.runtime.bench.latency import document, rotated, timed_first_token
-from promptlang.runtime.bench.report import Progress, Section, Spread, ratios
+from promptlang.bench import qa
+from promptlang.bench.latency.sweep import document, rotated, timed_first_token
+from promptlang.bench.report import Progress, Section, Spread, ratios
 from promptlang.runtime.engine import LLM
 from promptlang.runtime.generate import prefill
 from promptlang.runtime.store import ModuleStore

@@ -22,8 +22,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from promptlang.runtime.bench.report import Goal, Section, format_table
-from promptlang.runtime.bench.shapes import PUBLISHED, ModelShape, shape_from_config
+from promptlang.bench.report import Goal, Section, format_table
+from promptlang.bench.shapes import PUBLISHED, ModelShape, shape_from_config
 
 # Table 2, "Memory overhead of caching a single token", row "MB/token", of the Prompt
 # Cache paper (Gim et al., arXiv 2311.04934v2, MLSys 2024), as printed; Section 5.5 says
@@ -196,7 +196,7 @@ class MemoryReport:
 def measure_store_bytes(llm, dtype, workdir=None, tokens: int = STORE_PROBE_TOKENS) -> StoreBytes:
     """Encode one module of about `tokens` tokens into a fresh store of `dtype` (None:
     as computed) with a disk tier in a temporary folder, and read the sizes back."""
-    from promptlang.runtime.bench import latency
+    from promptlang.bench import latency
     from promptlang.runtime.engine import LLM
     from promptlang.runtime.store import ModuleStore
 

@@ -1,0 +1,222 @@
+"""One item under every setting: each cached rule's LLM (one store per rule), each setting's
+request, and its greedy answer -- exact but cheap: drafts from earlier answers or from the
+prompt (lookup) verified in one pass each, the model as its own verifier -- with the gold
+answer's teacher-forced log-probability and the first-token KL from the baseline.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from promptlang.bench import metrics, qa
+from promptlang.bench.settings import STORE16, split_setting
+from promptlang.bench.report import Progress
+from promptlang.bench.accuracy.results import AccuracyOptions, Answer, ItemResult
+
+
+def _rule_llms(llm, budget: int) -> dict:
+    import torch
+
+    from promptlang.runtime.engine import LLM
+    from promptlang.runtime.store import ModuleStore
+
+    device = llm.adapter.device
+    return {rule: LLM(llm.adapter, llm.tokenizer,
+                      ModuleStore(device, budget, disk_budget_bytes=0, dtype=dtype,
+                                  compute_dtype=dtype),       # as load(store_dtype=...) does
+                      isolate=isolate)
+            for rule, isolate, dtype in (("context", False, None), ("isolate", True, None),
+                                         ("context16", False, torch.bfloat16))}
+
+
+def _requests(item: qa.QAItem, llms: dict, names: Sequence[str]) -> dict[str, tuple]:
+    """setting -> (llm, prompt, schema, baseline, recompute spec)."""
+    schema, prompt = qa.to_pml(item, f"qa-{item.id}")
+    joint_schema, joint_prompt = qa.to_pml(item, f"qa-{item.id}-joint", mode="scaffold")
+    requests = {}
+    for name in names:
+        rule, spec = split_setting(name)
+        if rule == "baseline":
+            requests[name] = (llms["context"], prompt, schema, True, "none")
+        elif rule == "scaffold":
+            requests[name] = (llms["context"], joint_prompt, joint_schema, False, spec)
+        elif rule == STORE16:
+            requests[name] = (llms["context16"], prompt, schema, False, spec)
+        elif rule in ("cached", "isolate"):
+            requests[name] = (llms["context" if rule == "cached" else "isolate"], prompt,
+                              schema, False, spec)
+        else:
+            raise ValueError(f"unknown setting {name!r}")
+    return requests
+
+
+def _family(setting: str) -> str:
+    rule = split_setting(setting)[0]
+    return {"baseline": "full", "scaffold": "full", STORE16: "cached"}.get(rule, rule)
+
+
+def gold_ids(llm, item: qa.QAItem) -> list[int]:
+    """The gold answer's tokens as the assistant's reply would start with them."""
+    return list(llm.tokenizer.encode(item.answer))
+
+
+def _answer(item: qa.QAItem, llms: dict, options: AccuracyOptions, names: Sequence[str],
+            bar: Progress) -> ItemResult:
+    requests = _requests(item, llms, names)
+    answers: dict[str, Answer] = {}
+    tokens, reference, reference_logprobs = 0, None, None
+    gold = gold_ids(llms["context"], item)
+    for setting in names:
+        llm, prompt, schema, baseline, spec = requests[setting]
+        # drafts: this rule's answers first, the most recent first, then the others
+        earlier = list(answers.items())[::-1]
+        drafts = [a.token_ids for s, a in earlier if _family(s) == _family(setting)] + \
+                 [a.token_ids for s, a in earlier if _family(s) != _family(setting)]
+        decoded = greedy_answer(llm, prompt, schema, baseline=baseline, recompute=spec,
+                                max_new_tokens=options.max_new_tokens, drafts=drafts,
+                                gold=gold)
+        if baseline:
+            reference, tokens = decoded.token_ids, decoded.prompt_tokens
+            reference_logprobs = decoded.first_logprobs
+        kl = math.nan if reference_logprobs is None else \
+            metrics.kl_divergence(reference_logprobs, decoded.first_logprobs)
+        text, others = decoded.text, item.distractor_answers
+        answers[setting] = Answer(text, decoded.token_ids, qa.exact_match(text, item.answer),
+                                  qa.answer_in_output(text, item.answer, others),
+                                  decoded.token_ids == reference, decoded.ttft, decoded.encode,
+                                  decoded.recomputed, decoded.select, decoded.passes,
+                                  decoded.gold_logprob, len(gold), kl,
+                                  qa.distracted(text, item.answer, others))
+        bar.note(item=item.id, setting=setting)
+        bar.update()
+    return ItemResult(item, tokens, answers)
+
+
+@dataclass
+class Decoded:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    ttft: float              # seconds from the call to the first picked token
+    encode: float
+    recomputed: int
+    select: float
+    prompt_tokens: int       # tokens in the request's buffer after its prefill
+    passes: int              # model passes after the first token
+    gold_logprob: float = math.nan    # sum of the gold tokens' log-probabilities
+    first_logprobs: Any = None        # float64 numpy [V]: the first generated position's
+
+
+def teacher_forced(llm, buffer, position: int, first_logits, gold: Sequence[int]) -> float:
+    """The summed log-probability of the tokens `gold` right after the request in
+    `buffer`: gold[0] from the prefill's `first_logits`, the rest from one pass that feeds
+    gold[:-1] into the request's own buffer (the prefill call decoding verifies drafts
+    with), which is then rolled back. NaN when the model has no positions left."""
+    import torch
+
+    from promptlang.runtime.generate import prefill
+
+    if not gold:
+        return math.nan
+    limit = llm.max_positions
+    if limit is not None and position + len(gold) - 1 > limit:
+        return math.nan
+    rows = [first_logits.reshape(1, -1)]
+    feed = list(gold[:-1])
+    if feed:
+        if buffer.length + len(feed) > buffer.capacity:
+            buffer.reserve(buffer.length + len(feed))
+        start = buffer.length
+        rows.append(prefill(llm.adapter, buffer, feed, range(position, position + len(feed)),
+                            all_logits=True))
+        buffer.length = start           # the gold tokens were never generated: drop them
+    logprobs = torch.log_softmax(torch.cat(rows).double(), dim=-1)
+    picked = logprobs[torch.arange(len(gold)), torch.tensor(list(gold))]
+    return float(picked.sum())
+
+
+LOOKUP_NGRAM = 3       # prompt lookup: match up to this many last tokens in the prompt
+LOOKUP_TOKENS = 8      # and propose this many tokens that follow the match
+
+
+def lookup_draft(context: Sequence[int], generated: Sequence[int], count: int) -> list[int]:
+    """Prompt lookup: the `count` tokens that follow the latest occurrence in `context` of
+    the longest suffix of `generated` (LOOKUP_NGRAM tokens at most); [] if none occurs.
+    Answers copy names and values from the question and the documents."""
+    for n in range(min(LOOKUP_NGRAM, len(generated)), 0, -1):
+        tail = list(generated[-n:])
+        for start in range(len(context) - n, -1, -1):
+            if list(context[start:start + n]) == tail:
+                follow = list(context[start + n:start + n + count])
+                if follow:
+                    return follow
+    return []
+
+
+def greedy_answer(llm, prompt, schema, *, baseline: bool = False, recompute: str = "none",
+                  max_new_tokens: int = 16, drafts: Sequence[Sequence[int]] = (),
+                  gold: Sequence[int] = ()) -> Decoded:
+    """What `llm.generate(prompt, schema=schema, baseline=baseline, recompute=recompute,
+    max_new_tokens=max_new_tokens)` answers greedily, decoded with drafts verified by the
+    model. Each pass feeds the picked token and a draft of what follows: the rest of the
+    first of `drafts` (earlier answers, preferred first) that agrees with the tokens so
+    far, else a `lookup_draft` from the prompt; it keeps the draft's tokens up to the first
+    one greedy decoding would not have picked, and the token it picks there.
+
+    Also returns the first generated position's log-probabilities and, for the token
+    ids `gold`, their teacher-forced log-probability on the same request (`teacher_forced`)."""
+    import torch
+
+    from promptlang.runtime.generate import prefill
+    from promptlang.runtime.sampling import Decoding, SamplingParams
+
+    started = time.perf_counter()
+    opened = llm.open(prompt, schema=schema, baseline=baseline, room=max_new_tokens + 1,
+                      add_generation_prompt=True, recompute=recompute)
+    buffer, position = opened.buffer, opened.position
+    limit = llm.max_positions
+    decoding = Decoding(SamplingParams(max_new_tokens=max_new_tokens), llm.tokenizer)
+    passes = 0
+    try:
+        prompt_tokens = buffer.length
+        token, _, finished = decoding.step(opened.logits)
+        ttft = time.perf_counter() - started
+        first_logprobs = torch.log_softmax(opened.logits.double(), dim=-1).cpu().numpy()
+        context = opened.bound.token_ids()
+        buffer.materialize()          # every pass reads all of the KV: one piece
+        gold_logprob = teacher_forced(llm, buffer, position, opened.logits, gold)
+        while not finished:
+            if limit is not None and position >= limit:
+                decoding.finish("length")
+                break
+            out = decoding.token_ids
+            room = max_new_tokens - len(out)        # tokens still to pick, `token` fed first
+            if limit is not None:
+                room = min(room, limit - position)
+            draft = next((list(d[len(out):len(out) + room - 1]) for d in drafts
+                          if len(d) > len(out) and list(d[:len(out)]) == out), None)
+            if draft is None:
+                draft = lookup_draft(context + out[:-1], out, min(LOOKUP_TOKENS, room - 1))
+            feed = [token] + draft
+            if buffer.length + len(feed) > buffer.capacity:
+                buffer.reserve(buffer.length + len(feed) + max_new_tokens)
+            start = buffer.length
+            rows = prefill(llm.adapter, buffer, feed, range(position, position + len(feed)),
+                           all_logits=len(feed) > 1)
+            passes += 1
+            for kept in range(len(feed)):        # rows[i]: the prediction after feed[i]
+                token, _, finished = decoding.step(rows[kept])
+                if finished or kept == len(draft) or token != draft[kept]:
+                    break
+            buffer.length = start + kept + 1     # feed[:kept + 1] were the right tokens
+            position += kept + 1
+    finally:
+        llm.assembler.release(buffer)
+    text, token_ids, reason = decoding.result()
+    t = opened.timings
+    return Decoded(text, token_ids, reason, ttft, t.encode, opened.recomputed_tokens,
+                   getattr(t, "select", 0.0), prompt_tokens, passes, gold_logprob,
+                   first_logprobs)

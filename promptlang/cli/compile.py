@@ -1,0 +1,144 @@
+"""`promptlang compile` and the Python half of `promptlang check`.
+
+    promptlang compile app.py [-o DIR] [--call 'f(x=1)']
+    promptlang check app.py
+
+Both import the file (pyfile.py): its top-level code RUNS, so check only files you would
+run. `compile` writes one schema per function (`DIR/<schema name>.pml`, or stdout) and,
+with `--call`, the PML prompt of that call, whose arguments must be Python literals;
+`check` prints every diagnostic, mypy-style (`app.py:14:9: error: ... [PL203]`).
+
+Exit status: 0 ok (warnings allowed), 1 diagnostics (syntax errors included),
+2 usage errors (no such file, a malformed --call, an unknown function).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+from typing import Any
+
+def register(subparsers: Any) -> None:
+    """Add `compile` to the `promptlang` command's subparsers (check.py adds `check`)."""
+    compile_ = subparsers.add_parser(
+        "compile", help="compile a Python file's @prompt functions to PML (runs it)",
+        description="Write the PML schema of every @prompt function in FILE (one .pml each "
+                    "in DIR, or to stdout); with --call, also the PML prompt of that call. "
+                    "FILE is imported: its top-level code runs, as with `python FILE`.")
+    compile_.add_argument("file", metavar="FILE", help="a Python file")
+    compile_.add_argument("-o", "--output", metavar="DIR", help="folder for the .pml files")
+    compile_.add_argument("--call", metavar="CALL",
+                          help="a call with literal arguments, e.g. 'answer(city=\"Paris\")'")
+    compile_.set_defaults(func=run_compile)
+
+
+def check_file(path: str) -> int:
+    """Print the diagnostics of the Python file `path`; the exit status."""
+    from promptlang.cli.pyfile import UsageError, compile_file, print_diagnostics
+    from promptlang.compiler.diagnostics import errors
+
+    try:
+        compiled = compile_file(path)
+    except UsageError as e:
+        print(f"promptlang check: {e}", file=sys.stderr)
+        return 2
+    print_diagnostics(compiled.diagnostics, sys.stdout)
+    if errors(compiled.diagnostics):
+        return 1
+    count = len(compiled.functions)
+    print(f"{path}: {count} @prompt function{'s' if count != 1 else ''}, no errors")
+    return 0
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    from promptlang.cli.pyfile import UsageError, compile_file, located, print_diagnostics
+    from promptlang.compiler.diagnostics import errors
+    from promptlang.errors import PromptLangError
+
+    try:
+        call = _parse_call(args.call) if args.call else None
+        compiled = compile_file(args.file)
+    except UsageError as e:
+        print(f"promptlang compile: {e}", file=sys.stderr)
+        return 2
+    print_diagnostics(compiled.diagnostics, sys.stderr)
+    if errors(compiled.diagnostics):
+        return 1
+    outputs = [(f"{f.schema_name}.pml", f.schema_pml()) for f in compiled.functions]
+    if call is not None:
+        path, args_, kwargs = call
+        function = _find(compiled, path, args.file)
+        if function is None:
+            return 2
+        try:
+            result = function(*args_, **kwargs)
+        except PromptLangError as e:
+            print(e, file=sys.stderr)
+            return 1
+        except BaseException as e:  # noqa: BLE001 - the user's code failed: say where, no trace
+            print(located(e, args.file, f"the call {args.call} raised"), file=sys.stderr)
+            return 1
+        outputs.append((f"{function.schema_name}.prompt.pml", result.prompt_pml()))
+    if args.output:
+        os.makedirs(args.output, exist_ok=True)
+        for name, text in outputs:
+            with open(os.path.join(args.output, name), "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+            print(os.path.join(args.output, name), file=sys.stderr)
+    else:
+        for _, text in outputs:
+            print(text)
+    return 0
+
+
+def _parse_call(text: str):
+    from promptlang.cli.pyfile import UsageError
+
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise UsageError(f"--call {text!r} is not a Python call: {e.msg}") from None
+    if not isinstance(tree, ast.Call):
+        raise UsageError(f"--call {text!r} is not a call like f(x=1)")
+    path = _dotted(tree.func)
+    if path is None:
+        raise UsageError(f"--call {text!r}: call a function by its name")
+    try:
+        args = [ast.literal_eval(a) for a in tree.args]
+        kwargs = {}
+        for keyword in tree.keywords:
+            if keyword.arg is None:
+                raise UsageError(f"--call {text!r}: write each keyword argument out")
+            kwargs[keyword.arg] = ast.literal_eval(keyword.value)
+    except (ValueError, TypeError, SyntaxError):
+        raise UsageError(f"--call {text!r}: arguments must be Python literals "
+                          "(strings, numbers, lists, dicts, True/False/None)") from None
+    return path, args, kwargs
+
+
+def _find(compiled: Any, path: str, file: str) -> Any:
+    """The @prompt function named `path` in the compiled file, or None (said on stderr)."""
+    from promptlang.compiler.decorator import PromptFunction
+
+    value = compiled.module
+    for part in path.split("."):
+        value = getattr(value, part, None)
+    if isinstance(value, PromptFunction) and value in compiled.functions:
+        return value
+    names = ", ".join(f.__qualname__ for f in compiled.functions) or "none"
+    print(f"promptlang compile: no @prompt function {path!r} in {file} (found: {names})",
+          file=sys.stderr)
+    return None
+
+
+def _dotted(node) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
