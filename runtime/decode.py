@@ -28,7 +28,7 @@ first step (`materialize`): every step reads all of the KV, and one piece is che
 from __future__ import annotations
 
 import collections
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -40,6 +40,11 @@ from promptlang.runtime.sampling import Decoding
 LOOKUP_NGRAM = 3       # the longest tail of the sequence that a draft lookup matches
 
 Constrain = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
+
+
+class Drafter(Protocol):
+    def propose(self, generated: Sequence[int], count: int) -> list[int]:
+        """At most `count` guesses of the tokens after `generated` (all picked so far)."""
 
 
 class LookupDrafter:
@@ -82,7 +87,7 @@ class Decoder:
 
     def __init__(self, adapter: ModelAdapter, buffer: KVBuffer, decoding: Decoding,
                  position: int, *, limit: int | None = None, draft: int = 0,
-                 drafter: LookupDrafter | None = None, constrain: Constrain | None = None,
+                 drafter: Drafter | None = None, constrain: Constrain | None = None,
                  keep: int = 0, materialize: bool = True):
         self.adapter, self.buffer, self.decoding = adapter, buffer, decoding
         self.position, self.limit = position, limit

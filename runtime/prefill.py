@@ -112,3 +112,13 @@ def truncate(buffer: KVBuffer, length: int) -> None:
     """Drop the KV of every token from slot `length` on (a rollback)."""
     buffer.forget_from(length)
     buffer.length = length
+
+
+def move_slots(buffer: KVBuffer, source: int, target: int, n: int) -> None:
+    """Move the KV of slots [source, source + n) to [target, target + n)."""
+    if source == target:
+        return
+    for tensor in (buffer.keys, buffer.values):       # [L, H_kv, C, D]
+        tensor[:, :, target:target + n] = tensor[:, :, source:source + n].clone()
+    for tensor in (buffer.positions, buffer.token_ids):
+        tensor[target:target + n] = tensor[source:source + n].clone()

@@ -19,8 +19,8 @@ token count for a baseline session), attending to every token before it:
   Only the role affixes hold control tokens: appended text, `select` options and the
   re-tokenized end of a generation are plain text ("<|im_start|>" in them is not a
   turn), as in a prompt.
-- `generate` decodes with `sampling.Decoding` and keeps the KV of the tokens that make
-  up the returned text: an end-of-sequence token and the text of a stop string are
+- `generate` runs the decode loop (decode.py; sampling options as for `LLM.generate`)
+  and keeps the KV of the tokens that make up the returned text: an end-of-sequence token and the text of a stop string are
   not part of the conversation (a stop string inside a token leaves that token's text
   before the stop, re-tokenized).
 - `select` scores every option in ONE forward pass (each option attends to the
@@ -45,7 +45,7 @@ import torch
 from promptlang.errors import ContextLengthError, PromptLangError, RoleError
 from promptlang.pml.nodes import ROLES
 from promptlang.runtime.decode import Decoder
-from promptlang.runtime.prefill import prefill, truncate
+from promptlang.runtime.prefill import move_slots, prefill, truncate
 from promptlang.runtime.results import Choice, Opening, Timings, Turn
 from promptlang.runtime.sampling import (Decoding, SamplingParams, options_to_params,
                                          sequence_logprob)
@@ -328,7 +328,7 @@ class Session:
             kept += rest_ids
         return kept, computed
 
-    def assistant_gen(self, max_new_tokens: int = 256, **options) -> Turn:
+    def assistant_gen(self, max_new_tokens: int | None = None, **options) -> Turn:
         """The assistant's reply as one message: open the assistant role (unless it is
         open), generate, close the role. Options as for `generate`."""
         if self.role != "assistant":
@@ -377,7 +377,7 @@ class Session:
         index = max(range(len(options)), key=lambda i: (decisive[i], -i))
         decided = time.perf_counter() - started
         start, n = starts[index], len(encoded[index])
-        self._keep_slot_range(base_length + start, base_length, n)
+        move_slots(self.buffer, base_length + start, base_length, n)
         truncate(self.buffer, base_length + n)
         self.position = base_position + n
         self.logits = logits[start + n - 1]
@@ -390,16 +390,6 @@ class Session:
                                        total=time.perf_counter() - started), choice,
                                started_at=started))
         return choice
-
-    def _keep_slot_range(self, source: int, target: int, n: int) -> None:
-        """Move the KV of slots [source, source + n) to [target, target + n)."""
-        if source == target:
-            return
-        b = self.buffer
-        for tensor in (b.keys, b.values):       # [L, H_kv, C, D]
-            tensor[:, :, target:target + n] = tensor[:, :, source:source + n].clone()
-        for tensor in (b.positions, b.token_ids):
-            tensor[target:target + n] = tensor[source:source + n].clone()
 
     # --- branching --------------------------------------------------------------------------
 
