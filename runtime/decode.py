@@ -52,12 +52,17 @@ class LookupDrafter:
     ones), propose the tokens that followed the latest earlier occurrence of its longest
     tail of up to LOOKUP_NGRAM tokens. Answers that copy from a document copy runs of it.
 
+    `candidates`: known continuations (e.g. earlier answers to the same question), tried
+    first: the rest of the first one that agrees with every token generated so far.
+
     The n-gram index is built once (on the first proposal) and extended as tokens come,
     so a proposal costs a few dictionary look-ups, not a scan of the context."""
 
-    def __init__(self, context: Sequence[int], ngram: int = LOOKUP_NGRAM):
+    def __init__(self, context: Sequence[int], ngram: int = LOOKUP_NGRAM,
+                 candidates: Sequence[Sequence[int]] = ()):
         self.tokens = list(context)
         self.ngram = ngram
+        self.candidates = [list(c) for c in candidates]
         self._context = len(self.tokens)
         self._next: dict[tuple[int, ...], int] = {}   # n-gram -> the index after its latest end
         self._indexed = 0                              # n-grams ending at or before it are in
@@ -65,6 +70,10 @@ class LookupDrafter:
     def propose(self, generated: Sequence[int], count: int) -> list[int]:
         """Up to `count` tokens to follow the context and `generated` (every token
         generated so far; the list only grows between calls)."""
+        done = len(generated)
+        for known in self.candidates:
+            if len(known) > done and known[:done] == list(generated):
+                return known[done:done + count]
         tokens = self.tokens
         tokens += generated[len(tokens) - self._context:]
         # n-grams ending before the newest token: the tail must not match itself

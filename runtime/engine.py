@@ -7,7 +7,9 @@
 
 A request goes: bind (prompt -> BoundPrompt) -> retrieve (each unit's KV from the
 store, encoded on a miss) -> assemble (into a pooled buffer) -> prefill (the
-uncached tokens, one pass) -> decode. Every check that can reject a request runs
+uncached tokens, one pass; prefill.py) -> decode (decode.py). `_open` runs the steps
+up to the prefill and returns an `Opened` request, which `generate` decodes, `prefill`
+copies out and `open` hands to a Session. Every check that can reject a request runs
 before anything is encoded, so a rejected request leaves the store as it was.
 """
 

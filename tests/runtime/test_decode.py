@@ -194,6 +194,9 @@ def test_lookup_drafter_proposes_what_followed_the_latest_longest_match():
     assert other.propose([1, 2, 3], 2) == [4, 9]            # the 3-gram beats the later "2 3"
     assert LookupDrafter([5]).propose([5], 2) == [5]        # follows the earlier 5: itself
     assert LookupDrafter([]).propose([4], 2) == []
+    known = LookupDrafter([1, 2, 3, 4], candidates=[[7, 8, 9], [2, 5, 6, 8]])
+    assert known.propose([2], 2) == [5, 6]                  # the agreeing candidate first
+    assert known.propose([2, 3], 2) == [4, 2]               # none agrees: the lookup
 
 
 def test_visibility_is_none_only_for_plain_causal_order():
