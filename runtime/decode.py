@@ -34,7 +34,7 @@ import torch
 
 from promptlang.runtime.assembler import KVBuffer
 from promptlang.runtime.model import ModelAdapter
-from promptlang.runtime.prefill import prefill, truncate
+from promptlang.runtime.prefill import extend, truncate
 from promptlang.runtime.sampling import Decoding
 
 LOOKUP_NGRAM = 3       # the longest tail of the sequence that a draft lookup matches
@@ -170,9 +170,8 @@ class Decoder:
     def _feed(self, feed: list[int]) -> torch.Tensor:
         if self.materialize:
             self.buffer.materialize()
-        rows = prefill(self.adapter, self.buffer, feed,
-                       range(self.position, self.position + len(feed)),
-                       all_logits=len(feed) > 1, after_past=True)
+        rows = extend(self.adapter, self.buffer, feed,
+                      range(self.position, self.position + len(feed)), len(feed) > 1, None, True)
         self.passes += 1
         self.computed += len(feed)
         return rows

@@ -57,6 +57,13 @@ def prefill(adapter: ModelAdapter, buffer: KVBuffer, token_ids: Sequence[int],
     is checked for. The buffer grows when it is full. Returns logits [Q, V]
     (all_logits) or [1, V] (the last token's).
     """
+    return extend(adapter, buffer, token_ids, positions, all_logits, groups, after_past)
+
+
+def extend(adapter: ModelAdapter, buffer: KVBuffer, token_ids: Sequence[int],
+           positions: Sequence[int], all_logits: bool, groups: Sequence[int] | None,
+           after_past: bool) -> torch.Tensor:
+    """`prefill` for a caller already in inference mode (the decode loop, per step)."""
     device = adapter.device
     ids = torch.tensor(list(token_ids), dtype=torch.int64, device=device)
     pos = torch.tensor(list(positions), dtype=torch.int64, device=device)
