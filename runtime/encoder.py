@@ -30,6 +30,7 @@ import torch
 from promptlang.pml.layout import SchemaLayout, Unit
 from promptlang.runtime.kv import UnitKV
 from promptlang.runtime.model import ModelAdapter, Past
+from promptlang.runtime.prefill import visibility
 
 KEY_VERSION = "promptlang-unit-v1"
 
@@ -193,12 +194,8 @@ class UnitEncoder:
                 values[:, :, at:at + n] = kv.values[:, :, keep]
             past_pos[at:at + n] = kv.positions[keep]
             at += n
-        allowed = None   # causal in input order, all past visible: the common case
-        ordered = bool((pos[1:] > pos[:-1]).all())
-        if not ordered or (past_len and int(past_pos.max()) >= int(pos.min())):
-            allowed = torch.cat([past_pos[None, :] <= pos[:, None],
-                                 pos[None, :] <= pos[:, None]], dim=1)
-        step = self.adapter.forward(ids, pos, Past(keys, values, past_pos), allowed)
+        step = self.adapter.forward(ids, pos, Past(keys, values, past_pos),
+                                    visibility(past_pos, pos))
         self.calls += 1
         self.encoded.append(plan.key)
         own = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731

@@ -7,7 +7,9 @@
 
 A request goes: bind (prompt -> BoundPrompt) -> retrieve (each unit's KV from the
 store, encoded on a miss) -> assemble (into a pooled buffer) -> prefill (the
-uncached tokens, one pass) -> decode. Every check that can reject a request runs
+uncached tokens, one pass; prefill.py) -> decode (decode.py). `_open` runs the steps
+up to the prefill and returns an `Opened` request, which `generate` decodes, `prefill`
+copies out and `open` hands to a Session. Every check that can reject a request runs
 before anything is encoded, so a rejected request leaves the store as it was.
 """
 
@@ -17,8 +19,7 @@ import contextlib
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Generator
 
 import torch
 
@@ -29,85 +30,20 @@ from promptlang.pml.binding import BoundPrompt, bind
 from promptlang.pml.layout import SchemaLayout, lay_out
 from promptlang.runtime.assembler import Assembler, KVBuffer, request_keys
 from promptlang.runtime.encoder import EncodeStats, UnitEncoder
-from promptlang.runtime.generate import (baseline_prefill, decode, prefill, take_last,
-                                         uncached_tokens)
+from promptlang.runtime.decode import Decoder
 from promptlang.runtime.model import ModelAdapter, adapt
 from promptlang.runtime.recompute import (NO_RECOMPUTE, Recompute, RecomputePlan,
                                           choose_positions, schema_policy)
-from promptlang.runtime.sampling import Decoding, SamplingParams
-
-
-@dataclass
-class Timings:
-    """Seconds spent in each phase of one request. `encode` is the part of `retrieve`
-    spent encoding units the store lacked; `select` is choosing the tokens to recompute
-    (a deviation policy's pass); `first_token` runs from the call to the first picked
-    token; `total` to the end."""
-
-    bind: float = 0.0
-    retrieve: float = 0.0
-    assemble: float = 0.0
-    prefill: float = 0.0
-    first_token: float = 0.0
-    total: float = 0.0
-    encode: float = 0.0
-    select: float = 0.0
-
-    def __str__(self) -> str:
-        parts = [f"{name} {getattr(self, name) * 1000:.1f} ms" for name in
-                 ("bind", "retrieve", "encode", "select", "assemble", "prefill", "first_token",
-                  "total")]
-        return " | ".join(parts)
-
-
-@dataclass
-class Result:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    timings: Timings
-    prefill_tokens: int          # tokens computed by the prefill pass
-    cached_tokens: int           # tokens served from cached units
-    recomputed_tokens: int = 0   # cached tokens computed again (the recompute policy)
-
-
-@dataclass
-class Prefilled:
-    """A prefill's outputs, copied out of the request buffer (for tests and benchmarks).
-    Token order: the assembled cached tokens, then the prefilled ones."""
-
-    logits: torch.Tensor         # [R, V]: every prefilled token's, or the last one's
-    keys: torch.Tensor           # [L, H_kv, N, D]
-    values: torch.Tensor         # [L, H_kv, N, D]
-    positions: torch.Tensor      # [N]
-    token_ids: torch.Tensor      # [N]
-    cached_length: int           # the first cached_length tokens came from the store
-    timings: Timings
-    bound: BoundPrompt | None = None   # what was bound
-    recompute: RecomputePlan = NO_RECOMPUTE   # the cached tokens computed again
-
-
-@dataclass
-class Opened:
-    """A prefilled request whose KV buffer the caller keeps (what a Session starts from).
-    The caller gives the buffer back with `llm.assembler.release(buffer)`."""
-
-    buffer: KVBuffer
-    logits: torch.Tensor         # [V]: the prediction for position `position`
-    position: int                # the first position after the request
-    bound: BoundPrompt
-    timings: Timings
-    prefill_tokens: int
-    cached_tokens: int
-    recomputed_tokens: int = 0
+from promptlang.runtime.prefill import baseline_prefill, prefill, take_last, uncached_tokens
+from promptlang.runtime.results import Opened, Prefilled, Result, Timings
+from promptlang.runtime.sampling import Decoding, SamplingParams, options_to_params
 
 
 class TextStream:
     """An iterator of text deltas; `result` is set once it is exhausted."""
 
-    def __init__(self, deltas: Iterator[str], request: "_Request"):
+    def __init__(self, deltas: Generator[str, None, Result]):
         self._deltas = deltas
-        self._request = request
         self.result: Result | None = None
 
     def __iter__(self) -> "TextStream":
@@ -116,27 +52,14 @@ class TextStream:
     def __next__(self) -> str:
         try:
             return next(self._deltas)
-        except StopIteration:
-            self.result = self._request.result
+        except StopIteration as done:
+            if done.value is not None:       # the generator's return value: the Result
+                self.result = done.value
             raise
 
     def close(self) -> None:
         """Stop early (the request's buffer goes back to the pool)."""
         self._deltas.close()
-
-
-@dataclass
-class _Request:
-    bound: BoundPrompt
-    params: SamplingParams
-    baseline: bool
-    recompute: Recompute = Recompute()
-    plan: RecomputePlan = NO_RECOMPUTE     # what `recompute` chose for this request
-    timings: Timings = field(default_factory=Timings)
-    started: float = field(default_factory=time.perf_counter)
-    cached_length: int = 0
-    prefill_tokens: int = 0
-    result: Result | None = None
 
 
 class LLM:
@@ -234,46 +157,41 @@ class LLM:
         self._check_fits(bound.end, "the prompt", doc.span)
         return bound
 
-    def generate(self, prompt, *, schema=None, max_new_tokens: int = 256, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=(),
-                 stream: bool = False, baseline: bool = False, recompute=None):
+    def generate(self, prompt, *, schema=None, stream: bool = False, baseline: bool = False,
+                 recompute=None, sampling: SamplingParams | None = None, **options):
         """Answer `prompt` (PML text, a nodes.PromptDoc, or an object with `.schema` and
         `.doc`). Returns a Result, or with stream=True a TextStream of text deltas.
-        recompute: a policy ("none", "first:K", "deviation:F" or a Recompute; see
-        docs/RECOMPUTE.md); None: the schema's `recompute` attribute, else the LLM's."""
+        options: the fields of SamplingParams (max_new_tokens=256, temperature=0.0,
+        top_p=1.0, top_k=0, seed=None, stop=(), stop_token_ids=(), draft=0), applied on
+        top of `sampling` when given. recompute: a policy ("none", "first:K",
+        "deviation:F" or a Recompute; see docs/RECOMPUTE.md); None: the schema's
+        `recompute` attribute, else the LLM's."""
         started = time.perf_counter()
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                top_p=top_p, top_k=top_k, seed=seed, stop=stop)
-        policy = _policy(recompute) if recompute is not None else None
-        bound = self.bind(prompt, schema=schema)
-        request = _Request(bound, params, baseline, self._recompute_for(bound, policy),
-                           started=started)
-        request.timings.bind = time.perf_counter() - started
-        buffer, logits, position = self._prefill(request, all_logits=False)
-        deltas = self._decode(request, buffer, logits[-1], position)
+        params = options_to_params(sampling, **options)
+        opened, _ = self._open(prompt, schema, baseline, recompute, params.max_new_tokens,
+                               True, False, started)
+        deltas = self._decode(opened, params)
         if stream:
-            return TextStream(deltas, request)
-        for _ in deltas:
-            pass
-        return request.result
+            return TextStream(deltas)
+        while True:
+            try:
+                next(deltas)
+            except StopIteration as done:
+                return done.value
 
     def prefill(self, prompt, *, schema=None, baseline: bool = False,
                 all_logits: bool = True, recompute=None) -> Prefilled:
         """Run a request's prefill only and return its logits and KV (copies)."""
         started = time.perf_counter()
-        policy = _policy(recompute) if recompute is not None else None
-        bound = self.bind(prompt, schema=schema)
-        request = _Request(bound, SamplingParams(max_new_tokens=1), baseline,
-                           self._recompute_for(bound, policy), started=started)
-        request.timings.bind = time.perf_counter() - started
-        buffer, logits, _ = self._prefill(request, all_logits=all_logits)
+        opened, logits = self._open(prompt, schema, baseline, recompute, 1, True, all_logits,
+                                    started)
+        buffer, n = opened.buffer, opened.buffer.length
         try:
-            n = buffer.length
-            request.timings.total = time.perf_counter() - started
+            opened.timings.total = time.perf_counter() - started
             return Prefilled(logits.clone(), buffer.keys[:, :, :n].clone(),
                              buffer.values[:, :, :n].clone(), buffer.positions[:n].clone(),
-                             buffer.token_ids[:n].clone(), request.cached_length, request.timings,
-                             request.bound, request.plan)
+                             buffer.token_ids[:n].clone(), opened.cached_tokens,
+                             opened.timings, opened.bound, opened.recompute)
         finally:
             self.assembler.release(buffer)
 
@@ -283,16 +201,10 @@ class LLM:
         KV buffer to the caller instead of decoding: the start of a Session. `room`: tokens
         the buffer holds after the prompt before it grows."""
         started = time.perf_counter()
-        policy = _policy(recompute) if recompute is not None else None
-        bound = self.bind(prompt, schema=schema, add_generation_prompt=add_generation_prompt)
-        request = _Request(bound, SamplingParams(max_new_tokens=max(1, room)), baseline,
-                           self._recompute_for(bound, policy), started=started)
-        request.timings.bind = time.perf_counter() - started
-        buffer, logits, position = self._prefill(request, all_logits=False)
-        request.timings.total = time.perf_counter() - started
-        return Opened(buffer, logits[-1], position, request.bound, request.timings,
-                      request.prefill_tokens, request.cached_length,
-                      len(request.plan))
+        opened, _ = self._open(prompt, schema, baseline, recompute, max(1, room),
+                               add_generation_prompt, False, started)
+        opened.timings.total = time.perf_counter() - started
+        return opened
 
     def session(self, prompt, *, schema=None, baseline: bool = False,
                 add_generation_prompt: bool = False, recompute=None):
@@ -304,23 +216,28 @@ class LLM:
 
     # --- the phases ---------------------------------------------------------------------------
 
-    def _prefill(self, request: _Request, all_logits: bool) -> tuple[KVBuffer, torch.Tensor, int]:
-        """Retrieve, assemble and prefill; returns the request's buffer (the caller releases
-        it), the prefill's logits and the first position to decode at."""
-        bound, t = request.bound, request.timings
-        room = request.params.max_new_tokens          # decoding grows the buffer past this
+    def _open(self, prompt, schema, baseline: bool, recompute, room: int,
+              add_generation_prompt: bool, all_logits: bool,
+              started: float) -> tuple[Opened, torch.Tensor]:
+        """Bind, retrieve, assemble and prefill; returns the open request (the caller
+        releases its buffer) and the prefill's logits ([Q, V] with all_logits, else [1, V]).
+        `room`: tokens to generate, the buffer's room after the prompt."""
+        policy = _policy(recompute) if recompute is not None else None
+        bound = self.bind(prompt, schema=schema, add_generation_prompt=add_generation_prompt)
+        policy = self._recompute_for(bound, policy)
+        t = Timings(bind=time.perf_counter() - started)
         if self.max_positions is not None:
             room = max(1, min(room, self.max_positions - bound.end))
-        room = min(room, self.decode_room)
-        if request.baseline:
+        room = min(room, self.decode_room)               # decoding grows the buffer past this
+        if baseline:
             ids = bound.token_ids()
             buffer = self.assembler.acquire(len(ids) + room)
-            request.cached_length, request.prefill_tokens = 0, len(ids)
             with self._released_on_error(buffer):
                 mark = time.perf_counter()
                 logits = baseline_prefill(self.adapter, buffer, ids, all_logits)
                 t.prefill = time.perf_counter() - mark
-            return buffer, logits, len(ids)
+            return Opened(buffer, logits[-1], len(ids), bound, t, len(ids), 0, 0,
+                          started), logits
 
         mark = time.perf_counter()
         stats = EncodeStats()
@@ -330,21 +247,21 @@ class LLM:
                  if kv.length]
         t.retrieve, t.encode = time.perf_counter() - mark, stats.seconds
 
-        if request.recompute:
+        plan = NO_RECOMPUTE
+        if policy:
             mark = time.perf_counter()
             chosen = choose_positions(
-                self.adapter, bound, by_unit, request.recompute,
+                self.adapter, bound, by_unit, policy,
                 lambda unit_id: self.encoder.context_of(bound.layout.units[unit_id]))
-            request.plan = RecomputePlan.of(bound, chosen)
+            plan = RecomputePlan.of(bound, chosen)
             t.select = time.perf_counter() - mark
 
         mark = time.perf_counter()
-        ids, positions = uncached_tokens(request.plan.uncached(bound))
+        ids, positions = uncached_tokens(plan.uncached(bound))
         cached = sum(int((~kv.placeholder).sum()) for _, kv in units)
-        buffer = self.assembler.acquire(cached + len(ids) + room,
-                                        request_keys(units, request.plan))
+        buffer = self.assembler.acquire(cached + len(ids) + room, request_keys(units, plan))
         with self._released_on_error(buffer):
-            self.assembler.assemble(buffer, units, request.plan)
+            self.assembler.assemble(buffer, units, plan)
             if not ids or (buffer.length and
                            int(buffer.positions[:buffer.length].max()) > positions[-1]):
                 # the last token's output is needed and it is a cached one: recompute it
@@ -352,11 +269,12 @@ class LLM:
                 at = sum(p < position for p in positions)
                 ids, positions = ids[:at] + [token], positions[:at] + [position]
             t.assemble = time.perf_counter() - mark
-            request.cached_length, request.prefill_tokens = buffer.length, len(ids)
+            cached_length = buffer.length
             mark = time.perf_counter()
             logits = prefill(self.adapter, buffer, ids, positions, all_logits)
             t.prefill = time.perf_counter() - mark
-        return buffer, logits, bound.end
+        return Opened(buffer, logits[-1], bound.end, bound, t, len(ids), cached_length,
+                      len(plan), started, plan), logits
 
     @contextlib.contextmanager
     def _released_on_error(self, buffer: KVBuffer):
@@ -366,27 +284,30 @@ class LLM:
             self.assembler.release(buffer)
             raise
 
-    def _decode(self, request: _Request, buffer: KVBuffer, logits: torch.Tensor,
-                position: int) -> Iterator[str]:
-        decoding = Decoding(request.params, self.tokenizer)
-        t = request.timings
+    def _decode(self, opened: Opened, params: SamplingParams) -> Generator[str, None, Result]:
+        """Decode after an open request, yielding text deltas; returns the Result. The
+        request's buffer goes back to the pool at the end, or when the caller stops."""
+        decoding = Decoding(params, self.tokenizer)
+        t, limit = opened.timings, self.max_positions
+        # the last picked token is never computed: it may take the model's last position + 1
+        decoder = Decoder(self.adapter, opened.buffer, decoding, opened.position,
+                          limit=None if limit is None else limit + 1, draft=params.draft)
         try:
             first = True
-            for _, delta, finished in decode(self.adapter, buffer, logits, position, decoding,
-                                             self.max_positions):
+            for _, delta, finished in decoder.steps(opened.logits):
                 if first:
-                    t.first_token = time.perf_counter() - request.started
+                    t.first_token = time.perf_counter() - opened.started
                     first = False
                 if delta:
                     yield delta
                 if finished:
                     break
         finally:
-            self.assembler.release(buffer)
-        t.total = time.perf_counter() - request.started
+            self.assembler.release(opened.buffer)
+        t.total = time.perf_counter() - opened.started
         text, token_ids, reason = decoding.result()
-        request.result = Result(text, token_ids, reason, t, request.prefill_tokens,
-                                request.cached_length, len(request.plan))
+        return Result(text, token_ids, reason, t, opened.prefill_tokens, opened.cached_tokens,
+                      opened.recomputed_tokens)
 
     # --- helpers ------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Decoding policy: which token comes next, when to stop, and what text to stream.
 
-Everything here is pure: no model, no cache. The decode loop in `generate.py` feeds
+Everything here is pure: no model, no cache. The decode loop in `decode.py` feeds
 one logits vector per step into a `Decoding` and forwards the text deltas it returns:
 
     decoding = Decoding(params, tokenizer)
@@ -20,6 +20,7 @@ The pieces are usable alone: `Sampler` (greedy / temperature, top-k, top-p),
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import secrets
@@ -60,13 +61,18 @@ def _as_float(value, name: str) -> float:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop.
+    """How to pick tokens and when to stop: every option of a generation, in one place.
+
+    `LLM.generate(**options)` and `Session.generate(**options)` take these fields as
+    keyword arguments (`options_to_params`), so a new option is a new field here.
 
     temperature 0 means greedy (top_p and top_k are then ignored); top_k 0 means no
     top-k cut; top_p 1 means no nucleus cut. `seed` makes sampling reproducible; None
     draws a fresh one per request. `stop` strings and `stop_token_ids` end generation
     with finish reason "stop"; neither appears in the returned text. A single string
-    is accepted for `stop`, and lists for both tuples.
+    is accepted for `stop`, and lists for both tuples. `draft` > 0 turns on speculative
+    decoding with up to `draft` prompt-lookup tokens verified per model pass
+    (decode.py): faster when the answer copies from the prompt, never a different token.
     """
 
     max_new_tokens: int = 256
@@ -76,6 +82,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    draft: int = 0
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -120,9 +127,24 @@ class SamplingParams:
             raise _fail(f"stop_token_ids must be >= 0, got {ids}")
         set_("stop_token_ids", ids)
 
+        draft = _as_int(self.draft, "draft")
+        if draft < 0:
+            raise _fail(f"draft must be >= 0 (0 means no drafting), got {draft}")
+        set_("draft", draft)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def options_to_params(params: SamplingParams | None = None, **options) -> SamplingParams:
+    """`params` (default: the defaults) with the keyword `options` that a generate() call
+    got applied on top; a name that is no field of SamplingParams is a TypeError."""
+    if params is None:
+        return SamplingParams(**options)
+    if not isinstance(params, SamplingParams):
+        raise _fail(f"sampling must be a SamplingParams, got {type(params).__name__}")
+    return dataclasses.replace(params, **options) if options else params
 
 
 class Sampler:

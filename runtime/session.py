@@ -19,8 +19,8 @@ token count for a baseline session), attending to every token before it:
   Only the role affixes hold control tokens: appended text, `select` options and the
   re-tokenized end of a generation are plain text ("<|im_start|>" in them is not a
   turn), as in a prompt.
-- `generate` decodes with `sampling.Decoding` and keeps the KV of the tokens that make
-  up the returned text: an end-of-sequence token and the text of a stop string are
+- `generate` runs the decode loop (decode.py; sampling options as for `LLM.generate`)
+  and keeps the KV of the tokens that make up the returned text: an end-of-sequence token and the text of a stop string are
   not part of the conversation (a stop string inside a token leaves that token's text
   before the stop, re-tokenized).
 - `select` scores every option in ONE forward pass (each option attends to the
@@ -35,7 +35,6 @@ engine's pool, as does garbage collection.
 
 from __future__ import annotations
 
-import collections
 import time
 import weakref
 from dataclasses import dataclass
@@ -45,65 +44,14 @@ import torch
 
 from promptlang.errors import ContextLengthError, PromptLangError, RoleError
 from promptlang.pml.nodes import ROLES
-from promptlang.runtime.engine import Timings
-from promptlang.runtime.sampling import Decoding, SamplingParams, sequence_logprob
+from promptlang.runtime.decode import Decoder
+from promptlang.runtime.prefill import move_slots, prefill, truncate
+from promptlang.runtime.results import Choice, Opening, Timings, Turn
+from promptlang.runtime.sampling import (Decoding, SamplingParams, options_to_params,
+                                         sequence_logprob)
 
 _REPLACEMENT = "\ufffd"
 _KEPT_LOGITS = 8           # logits kept per decode step, for rolling back to a stop string
-
-
-@dataclass(frozen=True)
-class Opening:
-    """What opening the session cost: the prompt's cached and computed tokens."""
-
-    cached_tokens: int           # served from cached modules
-    prefill_tokens: int          # computed (the prompt's uncached tokens)
-    timings: Timings             # bind, retrieve, encode, assemble, prefill, total
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The outcome of `select`: every option's score and the winner.
-
-    `scores[i]` is the total log-probability of option i's tokens (a sum over its
-    tokens); `mean_scores[i]` that sum divided by its token count. The winner maximises
-    the one named by `normalise`; ties go to the first option."""
-
-    text: str
-    index: int
-    options: tuple[str, ...]
-    scores: tuple[float, ...]
-    mean_scores: tuple[float, ...]
-    token_counts: tuple[int, ...]
-    normalise: Literal["sum", "mean"]
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One `generate` or `select` on a session.
-
-    prefill_tokens: tokens queued since the previous turn (new text, role markers),
-        computed in one pass before the first decoded token; earlier turns' tokens are
-        never computed again.
-    generated_tokens: tokens the turn itself added to the KV (the kept generated tokens,
-        or the chosen option).
-    forward_tokens: every token the turn ran through the model (prefill, decode steps,
-        all options of a select, a stop string's re-tokenized remainder).
-    timings: prefill, first_token (from the call to the first picked token or to the
-        select's decision) and total, in seconds.
-    """
-
-    kind: Literal["generate", "select"]
-    name: str | None
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None          # "stop", "eos", "length"; None for select
-    prefill_tokens: int
-    generated_tokens: int
-    forward_tokens: int
-    timings: Timings
-    choice: Choice | None = None
-    started_at: float = 0.0            # time.perf_counter() when the turn was called
 
 
 @dataclass
@@ -290,37 +238,23 @@ class Session:
             ids += encode("".join(run))
         return ids
 
-    @torch.inference_mode()
     def _forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
-                 allowed: torch.Tensor | None = None, all_rows: bool = False) -> torch.Tensor:
+                 groups: Sequence[int] | None = None, all_rows: bool = False) -> torch.Tensor:
         """Run `ids` against the session's KV and keep their KV; returns logits [R, V]
         (every row, or the last). Default positions continue after the last token;
-        `allowed` as in ModelAdapter.forward (None: causal, all past visible)."""
+        `groups` as in prefill.visibility."""
         n = len(ids)
+        follows = positions is None       # right after every token held: plain causal
         if positions is None:
             positions = range(self.position, self.position + n)
         limit = self.llm.max_positions
         top = max(positions) + 1
         if limit is not None and top > limit:
             raise ContextLengthError(f"the session needs {top} positions; the model has {limit}")
-        buffer = self.buffer
-        if buffer.length + n > buffer.capacity:
-            buffer.reserve(max(buffer.length + n, int(buffer.capacity * 1.5) + 1))
-        device = self.llm.adapter.device
-        ids_t = torch.tensor(list(ids), dtype=torch.int64, device=device)
-        pos_t = torch.tensor(list(positions), dtype=torch.int64, device=device)
-        rows = torch.arange(n, device=device) if all_rows else torch.tensor([n - 1],
-                                                                           device=device)
-        step = self.llm.adapter.forward(ids_t, pos_t, buffer.past(), allowed, rows)
-        buffer.append(ids_t, pos_t)
+        logits = prefill(self.llm.adapter, self.buffer, ids, positions, all_rows,
+                         groups=groups, after_past=follows)
         self.position = max(self.position, top)
-        return step.logits
-
-    def _truncate(self, length: int, position: int) -> None:
-        """Drop the KV of every token from slot `length` on."""
-        self.buffer.forget_from(length)
-        self.buffer.length = length
-        self.position = position
+        return logits
 
     def _start_turn(self) -> tuple[float, float, int]:
         """Flush the queue; returns (started, prefill seconds, prefill tokens) and resets
@@ -332,47 +266,39 @@ class Session:
 
     # --- generating -----------------------------------------------------------------------
 
-    def generate(self, max_new_tokens: int = 256, *, stop: str | Sequence[str] = (),
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = None, name: str | None = None) -> Turn:
-        """Decode a continuation and keep it in the session (see the module doc)."""
+    def generate(self, max_new_tokens: int | None = None, *, name: str | None = None,
+                 sampling: SamplingParams | None = None, **options) -> Turn:
+        """Decode a continuation and keep it in the session (see the module doc).
+        max_new_tokens (default 256) and `options` (stop, temperature, top_p, top_k, seed,
+        draft, ...) are the fields of SamplingParams, applied on top of `sampling`."""
         self._check_open()
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                top_p=top_p, top_k=top_k, seed=seed, stop=stop)
+        if max_new_tokens is not None:
+            options["max_new_tokens"] = max_new_tokens
+        params = options_to_params(sampling, **options)
         started, prefill_seconds, prefill_tokens = self._start_turn()
-        base_length, base_position, base_logits = self.length, self.position, self.logits
         decoding = Decoding(params, self.llm.tokenizer)
-        limit = self.llm.max_positions
-        recent: collections.deque = collections.deque(maxlen=_KEPT_LOGITS)   # (count, logits)
-        logits, forwarded, first_token = base_logits, 0, None
-        while True:
-            if limit is not None and self.position >= limit:   # no position for a token
-                decoding.finish("length")
-                break
-            token, _, finished = decoding.step(logits)
-            if first_token is None:
+        decoder = Decoder(self.llm.adapter, self.buffer, decoding, self.position,
+                          limit=self.llm.max_positions, draft=params.draft, keep=_KEPT_LOGITS,
+                          materialize=False)
+        first_token = None
+        for token, _, _ in decoder.steps(self.logits):
+            if first_token is None and token is not None:
                 first_token = time.perf_counter() - started
-            if finished:
-                break
-            logits = self._forward([token])[-1]
-            forwarded += 1
-            recent.append((forwarded, logits))
+        self.position = decoder.position
         text, ids, reason = decoding.result()
-        kept, settled = self._keep(text, ids, forwarded, base_length, base_position,
-                                   base_logits, recent)
+        kept, settled = self._keep(text, ids, decoder)
         self._log.append(_Piece("tokens", text, tuple(kept)))
         turn = Turn("generate", name, text, tuple(kept), reason, prefill_tokens, len(kept),
-                    prefill_tokens + forwarded + settled,
+                    prefill_tokens + decoder.computed + settled,
                     Timings(prefill=prefill_seconds, first_token=first_token or 0.0,
                             total=time.perf_counter() - started), started_at=started)
         self.turns.append(turn)
         return turn
 
-    def _keep(self, text: str, ids: list[int], forwarded: int, base_length: int,
-              base_position: int, base_logits: torch.Tensor, recent) -> tuple[list[int], int]:
-        """Make the KV after `base_length` hold exactly `text`: the longest run of generated
-        tokens that decodes to a prefix of it, plus the rest of it re-tokenized. Returns
-        the kept token ids and how many tokens this had to compute."""
+    def _keep(self, text: str, ids: list[int], decoder: Decoder) -> tuple[list[int], int]:
+        """Make the KV after the decode's start hold exactly `text`: the longest run of
+        generated tokens that decodes to a prefix of it, plus the rest of it re-tokenized.
+        Returns the kept token ids and how many tokens this had to compute."""
         decode = self.llm.tokenizer.decode
         count, prefix = 0, ""
         for k in range(len(ids), 0, -1):
@@ -381,18 +307,18 @@ class Session:
                 count, prefix = k, candidate
                 break
         computed = 0
-        if count <= forwarded:
-            kept_logits = base_logits if count == 0 else dict(recent).get(count)
+        if count <= decoder.fed:
+            kept_logits = decoder.rollback(count)
+            self.position = decoder.position
             if kept_logits is None:           # too far back: recompute the last kept token
-                self._truncate(base_length + count - 1, base_position + count - 1)
+                decoder.rollback(count - 1)
+                self.position = decoder.position
                 kept_logits = self._forward(ids[count - 1:count])[-1]
                 computed += 1
-            else:
-                self._truncate(base_length + count, base_position + count)
             self.logits = kept_logits
         else:                                 # the last picked token is kept: compute it
-            self.logits = self._forward(ids[forwarded:count])[-1]
-            computed += count - forwarded
+            self.logits = self._forward(ids[decoder.fed:count])[-1]
+            computed += count - decoder.fed
         kept = list(ids[:count])
         rest = text[len(prefix):]
         if rest:
@@ -402,7 +328,7 @@ class Session:
             kept += rest_ids
         return kept, computed
 
-    def assistant_gen(self, max_new_tokens: int = 256, **options) -> Turn:
+    def assistant_gen(self, max_new_tokens: int | None = None, **options) -> Turn:
         """The assistant's reply as one message: open the assistant role (unless it is
         open), generate, close the role. Options as for `generate`."""
         if self.role != "assistant":
@@ -432,21 +358,15 @@ class Session:
             raise PromptLangError(f"an option of {options!r} has no tokens")
         started, prefill_seconds, prefill_tokens = self._start_turn()
         base_length, base_position, context = self.length, self.position, self.logits
-        starts, ids, positions = [], [], []
-        for e in encoded:
+        starts, ids, positions, groups = [], [], [], []
+        for index, e in enumerate(encoded):
             starts.append(len(ids))
             ids += e
             positions += range(base_position, base_position + len(e))
+            groups += [index] * len(e)
         q = len(ids)
-        # allowed: [Q, S + Q]: the whole past, and the option's own earlier tokens
-        allowed = torch.zeros(q, base_length + q, dtype=torch.bool,
-                              device=self.llm.adapter.device)
-        allowed[:, :base_length] = True
-        for start, e in zip(starts, encoded):
-            block = slice(base_length + start, base_length + start + len(e))
-            allowed[start:start + len(e), block] = torch.ones(len(e), len(e),
-                                                              dtype=torch.bool).tril()
-        logits = self._forward(ids, positions, allowed, all_rows=True)         # [Q, V]
+        # each option sees the whole past and its own earlier tokens, all from one position
+        logits = self._forward(ids, positions, groups, all_rows=True)          # [Q, V]
         sums, means = [], []
         for start, e in zip(starts, encoded):
             predictions = torch.cat([context[None], logits[start:start + len(e) - 1]])
@@ -457,8 +377,9 @@ class Session:
         index = max(range(len(options)), key=lambda i: (decisive[i], -i))
         decided = time.perf_counter() - started
         start, n = starts[index], len(encoded[index])
-        self._keep_slot_range(base_length + start, base_length, n)
-        self._truncate(base_length + n, base_position + n)
+        move_slots(self.buffer, base_length + start, base_length, n)
+        truncate(self.buffer, base_length + n)
+        self.position = base_position + n
         self.logits = logits[start + n - 1]
         choice = Choice(options[index], index, options, tuple(sums), tuple(means),
                         tuple(len(e) for e in encoded), normalise)
@@ -469,16 +390,6 @@ class Session:
                                        total=time.perf_counter() - started), choice,
                                started_at=started))
         return choice
-
-    def _keep_slot_range(self, source: int, target: int, n: int) -> None:
-        """Move the KV of slots [source, source + n) to [target, target + n)."""
-        if source == target:
-            return
-        b = self.buffer
-        for tensor in (b.keys, b.values):       # [L, H_kv, C, D]
-            tensor[:, :, target:target + n] = tensor[:, :, source:source + n].clone()
-        for tensor in (b.positions, b.token_ids):
-            tensor[target:target + n] = tensor[source:source + n].clone()
 
     # --- branching --------------------------------------------------------------------------
 

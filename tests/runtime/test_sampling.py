@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from promptlang.errors import PromptLangError
 from promptlang.runtime.sampling import (Decoding, IncrementalDetokenizer, Sampler,
-                                         SamplingParams, StopChecker, sequence_logprob)
+                                         SamplingParams, StopChecker, options_to_params,
+                                         sequence_logprob)
 from promptlang.tokenizer import Tokenizer, WordTokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -129,7 +130,7 @@ def test_params_defaults_are_greedy_and_unbounded_by_stops():
     params = SamplingParams()
     assert (params.max_new_tokens, params.temperature, params.top_p, params.top_k) == (256, 0.0, 1.0, 0)
     assert params.seed is None and params.stop == () and params.stop_token_ids == ()
-    assert params.greedy
+    assert params.greedy and params.draft == 0
 
 
 def test_params_normalise_lists_and_a_single_stop_string():
@@ -161,10 +162,23 @@ def test_params_normalise_lists_and_a_single_stop_string():
     (dict(stop_token_ids=(-1,)), "stop_token_ids"),
     (dict(stop_token_ids=("x",)), "stop_token_ids"),
     (dict(stop_token_ids=7), "stop_token_ids"),
+    (dict(draft=-1), "draft"),
+    (dict(draft=2.0), "draft"),
 ])
 def test_params_reject_bad_values_naming_the_field(kwargs, field):
     with pytest.raises(PromptLangError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_options_apply_on_top_of_a_params_object_and_unknown_names_are_type_errors():
+    base = SamplingParams(max_new_tokens=8, stop="\n")
+    assert options_to_params(base) is base
+    assert options_to_params(base, temperature=0.5) == SamplingParams(8, 0.5, stop="\n")
+    assert options_to_params(top_k=3) == SamplingParams(top_k=3)
+    with pytest.raises(TypeError):
+        options_to_params(base, temprature=0.5)
+    with pytest.raises(PromptLangError, match="top_p"):
+        options_to_params(base, top_p=0.0)             # validated again after the change
 
 
 # ---------------------------------------------------------------- Sampler

@@ -1,0 +1,193 @@
+"""The decode loop: pick a token, feed it, repeat; the one loop every generation runs.
+
+`LLM.generate` (engine.py), `Session.generate` (session.py, and through it programs and
+agents) drive a `Decoder` over a prefilled request buffer:
+
+    decoder = Decoder(adapter, buffer, decoding, position, limit=...)
+    for token, delta, finished in decoder.steps(logits):   # logits: [V], for `position`
+        ...                                                 # stream `delta`
+
+What differs between callers is a hook, not another loop:
+- stop strings, eos, max tokens and streaming text: the `sampling.Decoding` passed in;
+- `constrain(token_ids, logits) -> logits`: edits every logits row before a pick
+  (structured generation masks tokens here);
+- `keep`: the logits after the last `keep` fed tokens are kept, so that a caller can
+  roll the buffer back to an earlier token (`rollback`) without recomputing it;
+- `draft=K`: speculative decoding with prompt-lookup drafts. The tokens that followed
+  the latest earlier occurrence of the last n-gram (`LookupDrafter`) are fed with the
+  picked token in ONE pass; each row then picks as a plain step would, and the draft
+  is kept up to the first token the model did not pick. Every token is still picked
+  from the model's own logits in order, so the output is the same as without drafts
+  (bit-exact up to the last-ulp differences of a wider pass), greedy or seeded.
+
+Generated tokens take positions `position, position + 1, ...` and attend to everything
+before them. Units the prefill read in place are copied into the buffer before the
+first step (`materialize`): every step reads all of the KV, and one piece is cheaper.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Iterator, Protocol, Sequence
+
+import torch
+
+from promptlang.runtime.assembler import KVBuffer
+from promptlang.runtime.model import ModelAdapter
+from promptlang.runtime.prefill import extend, truncate
+from promptlang.runtime.sampling import Decoding
+
+LOOKUP_NGRAM = 3       # the longest tail of the sequence that a draft lookup matches
+
+Constrain = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
+
+
+class Drafter(Protocol):
+    def propose(self, generated: Sequence[int], count: int) -> list[int]:
+        """At most `count` guesses of the tokens after `generated` (all picked so far)."""
+
+
+class LookupDrafter:
+    """Prompt-lookup drafts: after a sequence (the request's tokens, then the generated
+    ones), propose the tokens that followed the latest earlier occurrence of its longest
+    tail of up to LOOKUP_NGRAM tokens. Answers that copy from a document copy runs of it.
+
+    `candidates`: known continuations (e.g. earlier answers to the same question), tried
+    first: the rest of the first one that agrees with every token generated so far.
+
+    The n-gram index is built once (on the first proposal) and extended as tokens come,
+    so a proposal costs a few dictionary look-ups, not a scan of the context."""
+
+    def __init__(self, context: Sequence[int], ngram: int = LOOKUP_NGRAM,
+                 candidates: Sequence[Sequence[int]] = ()):
+        self.tokens = list(context)
+        self.ngram = ngram
+        self.candidates = [list(c) for c in candidates]
+        self._context = len(self.tokens)
+        self._next: dict[tuple[int, ...], int] = {}   # n-gram -> the index after its latest end
+        self._indexed = 0                              # n-grams ending at or before it are in
+
+    def propose(self, generated: Sequence[int], count: int) -> list[int]:
+        """Up to `count` tokens to follow the context and `generated` (every token
+        generated so far; the list only grows between calls)."""
+        done = len(generated)
+        for known in self.candidates:
+            if len(known) > done and known[:done] == list(generated):
+                return known[done:done + count]
+        tokens = self.tokens
+        tokens += generated[len(tokens) - self._context:]
+        # n-grams ending before the newest token: the tail must not match itself
+        for end in range(self._indexed + 1, len(tokens)):
+            for n in range(1, min(self.ngram, end) + 1):
+                self._next[tuple(tokens[end - n:end])] = end
+        self._indexed = max(self._indexed, len(tokens) - 1)
+        for n in range(min(self.ngram, len(tokens)), 0, -1):
+            at = self._next.get(tuple(tokens[-n:]))
+            if at is not None:
+                return tokens[at:at + count]
+        return []
+
+
+class Decoder:
+    """One generation on one buffer (see the module doc). `position` is where the first
+    picked token goes; no token is picked at a position >= `limit` (None: no limit).
+    After `steps` ends, `position` is the first position with no KV and `fed` counts
+    the generated tokens whose KV the buffer holds (all picked ones but the last)."""
+
+    def __init__(self, adapter: ModelAdapter, buffer: KVBuffer, decoding: Decoding,
+                 position: int, *, limit: int | None = None, draft: int = 0,
+                 drafter: Drafter | None = None, constrain: Constrain | None = None,
+                 keep: int = 0, materialize: bool = True):
+        self.adapter, self.buffer, self.decoding = adapter, buffer, decoding
+        self.position, self.limit = position, limit
+        self.draft, self.drafter = draft, drafter
+        self.constrain = constrain
+        self.materialize = materialize
+        self.start_length, self.start_position = buffer.length, position
+        self.fed = 0                     # generated tokens fed to the model and kept
+        self.computed = 0                # tokens run through the model, rejected drafts too
+        self.passes = 0                  # forward passes run
+        self.first_logits: torch.Tensor | None = None
+        self.recent = collections.deque(maxlen=keep) if keep else None   # (fed, logits [V])
+
+    @torch.inference_mode()
+    def steps(self, logits: torch.Tensor) -> Iterator[tuple[int | None, str, bool]]:
+        """Yield (token id, text delta, finished) per picked token, from `logits` ([V],
+        the prediction for `position`) onward; the last item has finished=True. When
+        no position is left the generation ends with reason "length" (token None)."""
+        decoding, limit = self.decoding, self.limit
+        self.first_logits = logits
+        if limit is not None and self.position >= limit:
+            yield None, decoding.finish("length"), True
+            return
+        token, delta, finished = self._pick(logits)
+        while True:
+            if finished:
+                yield token, delta, True
+                return
+            yield token, delta, False
+            if limit is not None and self.position + 1 >= limit:   # no position to pick at
+                yield None, decoding.finish("length"), True
+                return
+            feed = [token] + self._propose()
+            rows = self._feed(feed)                  # rows[i]: the prediction after feed[i]
+            for kept in range(len(feed)):
+                token, delta, finished = self._pick(rows[kept])
+                if finished or kept == len(feed) - 1 or token != feed[kept + 1]:
+                    break
+                yield token, delta, False            # a drafted token the model picked
+            self._keep(kept + 1, len(feed), rows)
+
+    def rollback(self, count: int) -> torch.Tensor | None:
+        """Keep the KV of the first `count` generated tokens only (count <= fed); returns
+        the logits after them when kept (None: the caller recomputes the last one)."""
+        truncate(self.buffer, self.start_length + count)
+        self.position = self.start_position + count
+        self.fed = count
+        return self.first_logits if count == 0 else dict(self.recent or ()).get(count)
+
+    def _pick(self, logits: torch.Tensor) -> tuple[int, str, bool]:
+        # logits: [V]
+        if self.constrain is not None:
+            logits = self.constrain(self.decoding.token_ids, logits)
+        return self.decoding.step(logits)
+
+    def _propose(self) -> list[int]:
+        """Draft tokens to feed after the picked one: no more than can still be picked,
+        nor than positions are left."""
+        if not self.draft:
+            return []
+        done = self.decoding.token_ids
+        count = min(self.draft, self.decoding.params.max_new_tokens - len(done) - 1)
+        if self.limit is not None:
+            count = min(count, self.limit - self.position - 2)
+        if count <= 0:
+            return []
+        if self.drafter is None:
+            self.drafter = LookupDrafter(_in_position_order(self.buffer, self.start_length))
+        return self.drafter.propose(done, count)
+
+    def _feed(self, feed: list[int]) -> torch.Tensor:
+        if self.materialize:
+            self.buffer.materialize()
+        rows = extend(self.adapter, self.buffer, feed,
+                      range(self.position, self.position + len(feed)), len(feed) > 1, None, True)
+        self.passes += 1
+        self.computed += len(feed)
+        return rows
+
+    def _keep(self, kept: int, fed: int, rows: torch.Tensor) -> None:
+        """The first `kept` of the `fed` tokens were the right ones: drop the rest."""
+        if kept < fed:
+            truncate(self.buffer, self.buffer.length - (fed - kept))
+        if self.recent is not None:
+            for i in range(kept):
+                self.recent.append((self.fed + i + 1, rows[i]))
+        self.fed += kept
+        self.position += kept
+
+
+def _in_position_order(buffer: KVBuffer, length: int) -> list[int]:
+    """The token ids of the buffer's first `length` slots, sorted by position."""
+    order = torch.argsort(buffer.positions[:length], stable=True)
+    return buffer.token_ids[:length][order].tolist()

@@ -1,0 +1,145 @@
+"""What a request hands back: timings, results, and the records of session turns.
+
+The engine (engine.py) and sessions (session.py) both return these; keeping them here
+lets each import the other's types without importing the other module.
+
+    LLM.generate  -> Result (or a TextStream whose .result is one)
+    LLM.prefill   -> Prefilled (logits and KV copied out of the request buffer)
+    LLM.open      -> Opened (the prefilled request; the caller keeps its buffer)
+    Session       -> Opening, then a Turn per generate/select (Choice for a select)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from promptlang.runtime.recompute.plan import NO_RECOMPUTE, RecomputePlan
+
+if TYPE_CHECKING:
+    from promptlang.pml.binding import BoundPrompt
+    from promptlang.runtime.assembler import KVBuffer
+
+
+@dataclass
+class Timings:
+    """Seconds spent in each phase of one request. `encode` is the part of `retrieve`
+    spent encoding units the store lacked; `select` is choosing the tokens to recompute
+    (a deviation policy's pass); `first_token` runs from the call to the first picked
+    token; `total` to the end."""
+
+    bind: float = 0.0
+    retrieve: float = 0.0
+    assemble: float = 0.0
+    prefill: float = 0.0
+    first_token: float = 0.0
+    total: float = 0.0
+    encode: float = 0.0
+    select: float = 0.0
+
+    def __str__(self) -> str:
+        parts = [f"{name} {getattr(self, name) * 1000:.1f} ms" for name in
+                 ("bind", "retrieve", "encode", "select", "assemble", "prefill", "first_token",
+                  "total")]
+        return " | ".join(parts)
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    timings: Timings
+    prefill_tokens: int          # tokens computed by the prefill pass
+    cached_tokens: int           # tokens served from cached units
+    recomputed_tokens: int = 0   # cached tokens computed again (the recompute policy)
+
+
+@dataclass
+class Opened:
+    """A prefilled request and its KV buffer (`LLM.open`; what generate and a Session
+    decode from). Whoever holds it gives the buffer back with
+    `llm.assembler.release(opened.buffer)`."""
+
+    buffer: KVBuffer
+    logits: torch.Tensor         # [V]: the prediction for position `position`
+    position: int                # the first position after the request
+    bound: BoundPrompt           # what was bound
+    timings: Timings
+    prefill_tokens: int          # tokens the prefill pass computed
+    cached_tokens: int           # tokens served from cached units
+    recomputed_tokens: int = 0
+    started: float = 0.0         # time.perf_counter() when the request was made
+    recompute: RecomputePlan = NO_RECOMPUTE   # the cached tokens computed again
+
+
+@dataclass
+class Prefilled:
+    """A prefill's outputs, copied out of the request buffer (for tests and benchmarks).
+    Token order: the assembled cached tokens, then the prefilled ones."""
+
+    logits: torch.Tensor         # [R, V]: every prefilled token's, or the last one's
+    keys: torch.Tensor           # [L, H_kv, N, D]
+    values: torch.Tensor         # [L, H_kv, N, D]
+    positions: torch.Tensor      # [N]
+    token_ids: torch.Tensor      # [N]
+    cached_length: int           # the first cached_length tokens came from the store
+    timings: Timings
+    bound: BoundPrompt | None = None   # what was bound
+    recompute: RecomputePlan = NO_RECOMPUTE   # the cached tokens computed again
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What opening a session cost: the prompt's cached and computed tokens."""
+
+    cached_tokens: int           # served from cached modules
+    prefill_tokens: int          # computed (the prompt's uncached tokens)
+    timings: Timings             # bind, retrieve, encode, assemble, prefill, total
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The outcome of `Session.select`: every option's score and the winner.
+
+    `scores[i]` is the total log-probability of option i's tokens (a sum over its
+    tokens); `mean_scores[i]` that sum divided by its token count. The winner maximises
+    the one named by `normalise`; ties go to the first option."""
+
+    text: str
+    index: int
+    options: tuple[str, ...]
+    scores: tuple[float, ...]
+    mean_scores: tuple[float, ...]
+    token_counts: tuple[int, ...]
+    normalise: Literal["sum", "mean"]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One `generate` or `select` on a session.
+
+    prefill_tokens: tokens queued since the previous turn (new text, role markers),
+        computed in one pass before the first decoded token; earlier turns' tokens are
+        never computed again.
+    generated_tokens: tokens the turn itself added to the KV (the kept generated tokens,
+        or the chosen option).
+    forward_tokens: every token the turn ran through the model (prefill, decode steps,
+        all options of a select, a stop string's re-tokenized remainder).
+    timings: prefill, first_token (from the call to the first picked token or to the
+        select's decision) and total, in seconds.
+    """
+
+    kind: Literal["generate", "select"]
+    name: str | None
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None          # "stop", "eos", "length"; None for select
+    prefill_tokens: int
+    generated_tokens: int
+    forward_tokens: int
+    timings: Timings
+    choice: Choice | None = None
+    started_at: float = 0.0            # time.perf_counter() when the turn was called
