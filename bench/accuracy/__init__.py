@@ -98,8 +98,7 @@ from promptlang.bench.accuracy.results import (STORE_BUDGET, COST_STORE_BUDGET, 
                                                ItemResult, Score, Comparison, CostPoint,
                                                CostReport, AccuracyReport, wilson_interval)
 from promptlang.bench.accuracy.answer import (_rule_llms, _requests, gold_ids, _answer, Decoded,
-                                              teacher_forced, LOOKUP_NGRAM, LOOKUP_TOKENS,
-                                              lookup_draft, greedy_answer)
+                                              teacher_forced, LOOKUP_TOKENS, greedy_answer)
 from promptlang.bench.accuracy.run import make_items, run_accuracy, _Quiet
 from promptlang.bench.accuracy.scores import (score, PER_ITEM, item_values, compare, Recovery,
                                               recovery, recompute_settings, recovery_goal)

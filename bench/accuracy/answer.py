@@ -117,7 +117,7 @@ def teacher_forced(llm, buffer, position: int, first_logits, gold: Sequence[int]
     with), which is then rolled back. NaN when the model has no positions left."""
     import torch
 
-    from promptlang.runtime.generate import prefill
+    from promptlang.runtime.prefill import prefill, truncate
 
     if not gold:
         return math.nan
@@ -132,28 +132,13 @@ def teacher_forced(llm, buffer, position: int, first_logits, gold: Sequence[int]
         start = buffer.length
         rows.append(prefill(llm.adapter, buffer, feed, range(position, position + len(feed)),
                             all_logits=True))
-        buffer.length = start           # the gold tokens were never generated: drop them
+        truncate(buffer, start)         # the gold tokens were never generated: drop them
     logprobs = torch.log_softmax(torch.cat(rows).double(), dim=-1)
     picked = logprobs[torch.arange(len(gold)), torch.tensor(list(gold))]
     return float(picked.sum())
 
 
-LOOKUP_NGRAM = 3       # prompt lookup: match up to this many last tokens in the prompt
-LOOKUP_TOKENS = 8      # and propose this many tokens that follow the match
-
-
-def lookup_draft(context: Sequence[int], generated: Sequence[int], count: int) -> list[int]:
-    """Prompt lookup: the `count` tokens that follow the latest occurrence in `context` of
-    the longest suffix of `generated` (LOOKUP_NGRAM tokens at most); [] if none occurs.
-    Answers copy names and values from the question and the documents."""
-    for n in range(min(LOOKUP_NGRAM, len(generated)), 0, -1):
-        tail = list(generated[-n:])
-        for start in range(len(context) - n, -1, -1):
-            if list(context[start:start + n]) == tail:
-                follow = list(context[start + n:start + n + count])
-                if follow:
-                    return follow
-    return []
+LOOKUP_TOKENS = 8      # lookup drafts: tokens proposed per pass (runtime/decode.py)
 
 
 def greedy_answer(llm, prompt, schema, *, baseline: bool = False, recompute: str = "none",
@@ -161,16 +146,15 @@ def greedy_answer(llm, prompt, schema, *, baseline: bool = False, recompute: str
                   gold: Sequence[int] = ()) -> Decoded:
     """What `llm.generate(prompt, schema=schema, baseline=baseline, recompute=recompute,
     max_new_tokens=max_new_tokens)` answers greedily, decoded with drafts verified by the
-    model. Each pass feeds the picked token and a draft of what follows: the rest of the
-    first of `drafts` (earlier answers, preferred first) that agrees with the tokens so
-    far, else a `lookup_draft` from the prompt; it keeps the draft's tokens up to the first
-    one greedy decoding would not have picked, and the token it picks there.
+    model: the runtime's decode loop (runtime/decode.py) with `draft=LOOKUP_TOKENS`, whose
+    drafter tries the rest of the first of `drafts` (earlier answers, preferred first) that
+    agrees with the tokens so far, else a prompt lookup.
 
     Also returns the first generated position's log-probabilities and, for the token
     ids `gold`, their teacher-forced log-probability on the same request (`teacher_forced`)."""
     import torch
 
-    from promptlang.runtime.generate import prefill
+    from promptlang.runtime.decode import Decoder, LookupDrafter
     from promptlang.runtime.sampling import Decoding, SamplingParams
 
     started = time.perf_counter()
@@ -179,40 +163,23 @@ def greedy_answer(llm, prompt, schema, *, baseline: bool = False, recompute: str
     buffer, position = opened.buffer, opened.position
     limit = llm.max_positions
     decoding = Decoding(SamplingParams(max_new_tokens=max_new_tokens), llm.tokenizer)
-    passes = 0
     try:
         prompt_tokens = buffer.length
-        token, _, finished = decoding.step(opened.logits)
-        ttft = time.perf_counter() - started
         first_logprobs = torch.log_softmax(opened.logits.double(), dim=-1).cpu().numpy()
-        context = opened.bound.token_ids()
         buffer.materialize()          # every pass reads all of the KV: one piece
         gold_logprob = teacher_forced(llm, buffer, position, opened.logits, gold)
-        while not finished:
-            if limit is not None and position >= limit:
-                decoding.finish("length")
+        # the engine's decode loop, as llm.generate(..., draft=LOOKUP_TOKENS) runs it, with
+        # this item's earlier answers tried as drafts before the prompt lookup
+        decoder = Decoder(llm.adapter, buffer, decoding, position,
+                          limit=None if limit is None else limit + 1, draft=LOOKUP_TOKENS,
+                          drafter=LookupDrafter(opened.bound.token_ids(), candidates=drafts))
+        ttft = None
+        for _, _, finished in decoder.steps(opened.logits):
+            if ttft is None:
+                ttft = time.perf_counter() - started
+            if finished:
                 break
-            out = decoding.token_ids
-            room = max_new_tokens - len(out)        # tokens still to pick, `token` fed first
-            if limit is not None:
-                room = min(room, limit - position)
-            draft = next((list(d[len(out):len(out) + room - 1]) for d in drafts
-                          if len(d) > len(out) and list(d[:len(out)]) == out), None)
-            if draft is None:
-                draft = lookup_draft(context + out[:-1], out, min(LOOKUP_TOKENS, room - 1))
-            feed = [token] + draft
-            if buffer.length + len(feed) > buffer.capacity:
-                buffer.reserve(buffer.length + len(feed) + max_new_tokens)
-            start = buffer.length
-            rows = prefill(llm.adapter, buffer, feed, range(position, position + len(feed)),
-                           all_logits=len(feed) > 1)
-            passes += 1
-            for kept in range(len(feed)):        # rows[i]: the prediction after feed[i]
-                token, _, finished = decoding.step(rows[kept])
-                if finished or kept == len(draft) or token != draft[kept]:
-                    break
-            buffer.length = start + kept + 1     # feed[:kept + 1] were the right tokens
-            position += kept + 1
+        passes = decoder.passes
     finally:
         llm.assembler.release(buffer)
     text, token_ids, reason = decoding.result()

@@ -312,15 +312,6 @@ def test_accuracy_on_a_tiny_model_runs_every_setting_and_the_cost(tiny_llm):
     assert {"found_delta_low", "gold_logprob_delta", "kl_high"} <= set(report.rows()[0])
 
 
-def test_lookup_draft_continues_the_latest_match_of_the_longest_suffix():
-    context = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3]
-    assert accuracy.lookup_draft(context, [4, 6, 7], 2) == [2, 3]       # latest 6 7
-    assert accuracy.lookup_draft(context, [5, 6, 7], 3) == [8, 9, 1]    # 5 6 7 beats 6 7
-    assert accuracy.lookup_draft(context, [0, 9], 8) == [1, 6, 7, 2, 3]
-    assert accuracy.lookup_draft(context, [4], 2) == []
-    assert accuracy.lookup_draft(context, [3], 2) == []                 # nothing follows
-
-
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory, tiny_llm):
     """tiny_llm's model saved as a local transformers folder (what --model PATH takes)."""
