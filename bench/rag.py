@@ -47,7 +47,7 @@ from promptlang.bench import qa
 from promptlang.bench.latency.sweep import document, rotated, timed_first_token
 from promptlang.bench.report import Progress, Section, Spread, ratios
 from promptlang.runtime.engine import LLM
-from promptlang.runtime.generate import prefill
+from promptlang.runtime.prefill import prefill
 from promptlang.runtime.store import ModuleStore
 
 KINDS = ("new", "reordered", "repeat")

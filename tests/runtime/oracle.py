@@ -25,7 +25,7 @@ any other: their served-unit occurrence stays in the pass (the unit's later toke
 encoded against it) but leaves the request's tokens, replaced by an uncached copy.
 
 A request without uncached tokens computes its last (highest-positioned) token
-per request (generate.py): here that token becomes the one uncached query, and its
+per request (engine.py): here that token becomes the one uncached query, and its
 served occurrence drops out of the request's tokens.
 
 How each position scheme gets the real positions, with the model's own code only:
