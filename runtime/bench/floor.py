@@ -209,7 +209,7 @@ def machine_facts(machine: Machine) -> dict[str, Any]:
 
 def _kernels() -> str:
     """Which kernels the runtime's CPU passes take in this process."""
-    from promptlang.runtime import native
+    from promptlang.runtime.fast import native
 
     if not native.enabled():
         return "PyTorch's (PROMPTLANG_NATIVE=0)"

@@ -58,7 +58,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from promptlang.pml import nodes
-from promptlang.runtime import native
+from promptlang.runtime.fast import native
 from promptlang.runtime.bench import floor, qa
 from promptlang.runtime.bench.report import (Goal, Progress, Section, Spread, fit_exponent,
                                              plot_ttft, ratios)

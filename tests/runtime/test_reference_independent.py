@@ -22,7 +22,10 @@ import torch
 from torch.nn.modules import module as nn_module
 from transformers import AttentionInterface
 
-from promptlang.runtime import fused, model as model_py, native
+from promptlang.runtime.fast import fused, native
+from promptlang.runtime.fast.attention import NativeAttention
+from promptlang.runtime.fast.linear import NativeLinear
+from promptlang.runtime.model import attention as model_py
 from promptlang.runtime.engine import LLM
 from promptlang.runtime.model import ATTENTION, SCHEMES, ModelAdapter
 from promptlang.runtime.store import ModuleStore
@@ -92,9 +95,10 @@ def promptlang_calls(monkeypatch):
                         calls.wrap("FusedDecoder.forward", fused.FusedDecoder.forward))
     monkeypatch.setattr(ModelAdapter, "forward",
                         calls.wrap("ModelAdapter.forward", ModelAdapter.forward))
-    monkeypatch.setattr(model_py._NativeLinear, "__call__",
-                        calls.wrap("_NativeLinear", model_py._NativeLinear.__call__))
-    for name in ("_native_attention", "_with_shared", "_past_and_new", "_outside_attention"):
+    monkeypatch.setattr(NativeLinear, "__call__", calls.wrap("_NativeLinear", NativeLinear.__call__))
+    monkeypatch.setattr(NativeAttention, "__call__",
+                        calls.wrap("_native_attention", NativeAttention.__call__))
+    for name in ("_with_shared", "_past_and_new", "_outside_attention"):
         monkeypatch.setattr(model_py, name, calls.wrap(name, getattr(model_py, name)))
     registered = AttentionInterface._global_mapping.get(ATTENTION)
     if registered is not None:
