@@ -111,7 +111,8 @@ class ModelAdapter:
 
     def unmasked_in_one_pass(self, past: int) -> bool:
         """Whether a causal pass after `past` keys runs without any Q x K mask (see
-        model/attention.py), so that a long one (a baseline prefill, a long unit) needs no chunks."""
+        model/attention.py), so that a long one (a baseline prefill, a long unit) needs no
+        chunks."""
         return False
 
     @property

@@ -53,3 +53,8 @@ def model_state(hf_model: torch.nn.Module) -> ModelState:
         if state is None:
             state = _STATES[hf_model] = ModelState()
         return state
+
+
+def adapted(hf_model: torch.nn.Module) -> bool:
+    """Whether promptlang keeps state for `hf_model` (an adapter was built on it)."""
+    return hf_model in _STATES

@@ -83,7 +83,7 @@ def test_attention_equals_masked_softmax_reference(monkeypatch, kv_heads, case, 
 
 
 def test_masks_are_built_once_per_forward_pass_not_per_layer(monkeypatch, pytorch_kernels):
-    """On PyTorch's kernels (runtime/kernels.c takes the unmasked passes without any mask)."""
+    """On PyTorch's kernels (runtime/fast/kernels.c takes the unmasked passes without any mask)."""
     adapter = adapt(llama(layers=3))
     builds = []
     for name, sizes in (("_additive", slice(1, 4)), ("_causal_mask", slice(0, 3))):
