@@ -3,10 +3,10 @@
 `ModelAdapter.forward` is the one entry point of the encoder and the generator: Q new
 tokens at their layout positions against a Past (keys/values in a caller-owned buffer,
 some slot runs possibly read in place from stored units), with a visibility matrix or
-None (every past key visible, the new tokens causal). It picks, in order:
+None (every past key visible, the new tokens causal). It takes, the first that applies:
 
-    fused       the fast decoder (runtime/fast/fused.py) for an unmasked pass in place
     chunked     a long input as consecutive chunks (smaller masks, half of Q x K)
+    fused       the fast decoder (runtime/fast/fused.py) for an unmasked pass in place
     layers      transformers' own layers over a Cache of the buffer (`_run`; per scheme
                 in runtime/model/schemes.py, attention in runtime/model/attention.py)
 
