@@ -209,12 +209,12 @@ def machine_facts(machine: Machine) -> dict[str, Any]:
 
 def _kernels() -> str:
     """Which kernels the runtime's CPU passes take in this process."""
-    from promptlang.runtime import native
+    from promptlang.runtime.fast import native
 
     if not native.enabled():
         return "PyTorch's (PROMPTLANG_NATIVE=0)"
     if not native.available():
-        return "PyTorch's (runtime/kernels.c unavailable here)"
-    return ("runtime/kernels.c (AVX2): whole decoder layers for Llama-family models "
-            "(runtime/fused.py), else small linears and unmasked attention; PyTorch's for the "
+        return "PyTorch's (runtime/fast/kernels.c unavailable here)"
+    return ("runtime/fast/kernels.c (AVX2): whole decoder layers for Llama-family models "
+            "(runtime/fast/fused.py), else small linears and unmasked attention; PyTorch's for the "
             "rest")

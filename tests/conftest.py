@@ -25,12 +25,12 @@ def wordtok() -> WordTokenizer:
 @pytest.fixture(params=["fused", "kernels", "pytorch"])
 def kernels(request):
     """Runs a test three times: with the runtime's CPU kernels including the fused decoder
-    layers of Llama-family models (runtime/fused.py), with the kernels but the fused layers
+    layers of Llama-family models (runtime/fast/fused.py), with the kernels but the fused layers
     off (transformers' layers calling pl_attend and pl_linear), and with PyTorch's kernels
     alone (the path of every other machine). The first two are skipped where the kernels
     cannot be built, and fail instead under PROMPTLANG_REQUIRE_NATIVE=1 (as in CI):
     `native.available()` then raises NativeKernelsError."""
-    from promptlang.runtime import fused, native
+    from promptlang.runtime.fast import fused, native
 
     if request.param != "pytorch" and not native.available():
         pytest.skip("CPU kernels unavailable here")
@@ -46,8 +46,8 @@ def kernels(request):
 
 @pytest.fixture
 def pytorch_kernels():
-    """The test runs on PyTorch's kernels alone (runtime/kernels.c off)."""
-    from promptlang.runtime import native
+    """The test runs on PyTorch's kernels alone (runtime/fast/kernels.c off)."""
+    from promptlang.runtime.fast import native
 
     with native.disabled():
         yield

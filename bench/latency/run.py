@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from promptlang.runtime import native
+from promptlang.runtime.fast import native
 from promptlang.bench import floor
 from promptlang.bench.report import Progress
 from promptlang.bench.shapes import shape_from_config

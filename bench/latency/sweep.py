@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from promptlang.pml import nodes
-from promptlang.runtime import native
+from promptlang.runtime.fast import native
 from promptlang.bench import floor, qa
 from promptlang.bench.report import Progress
 from promptlang.runtime.engine import LLM
@@ -177,7 +177,7 @@ def _measure(stores: _Stores, case: _Case, options: LatencyOptions,
         step("rounds: floor, device, baseline")
     point.checks["device_copied_tokens"] = copies / options.samples
     if case.length == goal and native.available():
-        with native.disabled():           # the same requests without runtime/kernels.c
+        with native.disabled():           # the same requests without runtime/fast/kernels.c
             for _ in range(options.repeats):
                 _ttft(memory, no_doc)
                 point.device_torch.append(_ttft(memory, prompt))

@@ -52,7 +52,7 @@ def sections(report: LatencyReport, tokenizer=None) -> list[Section]:
             ours, torch_only = p.median("device"), p.median("device_torch")
             floor_lines.append(
                 f"at {p.cached_tokens:,} cached tokens, the same device-tier requests on "
-                f"PyTorch's kernels alone (runtime/kernels.c off): {torch_only * 1e3:.1f} ms "
+                f"PyTorch's kernels alone (runtime/fast/kernels.c off): {torch_only * 1e3:.1f} ms "
                 f"(min {p.best('device_torch') * 1e3:.1f}) = {torch_only / p.floor:.2f}x the "
                 f"median floor; with the kernels {ours * 1e3:.1f} ms, "
                 f"{torch_only / ours:.2f}x faster")

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from promptlang.runtime import native
+from promptlang.runtime.fast import native
 from promptlang.runtime.assembler import Assembler
 from promptlang.runtime.engine import LLM, Prefilled, load
 from promptlang.runtime.store import ModuleStore

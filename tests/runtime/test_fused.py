@@ -1,4 +1,4 @@
-"""The fused decoder layers (runtime/fused.py, pl_decoder) against transformers' layers.
+"""The fused decoder layers (runtime/fast/fused.py, pl_decoder) against transformers' layers.
 
 Every case runs the same pass twice through the adapter -- fused, and with the fused path
 off (transformers' layers on PyTorch's kernels) -- and compares the logits and the keys and
@@ -12,8 +12,8 @@ import pytest
 import torch
 import transformers
 
-from promptlang.runtime import fused, native
-from promptlang.runtime.fused import FusedDecoder
+from promptlang.runtime.fast import fused, native
+from promptlang.runtime.fast.fused import FusedDecoder
 from promptlang.runtime.model import Past, SharedKV, adapt
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="CPU kernels unavailable here")
@@ -90,7 +90,7 @@ def assert_close(results):
 @pytest.mark.parametrize("new", [1, 6, 19])
 def test_fused_pass_equals_transformers_layers(kind, extra, new):
     adapter = adapt(tiny(kind, **extra))
-    assert adapter.fused is not None
+    assert adapter.fast.decoder is not None
     past = encoded_past(adapter, 150, 150 + new)
     ids = torch.randint(0, VOCAB, (new,), generator=torch.Generator().manual_seed(new))
     positions = torch.arange(150, 150 + new) + 3               # positions need not follow slots
@@ -144,14 +144,16 @@ def test_fused_path_serves_the_pass(llama, monkeypatch):
 @pytest.mark.parametrize("kind", ["qwen3", "gemma", "olmo2", "granite"])
 def test_other_structures_are_not_fused(kind):
     """Models with q/k norms, scaled embeddings, other norm placements or multipliers take
-    transformers' layers."""
-    assert FusedDecoder.of(tiny(kind)) is None
+    transformers' layers: the registry names no decoder for them, nor are they taken as Llama."""
+    model = tiny(kind)
+    assert adapt(model).fast.decoder is None
+    assert FusedDecoder.of(model, "Llama") is None
 
 
 @pytest.mark.parametrize("extra", [{"hidden_size": 60, "head_dim": 16},
                                    {"intermediate_size": 90}, {"head_dim": 12}])
 def test_shapes_the_kernel_cannot_take_are_not_fused(extra):
-    assert FusedDecoder.of(tiny("llama", **extra)) is None
+    assert FusedDecoder.of(tiny("llama", **extra), "Llama") is None
 
 
 def test_a_hook_on_the_model_turns_the_fused_path_off(llama):
@@ -202,7 +204,7 @@ def test_a_weight_it_cannot_read_sends_the_pass_to_transformers(monkeypatch):
         layer.weight = torch.nn.Parameter(layer.weight.t().contiguous().t())   # column-major
     monkeypatch.setattr(native, "decoder", lambda *a: pytest.fail("pl_decoder called"))
     adapter.forward(torch.arange(3), torch.arange(30, 33), past, None, torch.arange(3))
-    assert adapter.fused._weights() is None
+    assert adapter.fast.decoder._weights() is None
 
 
 HALVES = [torch.bfloat16, torch.float16]

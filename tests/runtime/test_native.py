@@ -1,4 +1,4 @@
-"""The CPU kernels (runtime/kernels.c) against PyTorch, and the runtime's use of them.
+"""The CPU kernels (runtime/fast/kernels.c) against PyTorch, and the runtime's use of them.
 
 Skipped where the kernels cannot be built (no AVX2/FMA, no C compiler, PROMPTLANG_NATIVE=0);
 the oracle tests then cover the PyTorch paths instead. Under PROMPTLANG_REQUIRE_NATIVE=1 (CI)
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from promptlang.runtime import model as model_mod
-from promptlang.runtime import fused, native
+from promptlang.runtime.fast import fused, native
 from promptlang.runtime.model import adapt
 from .tiny import tiny_llama
 

@@ -1,6 +1,6 @@
 """The fast paths compute what the slow ones do.
 
-The runtime's attention for RoPE models (`model._attention`) serves a mask of None as
+The runtime's attention for RoPE models (runtime/model/attention.py) serves a mask of None as
 "every past key visible, the new tokens causal among themselves", folds grouped-query
 heads into query rows and builds each mask once per forward pass; a baseline prefill
 runs in one pass on SDPA's causal kernel; a 16-bit store hands out its tensors as they
@@ -17,9 +17,11 @@ import pytest
 import torch
 import transformers
 
-from promptlang.runtime import model as model_module
+from promptlang.runtime.model import attention as attention_module
 from promptlang.runtime.engine import LLM
-from promptlang.runtime.model import Past, RopeAdapter, adapt, causal_allowed
+from promptlang.runtime.fast.attention import NativeAttention
+from promptlang.runtime.model import (ATTENTION, Past, RopeAdapter, adapt, causal_allowed,
+                                      float_mask)
 from promptlang.runtime.store import ModuleStore
 from promptlang.tokenizer import WordTokenizer
 from .tiny import tiny_llama
@@ -57,7 +59,7 @@ def test_attention_equals_masked_softmax_reference(monkeypatch, kv_heads, case, 
     if case == "no past, no mask":
         past = 0
     if case.startswith("many queries"):
-        monkeypatch.setattr(model_module, "_PACK_MAX_QUERIES", 2)
+        monkeypatch.setattr(attention_module, "_PACK_MAX_QUERIES", 2)
     k = past + q
     gen = torch.Generator().manual_seed(kv_heads)
     query = torch.randn(1, heads, q, d, generator=gen)
@@ -67,25 +69,27 @@ def test_attention_equals_masked_softmax_reference(monkeypatch, kv_heads, case, 
     mask = None
     if "float mask" in case:
         allowed = random_allowed(q, k, seed=kv_heads)
-        mask = model_module.float_mask(allowed, torch.float32)
+        mask = float_mask(allowed, torch.float32)
     elif case == "bool mask":
         allowed = random_allowed(q, k, seed=kv_heads + 10)
         mask = allowed[None, None]
     module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)
-    out, _ = model_module._attention(module, query, key, value, mask,
-                                     scaling=1 / math.sqrt(d), promptlang_masks={})
+    out, _ = attention_module.attention(module, query, key, value, mask,
+                                        scaling=1 / math.sqrt(d), promptlang_masks={},
+                                        promptlang_attend=NativeAttention())   # as adapters do
     expected = reference_attention(query, key, value, allowed)
     assert out.shape == (1, q, heads, d)
     assert (out - expected).abs().max() < TOL
 
 
 def test_masks_are_built_once_per_forward_pass_not_per_layer(monkeypatch, pytorch_kernels):
-    """On PyTorch's kernels (runtime/kernels.c takes the unmasked passes without any mask)."""
+    """On PyTorch's kernels (runtime/fast/kernels.c takes the unmasked passes without any mask)."""
     adapter = adapt(llama(layers=3))
     builds = []
     for name, sizes in (("_additive", slice(1, 4)), ("_causal_mask", slice(0, 3))):
-        real = getattr(model_module, name)          # record (name, groups, queries, keys)
-        monkeypatch.setattr(model_module, name, lambda *args, _name=name, _real=real, _s=sizes:
+        real = getattr(attention_module, name)      # record (name, groups, queries, keys)
+        monkeypatch.setattr(attention_module, name,
+                            lambda *args, _name=name, _real=real, _s=sizes:
                             builds.append((_name, *args[_s])) or _real(*args))
     keys, values = adapter.empty_kv(32)
     ids = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(2))
@@ -104,7 +108,7 @@ def test_masks_are_built_once_per_forward_pass_not_per_layer(monkeypatch, pytorc
 
 
 def test_mask_hook_skips_only_the_plain_causal_mask():
-    hook = model_module._attention_mask
+    hook = attention_module.attention_mask
     assert hook(1, 5, 12, q_offset=7) is None                  # new tokens last, no padding
     assert hook(1, 5, 12, q_offset=7, attention_mask=torch.ones(1, 12, dtype=torch.bool)) is None
     padded = torch.ones(1, 12, dtype=torch.bool)
@@ -122,7 +126,7 @@ def test_transformers_own_forward_and_generate_are_unchanged_on_an_adapted_model
     stock = llama()
     adapted = llama()
     adapt(adapted)
-    assert adapted.config._attn_implementation == model_module.ATTENTION
+    assert adapted.config._attn_implementation == ATTENTION
     ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(4))
     padding = torch.ones(2, 10, dtype=torch.long)
     padding[1, :3] = 0
@@ -140,7 +144,7 @@ def test_transformers_own_forward_and_generate_are_unchanged_on_an_adapted_model
 def test_a_long_causal_pass_is_one_pass_and_equals_the_chunked_one(monkeypatch, past, pack_max):
     """A baseline prefill (no past) or a long unit after its context runs in one pass, with
     no Q x K mask, and equals the chunked computation."""
-    monkeypatch.setattr(model_module, "_PACK_MAX_QUERIES", pack_max)
+    monkeypatch.setattr(attention_module, "_PACK_MAX_QUERIES", pack_max)
     adapter = adapt(llama())
     adapter.chunk_size = 8
     ids = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(5))

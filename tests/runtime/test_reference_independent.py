@@ -3,11 +3,11 @@ adapted model.
 
 - The reference (tests/runtime/oracle.py) is a fresh transformers model: no hooks, no
   swapped forwards, a stock attention implementation, its own copy of the weights; its
-  pass makes no call into runtime/kernels.c, the fused layers, the adapter or model.py's
-  attention, whichever kernels the runtime itself runs with.
+  pass makes no call into runtime/fast/ (kernels.c, the fused layers), the adapter or
+  runtime/model/'s attention, whichever kernels the runtime itself runs with.
 - Its explicit inputs (position ids, a 4-D mask; BLOOM's blocks called with ALiBi from
   positions) reproduce the stock forward of plain token ids.
-- runtime/model.py's promise: calls from outside the runtime's own `ModelAdapter.forward`
+- runtime/model/'s promise: calls from outside the runtime's own `ModelAdapter.forward`
   -- `hf_model(ids)`, a cached continuation, another thread while the runtime runs a
   pass -- take no kernel and compute what the unmodified model computes.
 """
@@ -22,9 +22,13 @@ import torch
 from torch.nn.modules import module as nn_module
 from transformers import AttentionInterface
 
-from promptlang.runtime import fused, model as model_py, native
+from promptlang.runtime.fast import fused, native
+from promptlang.runtime.fast.attention import NativeAttention
+from promptlang.runtime.fast.linear import NativeLinear
+from promptlang.runtime.model import attention as model_py
 from promptlang.runtime.engine import LLM
 from promptlang.runtime.model import ATTENTION, SCHEMES, ModelAdapter
+from promptlang.runtime.model.state import adapted
 from promptlang.runtime.store import ModuleStore
 from promptlang.tokenizer import WordTokenizer
 
@@ -80,7 +84,7 @@ class _CountingLibrary:
 @pytest.fixture
 def promptlang_calls(monkeypatch):
     """Counts every call into the kernels (the C library and native.py's entry points), the
-    fused layers, the adapter's forward, and model.py's attention functions and nn.Linear
+    fused layers, the adapter's forward, and runtime/model/'s attention functions and nn.Linear
     replacement. (The ALiBi pre-hooks sit on the adapted model's modules: the reference
     is checked to carry no hooks at all.)"""
     calls = _Calls()
@@ -92,9 +96,11 @@ def promptlang_calls(monkeypatch):
                         calls.wrap("FusedDecoder.forward", fused.FusedDecoder.forward))
     monkeypatch.setattr(ModelAdapter, "forward",
                         calls.wrap("ModelAdapter.forward", ModelAdapter.forward))
-    monkeypatch.setattr(model_py._NativeLinear, "__call__",
-                        calls.wrap("_NativeLinear", model_py._NativeLinear.__call__))
-    for name in ("_native_attention", "_with_shared", "_past_and_new", "_outside_attention"):
+    monkeypatch.setattr(NativeLinear, "__call__",
+                        calls.wrap("_NativeLinear", NativeLinear.__call__))
+    monkeypatch.setattr(NativeAttention, "__call__",
+                        calls.wrap("_native_attention", NativeAttention.__call__))
+    for name in ("_with_shared", "_past_and_new", "_outside_attention"):
         monkeypatch.setattr(model_py, name, calls.wrap(name, getattr(model_py, name)))
     registered = AttentionInterface._global_mapping.get(ATTENTION)
     if registered is not None:
@@ -125,6 +131,7 @@ def test_reference_model_is_a_fresh_unmodified_copy(models, tmp_path, kind):
     assert reference is not hf
     assert reference.config._attn_implementation in ("sdpa", "eager")
     assert "_promptlang_state" not in reference.__dict__
+    assert adapted(hf) and not adapted(reference)          # no promptlang state
     assert _hooks(reference) == 0
     assert not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
     assert not any("forward" in m.__dict__ for m in reference.modules())   # no swapped forward

@@ -25,7 +25,7 @@ def tiny_llama(seed: int, vocab: int, *, layers: int = 2, kv_heads: int = 2,
 
 
 def tiny_model(kind: str, vocab: int = 1000) -> torch.nn.Module:
-    """A tiny randomly initialised model of a supported `model_type` (model.SCHEMES), with
+    """A tiny randomly initialised model of a supported `model_type` (model/families.py), with
     sharp weights as in `tiny_llama`."""
     torch.manual_seed(1234)
     common = dict(vocab_size=vocab, hidden_size=64, num_attention_heads=4)

@@ -1,18 +1,19 @@
-"""promptlang's CPU kernels (runtime/kernels.c): built on first use, called through ctypes.
+"""promptlang's CPU kernels (kernels.c, beside this file): built on first use, called via ctypes.
 
 The kernels serve the shapes a cached request has on a CPU -- a handful of new query rows
 against thousands of cached keys, and a handful of rows through each linear layer -- where
-PyTorch's general kernels run at half the machine's matmul rate (docs/BENCHMARKS.md,
-"Performance work"): `attend` (pl_attend), `linear` (pl_linear), and `decoder` (pl_decoder:
-every layer of a Llama-family model, driven by runtime/fused.py). They need x86-64 with AVX2
-and FMA (and F16C, which every AVX2 CPU has), a C compiler (`cc`, or `$CC`) and float32
-tensors; anything else, or `PROMPTLANG_NATIVE=0`, leaves every caller on PyTorch.
+PyTorch's general kernels fall well short of the machine's matmul rate (docs/BENCHMARKS.md,
+"Performance work"): `attend` (pl_attend, driven by fast/attention.py), `linear` (pl_linear,
+fast/linear.py), and `decoder` (pl_decoder: every layer of a Llama-family model, driven by
+fast/fused.py). They need x86-64 with AVX2 and FMA (and F16C, which every AVX2 CPU has),
+a C compiler (`cc`, or `$CC`) and float32 tensors; anything else, or `PROMPTLANG_NATIVE=0`,
+leaves every caller on PyTorch.
 
 The shared library is compiled once per source version into `<promptlang home>/native/`
-(about 3 s) and reused by later processes. Loading a library runs its code, so a stored one
-is loaded only when `untrusted_reason` finds nothing wrong with it (ours, not writable by
-others, in a folder that is ours and private) and its bytes match the SHA-256 recorded
-privately next to it when it was built; otherwise it is rebuilt. A build writes into a
+and reused by later processes. Loading a library runs its code, so a stored one is loaded
+only when `untrusted_reason` finds nothing wrong with it (ours, not writable by others, in a
+folder that is ours and private) and its bytes match the SHA-256 recorded privately next
+to it when it was built; otherwise it is rebuilt. A build writes into a
 private temporary folder and renames the finished file into place.
 
 Kernels that cannot be had (no compiler, a failed build, a library that does not load or
@@ -333,7 +334,7 @@ _HALF_KINDS = {torch.bfloat16: 1, torch.float16: 2}     # kernels.c's HALF_BF16,
 def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torch.Tensor,
             sin: torch.Tensor, pieces, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
     """Every decoder layer of a Llama-family model over x ([Q, hidden], replaced by the last
-    layer's output) by pl_decoder; see runtime/fused.py, which checks what it passes.
+    layer's output) by pl_decoder; see fast/fused.py, which checks what it passes.
 
     shape: ctypes longs (hidden, heads, kv_heads, head_dim, intermediate, layers); weights:
     ctypes pointers [layers][16] in kernels.c's order; cos, sin: [Q, D]; pieces: (keys,

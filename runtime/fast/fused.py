@@ -1,39 +1,38 @@
-"""The cached pass of a Llama-family model as one call into runtime/kernels.c (pl_decoder).
+"""The cached pass of a Llama-family model as one call into kernels.c (pl_decoder).
 
 transformers runs each decoder layer as some twenty PyTorch operations and Python calls, and
-each kernel call opens its own parallel region. For the handful of new tokens of a cached
-request on a CPU that is a quarter of the pass (6,449 cached tokens: 154 ms fused against 200
-ms, docs/BENCHMARKS.md "Fused decoder layers"), so pl_decoder runs every layer -- RMSNorm,
-the q/k/v projections, the rotary embedding, attention over every past piece and causally
-over the new tokens, the output projection, the SiLU-gated MLP and both residuals -- in one
-OpenMP region, writing the new keys and values straight into the request's buffer.
-The embedding, the rotary tables, the final norm and the LM head stay the model's own.
+each kernel call opens its own parallel region; for the handful of new tokens of a cached
+request on a CPU that is a large share of the pass (docs/BENCHMARKS.md, "Fused decoder
+layers"). pl_decoder runs every layer -- RMSNorm, the q/k/v projections, the rotary
+embedding, attention over every past piece and causally over the new tokens, the output
+projection, the SiLU-gated MLP and both residuals -- in one OpenMP region, writing the new
+keys and values straight into the request's buffer. The embedding, the rotary tables, the
+final norm and the LM head stay the model's own.
 
-It serves models whose structure is exactly that (Llama, Mistral, Qwen2; checked module by
+It serves the families whose registry entry names a decoder class prefix
+(runtime/model/families.py) when the model's structure is exactly that (checked module by
 module when the adapter is built), float32 on a CPU with the kernels available, up to
 MAX_TOKENS new tokens that see every past key (no mask), with no hooks on the model's
-modules. Past pieces may be bfloat16 or float16 (a 16-bit store's units, read in place). Anything else takes the transformers path; both are held to the same oracle
+modules. Past pieces may be bfloat16 or float16 (a 16-bit store's units, read in place).
+Anything else takes the transformers path; both are held to the same oracle
 (tests/runtime/test_fused.py, tests/runtime/test_oracle.py).
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import NamedTuple
 
 import torch
 from torch.nn.modules import module as nn_module
 
-from promptlang.runtime import native
-
-# model_type -> class-name prefix of the modules a fused model must consist of
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+import promptlang.runtime.fast.native as native
+from promptlang.runtime.fast.pieces import Piece
 
 # Past pieces pl_decoder reads in place: float32, and bfloat16 or float16 (a 16-bit store's
 # units, widened in cache a block at a time instead of copied into the request buffer).
 PIECE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Up to this many new tokens (as for the kernels in model.py; beyond it MKL's GEMMs win).
+# Up to this many new tokens (as for fast/attention.py; beyond it MKL's GEMMs win).
 MAX_TOKENS = 64
 
 _WEIGHTS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -49,13 +48,6 @@ _switch = native.Switch()
 # Inside `with disabled():` every pass takes the transformers path (for A/B and tests); the
 # kernels of that path (native.py) stay on unless turned off too.
 disabled = _switch.off
-
-
-class Piece(NamedTuple):
-    """Past keys/values of every layer, [L, H_kv, n, D] (rows of D contiguous)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
 
 
 class FusedDecoder:
@@ -88,11 +80,12 @@ class FusedDecoder:
         self._shapes = shapes * len(layers)        # what the kernel reads at each slot
 
     @classmethod
-    def of(cls, hf_model: torch.nn.Module) -> FusedDecoder | None:
+    def of(cls, hf_model: torch.nn.Module, family: str) -> FusedDecoder | None:
+        """The decoder for `hf_model` if every module is the plain one of `family` (a class
+        name prefix, "Llama": LlamaForCausalLM, LlamaDecoderLayer, ...), else None."""
         config = hf_model.config
-        family = FAMILIES.get(config.model_type)
         base = getattr(hf_model, "model", None)
-        if (family is None or type(hf_model).__name__ != f"{family}ForCausalLM"
+        if (type(hf_model).__name__ != f"{family}ForCausalLM"
                 or base is None or type(base).__name__ != f"{family}Model"
                 or getattr(config, "hidden_act", None) not in ("silu", "swish")
                 or getattr(config, "pretraining_tp", 1) != 1
@@ -162,32 +155,16 @@ class FusedDecoder:
         self._table = (ptrs, table)
         return table
 
+    def available(self) -> bool:
+        """Whether the kernels can run now (the switches on, the library loaded)."""
+        return native.enabled() and native.available()
+
     def _hooked(self) -> bool:
         """Hooks on any of the model's modules would be skipped by the kernel."""
+        # torch keeps hooks in private dicts (global and per module); no public query exists
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return True
         return any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)
-
-
-def slot_runs(shared, end: int):
-    """Slots [0, end) as (start, stop, run) in slot order: `run` is the SharedKV (start,
-    end, keys, values) whose tensors hold those slots, or None for the buffer's own."""
-    runs, at = [], 0
-    for seg in sorted(shared or ()):
-        if seg.start > at:
-            runs.append((at, seg.start, None))
-        runs.append((seg.start, seg.end, seg))
-        at = seg.end
-    if end > at:
-        runs.append((at, end, None))
-    return runs
-
-
-def past_pieces(keys: torch.Tensor, values: torch.Tensor, shared, end: int) -> list[Piece]:
-    """Past slots [0, end) of a buffer ([L, H_kv, C, D]) as pieces in slot order, the runs
-    in `shared` read from their own tensors."""
-    return [Piece(keys[:, :, a:b], values[:, :, a:b]) if run is None else
-            Piece(run.keys, run.values) for a, b, run in slot_runs(shared, end)]
 
 
 def _is_plain_layer(layer: torch.nn.Module, family: str) -> bool:
@@ -207,7 +184,8 @@ def _is_plain_layer(layer: torch.nn.Module, family: str) -> bool:
 
 def _slot(layer: torch.nn.Module, dotted: str) -> tuple[dict, str]:
     """(the parameter dict of the module that owns `dotted`, the parameter's name): read
-    per pass, so that a replaced parameter is seen, without nn.Module's slow attribute path."""
+    per pass, so that a replaced parameter is seen, without nn.Module's slow attribute path
+    (`_parameters` is nn.Module's own private dict)."""
     path, name = dotted.rsplit(".", 1)
     module = layer
     for part in path.split("."):

@@ -1,5 +1,5 @@
 /* promptlang's CPU kernels (x86-64, AVX2 + FMA, float32), built on first use by
- * runtime/native.py and called through ctypes; every caller falls back to PyTorch when they
+ * runtime/fast/native.py and called through ctypes; every caller falls back to PyTorch when they
  * are unavailable.
  *
  * pl_attend: attention of a handful of query rows (the new tokens of a cached request, grouped
@@ -9,7 +9,7 @@
  * pl_linear: y = x W^T (+ b) for a few rows of x against nn.Linear's row-major weight, each
  *   weight row read once and reused for every x row while it is in cache.
  * pl_decoder: every decoder layer of a Llama-family model for a few new tokens in one parallel
- *   region (runtime/fused.py): RMSNorm, projections, RoPE, pl_attend's attention (past pieces
+ *   region (runtime/fast/fused.py): RMSNorm, projections, RoPE, pl_attend's attention (past pieces
  *   in float32, bfloat16 or float16), SiLU-gated MLP, residuals.
  *
  * Threads come from the caller (torch's count); the OpenMP runtime is the one torch loaded.

@@ -1,0 +1,272 @@
+"""The model adapter: a causal LM driven at explicit positions with explicit masks.
+
+`ModelAdapter.forward` is the one entry point of the encoder and the generator: Q new
+tokens at their layout positions against a Past (keys/values in a caller-owned buffer,
+some slot runs possibly read in place from stored units), with a visibility matrix or
+None (every past key visible, the new tokens causal). It takes, the first that applies:
+
+    chunked     a long input as consecutive chunks (smaller masks, half of Q x K)
+    fused       the fast decoder (runtime/fast/fused.py) for an unmasked pass in place
+    layers      transformers' own layers over a Cache of the buffer (`_run`; per scheme
+                in runtime/model/schemes.py, attention in runtime/model/attention.py)
+
+Keys and values are kept at `num_key_value_heads` (never after repeat_kv), as
+`[L, H_kv, S, D]`. The fast paths are installed once, by `accelerate(self)`; they run
+only on the thread inside `forward` (ModelState.in_runtime_pass), never for a call of the
+model from outside the runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from promptlang.errors import ModelError
+from promptlang.runtime.fast import FastPaths, accelerate
+from promptlang.runtime.fast.pieces import past_pieces
+from promptlang.runtime.model.families import FAMILIES, Family
+from promptlang.runtime.model.fingerprint import model_fingerprint
+from promptlang.runtime.model.internals import BufferLayer, buffer_cache
+from promptlang.runtime.model.state import model_state
+
+
+class SharedKV(NamedTuple):
+    """Past slots [start, end) whose keys/values are read in place from another tensor (a
+    stored unit's) instead of the buffer, whose own copy of those slots is left stale."""
+
+    start: int
+    end: int
+    keys: torch.Tensor       # [L, H_kv, end - start, D_k]
+    values: torch.Tensor     # [L, H_kv, end - start, D_v]
+
+
+class Past(NamedTuple):
+    """Keys/values a forward pass attends to besides its own tokens.
+
+    The past occupies the first S = len(positions) slots of the buffers. When the
+    buffers have room for the new tokens too (C >= S + Q), the pass writes their
+    keys/values into slots S..S+Q in place: no copy of the past per call. Slots covered
+    by `shared` are read from those tensors instead (adapters with `reads_shared` only).
+    """
+
+    keys: torch.Tensor       # [L, H_kv, C, D_k]
+    values: torch.Tensor     # [L, H_kv, C, D_v]
+    positions: torch.Tensor  # [S] int64: layout position of each past key
+    shared: tuple[SharedKV, ...] = ()
+
+
+class Step(NamedTuple):
+    logits: torch.Tensor     # [R, V] for the requested rows (R may be 0)
+    keys: torch.Tensor       # [L, H_kv, Q, D_k]  (views into the buffer when it had room)
+    values: torch.Tensor     # [L, H_kv, Q, D_v]
+
+
+@dataclass(frozen=True)
+class KVShape:
+    layers: int
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+
+
+class ModelAdapter:
+    """A causal LM driven at explicit positions with explicit masks (one per scheme:
+    runtime/model/schemes.py; `adapt` picks it from the family registry).
+
+    `forward` is the single entry point used by the encoder and the generator.
+    """
+
+    scheme: str = ""
+    chunk_size: int = 512     # longer inputs run as chunks (see _forward_chunked)
+
+    def __init__(self, hf_model: torch.nn.Module):
+        self.model = hf_model.eval()
+        self.config = hf_model.config
+        self.model_type = self.config.model_type
+        self.kv_shape = self._kv_shape()
+        self.dtype = next(hf_model.parameters()).dtype
+        self.device = next(hf_model.parameters()).device
+        self.sliding_window = self._sliding_window()
+        self.fingerprint = model_fingerprint(hf_model)
+        self.family: Family = FAMILIES.get(self.model_type) or Family(self.scheme)
+        self.state = model_state(hf_model)         # shared by every adapter of this model
+        self.lock = self.state.lock                # one forward at a time per model
+        self.fast: FastPaths = accelerate(self)
+
+    # --- what the rest of the runtime may ask -------------------------------------------
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    def kv_bytes_per_token(self) -> int:
+        s = self.kv_shape
+        return s.layers * s.kv_heads * (s.key_dim + s.value_dim) * self.dtype.itemsize
+
+    def unmasked_in_one_pass(self, past: int) -> bool:
+        """Whether a causal pass after `past` keys runs without any Q x K mask (see
+        model/attention.py), so that a long one (a baseline prefill, a long unit) needs no
+        chunks."""
+        return False
+
+    @property
+    def reads_shared(self) -> bool:
+        """Whether `forward` accepts a Past with `shared` slots (read in place)."""
+        return False
+
+    def shares_dtype(self, dtype: torch.dtype) -> bool:
+        """Whether shared slots in `dtype` are worth handing to `forward` rather than copying
+        into the buffer: the model's own dtype, and a 16-bit one where the fused layers read
+        it in place. (`forward` takes any float dtype: whatever path cannot read it gets
+        those slots copied into the buffer first.)"""
+        return dtype == self.dtype or (
+            dtype in (torch.bfloat16, torch.float16) and self.dtype == torch.float32
+            and self.fast.decoder is not None and self.fast.decoder.available())
+
+    def empty_kv(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.kv_shape
+        shape = (s.layers, s.kv_heads, capacity)
+        keys = torch.empty(*shape, s.key_dim, dtype=self.dtype, device=self.device)
+        values = torch.empty(*shape, s.value_dim, dtype=self.dtype, device=self.device)
+        return keys, values
+
+    # --- the forward pass -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, past: Past | None,
+                allowed: torch.Tensor | None, logits_rows: torch.Tensor | None = None) -> Step:
+        """Run Q new tokens against `past`.
+
+        input_ids, positions: [Q] int64.
+        allowed: [Q, S + Q] bool, True where query i may attend key j (past keys first,
+            then the new tokens in input order); None means causal in input order with
+            every past key visible.
+        logits_rows: [R] indices into the Q new tokens whose logits are wanted (None: none).
+        """
+        q = int(input_ids.shape[0])
+        if past is None:
+            past = Past(*self.empty_kv(q), positions.new_empty(0))
+        if past.shared and not self.reads_shared:
+            raise ValueError(f"{type(self).__name__} cannot read shared KV slots")
+        s = int(past.positions.shape[0])
+        unmasked = allowed is None and self.sliding_window is None and self.unmasked_in_one_pass(s)
+        if q > self.chunk_size and s + q <= past.keys.shape[2] and not unmasked and \
+                (allowed is None or not bool(allowed[:, s:].triu(1).any())):
+            # chunks are never fused: 16-bit shared runs are widened once, not per chunk
+            return self._forward_chunked(input_ids, positions, _widened(past), allowed,
+                                         logits_rows)
+        key_positions = torch.cat([past.positions, positions])        # [S + Q]
+        if self.sliding_window is not None and allowed is None and q > 0:
+            span = int(positions.max()) - int(key_positions.min())
+            if span >= self.sliding_window:
+                allowed = causal_allowed(s, q, device=positions.device)
+        if self.sliding_window is not None and allowed is not None:
+            allowed = allowed & (key_positions[None, :] > positions[:, None] - self.sliding_window)
+        mask = None if allowed is None else float_mask(allowed, self.dtype)  # [1, 1, Q, S+Q]
+
+        rows = logits_rows if logits_rows is not None else positions.new_empty(0)
+        in_place = s + q <= past.keys.shape[2]
+        with self.lock:
+            state = self.state
+            before, state.in_runtime_pass = state.in_runtime_pass, True   # kernels: this thread
+            try:
+                decoder = self.fast.decoder
+                if mask is None and in_place and decoder is not None:
+                    logits = decoder.forward(
+                        input_ids, positions, past_pieces(past.keys, past.values, past.shared, s),
+                        past.keys[:, :, s:s + q], past.values[:, :, s:s + q], rows)
+                    if logits is not None:
+                        return Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
+                past = _widened(past)
+                layers = [BufferLayer(past.keys[l].unsqueeze(0), past.values[l].unsqueeze(0), s)
+                          for l in range(self.kv_shape.layers)]
+                out = self._run(input_ids[None], positions, key_positions, mask,
+                                buffer_cache(layers), rows, past.shared)
+            finally:
+                state.in_runtime_pass = before
+        if in_place:
+            keys, values = past.keys[:, :, s:s + q], past.values[:, :, s:s + q]
+        else:
+            keys = torch.stack([layer.new_keys[0] for layer in layers])
+            values = torch.stack([layer.new_values[0] for layer in layers])
+        return Step(out.logits[0], keys, values)
+
+    def _forward_chunked(self, input_ids, positions, past: Past, allowed, logits_rows) -> Step:
+        """A long input as consecutive chunks, each attending to the past and the chunks
+        before it (exact when no token attends to a later one): with a mask, attention
+        then costs the causal half of Q x K instead of all of it, and masks stay small."""
+        q, s, c = int(input_ids.shape[0]), int(past.positions.shape[0]), self.chunk_size
+        rows = logits_rows if logits_rows is not None else positions.new_empty(0)
+        key_positions = torch.cat([past.positions, positions])
+        order = torch.argsort(rows)                 # rows are served in input order
+        rows_sorted = rows[order]
+        logits = []
+        for start in range(0, q, c):
+            end = min(q, start + c)
+            mine = rows_sorted[(rows_sorted >= start) & (rows_sorted < end)] - start
+            before = Past(past.keys, past.values, key_positions[:s + start], past.shared)
+            step = self.forward(input_ids[start:end], positions[start:end], before,
+                                None if allowed is None else allowed[start:end, :s + end], mine)
+            logits.append(step.logits)
+        logits = torch.cat(logits)[torch.argsort(order)]
+        return Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
+
+    def _run(self, input_ids, positions, key_positions, mask, cache, rows, shared=()):
+        # input_ids: [1, Q]; positions: [Q]; key_positions: [S+Q]; mask: [1,1,Q,S+Q] | None
+        return self.model(input_ids=input_ids, position_ids=positions[None], attention_mask=mask,
+                          cache=cache, use_cache=True, logits_to_keep=rows)
+
+    # --- per-architecture facts -------------------------------------------------------------
+
+    def _kv_shape(self) -> KVShape:
+        c = self.config
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        return KVShape(c.num_hidden_layers, kv_heads, head_dim, head_dim)
+
+    def _sliding_window(self) -> int | None:
+        window = getattr(self.config, "sliding_window", None)
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types and len(set(layer_types)) > 1:
+            raise ModelError(f"unsupported architecture: {self.model_type} with mixed "
+                             f"attention layer types {sorted(set(layer_types))}")
+        if layer_types and layer_types[0] == "full_attention":
+            return None
+        if getattr(self.config, "use_sliding_window", True) is False:
+            return None
+        return int(window) if window else None
+
+
+def _widened(past: Past) -> Past:
+    """`past` with its shared runs in another dtype than the buffer's (a bfloat16 store's
+    units) copied into the buffer's own slots, which are stale and unused there."""
+    dtype = past.keys.dtype
+    own = [seg.keys.dtype == dtype and seg.values.dtype == dtype for seg in past.shared]
+    if all(own):
+        return past
+    for seg, ok in zip(past.shared, own):
+        if not ok:
+            past.keys[:, :, seg.start:seg.end] = seg.keys
+            past.values[:, :, seg.start:seg.end] = seg.values
+    return past._replace(shared=tuple(seg for seg, ok in zip(past.shared, own) if ok))
+
+
+def float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[Q, K] bool -> [1, 1, Q, K] additive mask of 0 / -inf."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, float("-inf"))
+    return mask[None, None]
+
+
+def causal_allowed(past: int, new: int, device=None) -> torch.Tensor:
+    """[new, past + new]: every past key, and new keys up to the query in input order."""
+    allowed = torch.ones(new, past + new, dtype=torch.bool, device=device)
+    allowed[:, past:] = torch.ones(new, new, dtype=torch.bool, device=device).tril()
+    return allowed
