@@ -1,13 +1,15 @@
 """promptlang.runtime: model adapters, encoder, module store, assembler, generator.
 
-Data flow of one request (each step one file):
+Data flow of one request (docs/ARCHITECTURE.md has the whole map):
 
-    engine.py     bind the prompt, then drive the steps below; timings per phase
+    engine.py     bind the prompt, then drive the steps below; timings (results.py)
+    recompute/    the request's recompute policy -> the cached tokens computed again
     encoder.py    unit -> KV at its layout positions (one forward pass), via the store
-    store.py      KV by content key, in device / host / disk tiers
+    store/        KV by content key, in device / host / disk tiers
     assembler.py  the request's units' KV into a pooled, preallocated buffer
-    generate.py   prefill of the uncached tokens, then decode (sampling.py picks tokens)
-    model.py      the only code that knows transformers' cache classes
+    prefill.py    the uncached tokens in one pass (and the visibility rule)
+    decode.py     the one decode loop (sampling.py picks tokens)
+    model/        the only code that knows transformers; fast/ its CPU kernels
 
 The public names are imported lazily, so `import promptlang.runtime` stays cheap.
 """
