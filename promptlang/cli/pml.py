@@ -124,29 +124,33 @@ def check_files(args: argparse.Namespace) -> int:
             for warning in document.warnings:
                 print(warning, file=sys.stderr)
             if isinstance(document, nodes.Schema):
-                print(f"{path}: schema {document.name!r}: valid")
-                if not args.no_layout:
-                    layout = layout_of(path, document)
-                    if isinstance(layout, PromptLangError):
-                        raise layout
+                layout = None if args.no_layout else layout_of(path, document)
+                if isinstance(layout, PromptLangError):
+                    raise layout
+                print(f"{path}: schema {document.name!r}: valid")      # laid out, when asked
+                if layout is not None:
                     print(format_layout(layout, tokenizer()))
                 continue
-            print(f"{path}: prompt for schema {document.schema!r}: valid")
             if args.no_layout:
+                print(f"{path}: prompt for schema {document.schema!r}: valid")
                 continue
             found = schema_for(document)
             if found is None:
+                print(f"{path}: prompt for schema {document.schema!r}: valid")
                 print(f"  (not bound: no schema {document.schema!r} in this call; pass its "
                       "file too, or --schema FILE)")
                 continue
             layout = layout_of(*found)
             if isinstance(layout, PromptLangError):
+                print(f"{path}: prompt for schema {document.schema!r}: parses")
                 print(f"  (not bound: schema file {found[0]} has errors)")
                 failed = True
                 continue
             from promptlang.pml.binding import bind
 
-            print(format_binding(bind(document, layout, tokenizer())))
+            binding = format_binding(bind(document, layout, tokenizer()))
+            print(f"{path}: prompt for schema {document.schema!r}: valid")
+            print(binding)
         except PromptLangError as err:
             print(err, file=sys.stderr)
             failed = True

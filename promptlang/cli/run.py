@@ -43,23 +43,33 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from promptlang.errors import PromptLangError
+    from promptlang.pml import nodes
+    from promptlang.pml.parser import parse_file
     from promptlang.runtime import engine
 
+    schema, prompt = parse_file(args.schema), parse_file(args.prompt)
+    if not isinstance(schema, nodes.Schema):
+        raise PromptLangError(f"{args.schema} holds a prompt, not a schema", schema.span)
+    if not isinstance(prompt, nodes.PromptDoc):
+        raise PromptLangError(f"{args.prompt} holds a schema, not a prompt", prompt.span)
+    for warning in (*schema.warnings, *prompt.warnings):
+        print(warning, file=sys.stderr)
     started = time.perf_counter()
     llm = engine.load(args.model, isolate=args.isolate)
     loaded = time.perf_counter() - started
-    llm.add_schema(args.schema)
+    llm.add_schema(schema)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    seed=args.seed, baseline=args.baseline, recompute=args.recompute)
     if args.stream:
-        stream = llm.generate(args.prompt, stream=True, **options)
+        stream = llm.generate(prompt, stream=True, **options)
         for delta in stream:
             sys.stdout.write(delta)
             sys.stdout.flush()
         sys.stdout.write("\n")
         result = stream.result
     else:
-        result = llm.generate(args.prompt, **options)
+        result = llm.generate(prompt, **options)
         print(result.text)
     mode = "baseline" if args.baseline else ("isolate" if args.isolate else "cached")
     print(f"[{mode}] {len(result.token_ids)} tokens, finish: {result.finish_reason}; "

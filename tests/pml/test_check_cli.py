@@ -75,11 +75,12 @@ def test_warnings_print_as_file_line_col_warning(tmp_path, capsys):
 ])
 def test_huge_len_is_one_located_error_line(tmp_path, tokenizer_dir, capsys, length, message):
     schema = write(tmp_path, "s.pml", SCHEMA.replace('len="4"', f'len="{length}"'))
-    status, _, err = check(["--tokenizer", tokenizer_dir, schema], capsys)
+    status, out, err = check(["--tokenizer", tokenizer_dir, schema], capsys)
     assert status == 1
     assert any(line.startswith(f"{schema}:3:") and message in line
                for line in err.splitlines())
     assert "Traceback" not in err
+    assert "valid" not in out          # a schema whose layout fails is never called valid
 
 
 def test_devices_and_fifos_are_refused_without_reading(tmp_path, capsys):

@@ -289,6 +289,19 @@ def test_cli_run_prints_the_answer_and_the_timing_breakdown(model, cli_files, mo
         assert "prefill" in err and "first_token" in err and "cached" in err
 
 
+def test_cli_run_prints_parse_warnings_as_located_lines(model, cli_files, monkeypatch, capsys):
+    from promptlang import cli
+    from promptlang.runtime import engine
+    llm = make_llm(model, cli_files / "kv")
+    monkeypatch.setattr(engine, "load", lambda name, isolate=False: llm)
+    careless = cli_files / "careless.pml"
+    careless.write_text(PROMPTS[1].replace("</user>", " if 0 <= x < 3</user>") + "\n")
+    assert cli.main(["run", str(cli_files / "docs.pml"), str(careless),
+                     "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert f"{careless}:1:" in err and ": warning: '<' followed by" in err
+
+
 def test_cli_run_reports_a_bad_prompt_without_a_traceback(model, cli_files, monkeypatch, capsys):
     from promptlang import cli
     from promptlang.runtime import engine
