@@ -15,7 +15,6 @@ serializable"), hence safetensors' `save_model` plus the config by hand.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import time

@@ -55,7 +55,7 @@ _KEPT_LOGITS = 8           # logits kept per decode step, for rolling back to a 
 
 
 @dataclass
-class _Piece:
+class _QueuedInput:
     kind: Literal["text", "affix", "tokens"]   # text joins with its neighbours; an affix
     text: str                                  # or token ids stand alone (an affix's ids
                                                # are the template's: control ids allowed)
@@ -89,8 +89,8 @@ class Session:
         self.baseline = baseline
         self.buffer = buffer
         self.turns: list[Turn] = []
-        self._pending: list[_Piece] = []
-        self._log: list[_Piece] = []             # everything after the prompt, for replay
+        self._pending: list[_QueuedInput] = []
+        self._log: list[_QueuedInput] = []             # everything after the prompt, for replay
         self._since = _Counters()
         self._release = weakref.finalize(self, llm.assembler.release, buffer)
 
@@ -147,7 +147,7 @@ class Session:
         if not isinstance(text, str):
             raise PromptLangError(f"a session appends text, not {type(text).__name__}")
         if text:
-            self._queue(_Piece("text", text))
+            self._queue(_QueuedInput("text", text))
         return self
 
     def append_tokens(self, token_ids: Sequence[int]) -> "Session":
@@ -159,7 +159,7 @@ class Session:
         if any(not 0 <= t < vocab for t in ids):
             raise PromptLangError(f"token ids must be in [0, {vocab})")
         if ids:
-            self._queue(_Piece("tokens", self.llm.tokenizer.decode(ids), ids))
+            self._queue(_QueuedInput("tokens", self.llm.tokenizer.decode(ids), ids))
         return self
 
     def open_role(self, role: str) -> "Session":
@@ -196,7 +196,7 @@ class Session:
     def assistant(self, text: str) -> "Session":
         return self.message("assistant", text)
 
-    def _queue(self, piece: _Piece) -> None:
+    def _queue(self, piece: _QueuedInput) -> None:
         self._pending.append(piece)
         self._log.append(piece)
 
@@ -210,7 +210,7 @@ class Session:
         ids = self._token_ids(self._pending)
         # the log keeps what was computed, so that a replay computes the very same tokens
         del self._log[-len(self._pending):]
-        self._log.append(_Piece("tokens", "".join(p.text for p in self._pending), tuple(ids)))
+        self._log.append(_QueuedInput("tokens", "".join(p.text for p in self._pending), tuple(ids)))
         self._pending.clear()
         if not ids:
             return 0
@@ -220,7 +220,7 @@ class Session:
         self._since.seconds += time.perf_counter() - mark
         return len(ids)
 
-    def _token_ids(self, pieces: Sequence[_Piece]) -> list[int]:
+    def _token_ids(self, pieces: Sequence[_QueuedInput]) -> list[int]:
         """Tokens of queued pieces: consecutive text joined (plain text: no control
         ids), affixes and token ids on their own, as they are."""
         encode = self.llm.tokenizer.encode
@@ -287,7 +287,7 @@ class Session:
         self.position = decoder.position
         text, ids, reason = decoding.result()
         kept, settled = self._keep(text, ids, decoder)
-        self._log.append(_Piece("tokens", text, tuple(kept)))
+        self._log.append(_QueuedInput("tokens", text, tuple(kept)))
         turn = Turn("generate", name, text, tuple(kept), reason, prefill_tokens, len(kept),
                     prefill_tokens + decoder.computed + settled,
                     Timings(prefill=prefill_seconds, first_token=first_token or 0.0,
@@ -383,7 +383,7 @@ class Session:
         self.logits = logits[start + n - 1]
         choice = Choice(options[index], index, options, tuple(sums), tuple(means),
                         tuple(len(e) for e in encoded), normalise)
-        self._log.append(_Piece("tokens", options[index], tuple(encoded[index])))
+        self._log.append(_QueuedInput("tokens", options[index], tuple(encoded[index])))
         self.turns.append(Turn("select", name, options[index], tuple(encoded[index]), None,
                                prefill_tokens, n, prefill_tokens + q,
                                Timings(prefill=prefill_seconds, first_token=decided,
@@ -430,9 +430,9 @@ class Session:
         return f"<Session {self.bound.prompt.schema} ({state})>"
 
 
-def _affix(tokenizer, role: str, which: int) -> _Piece:
+def _affix(tokenizer, role: str, which: int) -> _QueuedInput:
     """The queued prefix (`which` 0) or suffix (1) of `role`, with the template's ids."""
-    return _Piece("affix", tokenizer.role_affixes(role)[which],
+    return _QueuedInput("affix", tokenizer.role_affixes(role)[which],
                   tokenizer.role_affix_ids(role)[which])
 
 

@@ -20,9 +20,9 @@ import traceback
 from dataclasses import dataclass, field
 
 from promptlang.compiler.decorator import PromptFunction, collecting
-from promptlang.compiler.diagnostics import CompileError, Diagnostic, errors, sort_key
+from promptlang.compiler.diagnostics import CompileError, Diagnostic, sort_key
 from promptlang.compiler.source import deepest_span, module_name_for_file
-from promptlang.errors import InputFileError, PromptLangError, Span, span_in
+from promptlang.errors import InputFileError, Span, span_in
 from promptlang.inputs import decode_utf8, read_bytes
 
 

@@ -342,7 +342,7 @@ class _Parser:
                 self.fail(f"<{tag.name}> needs a '{name}' attribute", tag.offset)
         return {a.name: a for a in tag.attrs}
 
-    def content(self, parent: Tag, on_tag: TagHandler, *, roles: bool,
+    def content(self, parent: Tag, on_tag: _TagHandler, *, roles: bool,
                 text_error: str | None = None) -> list[nodes.Node]:
         """The children of `parent` up to its end tag. `roles`: whether role tags are
         markers here; `text_error`: where text is not allowed (only whitespace is), the
