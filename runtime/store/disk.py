@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import stat
 import threading
 import time
 import warnings
@@ -33,7 +32,8 @@ import torch
 from promptlang.runtime.kv import ModuleKV
 from promptlang.runtime.store.policy import oldest_first, trim_to_budget
 from promptlang.runtime.store.folder import (clear_disk, is_regular, list_disk_entries,
-                                             listdir, open_dir, touch, unlink_ours, unlink_same)
+                                             listdir, open_dir, regular_stat, touch, unlink_ours,
+                                             unlink_same)
 from promptlang.runtime.store.key import SUFFIX, file_name, key_of_file
 from promptlang.runtime.store.kvfile import (CorruptFileError, UntrustedFileError,
                                              existing_file, peek_header, read_file, write_file)
@@ -246,11 +246,8 @@ class DiskTier(BackingTier):
         for entry in listdir(self.directory):
             if entry.name.startswith(".") or not entry.name.endswith(SUFFIX):
                 continue
-            try:
-                info = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if not stat.S_ISREG(info.st_mode):
+            info = regular_stat(entry)
+            if info is None:
                 continue
             identity = (info.st_ino, info.st_size, info.st_mtime_ns)
             hit = known.get(entry.name)

@@ -173,15 +173,21 @@ def _our_files(directory: Path, temporary: bool = False):
                 continue
         elif name.startswith(".") or not name.endswith(SUFFIX):
             continue
-        try:
-            info = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(info.st_mode):
+        info = regular_stat(entry)
+        if info is None:
             continue
         peeked = peek_header(Path(entry.path), info)
         if peeked is not None:
             yield Path(entry.path), info, *peeked
+
+
+def regular_stat(entry: os.DirEntry) -> os.stat_result | None:
+    """The entry's lstat when it is a regular file (never a link, FIFO or device), else None."""
+    try:
+        info = entry.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return info if stat.S_ISREG(info.st_mode) else None
 
 
 def is_regular(path: Path) -> bool:
