@@ -24,9 +24,13 @@ from __future__ import annotations
 import ast
 import shutil
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:      # Python 3.10: the dev extra installs tomli
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 JOIN = "promptlang.programs"          # the public face's join of compiler and runtime
