@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import re
 import sys
 from typing import Any
 
@@ -82,14 +83,36 @@ def run_compile(args: argparse.Namespace) -> int:
             return 1
         outputs.append((f"{function.schema_name}.prompt.pml", result.prompt_pml()))
     if args.output:
-        os.makedirs(args.output, exist_ok=True)
-        for name, text in outputs:
-            with open(os.path.join(args.output, name), "w", encoding="utf-8") as f:
-                f.write(text + "\n")
-            print(os.path.join(args.output, name), file=sys.stderr)
+        return _write_outputs(args.output, outputs)
     else:
         for _, text in outputs:
             print(text)
+    return 0
+
+
+_FILE_NAME = re.compile(r"[\w.-]{1,200}\Z")
+
+
+def _write_outputs(folder: str, outputs: list[tuple[str, str]]) -> int:
+    """Write each (file name, text) into `folder`; a name that is not a plain file name in
+    that folder (a schema name with a path separator, `..`, a NUL) writes nothing at all."""
+    for name, _ in outputs:
+        if not _FILE_NAME.match(name) or name.startswith("."):
+            print(f"promptlang compile: schema file name {name!r} is not a plain file name "
+                  "(letters, digits, '-', '_', '.'); give the @prompt a name= like that",
+                  file=sys.stderr)
+            return 2
+    try:
+        os.makedirs(folder, exist_ok=True)
+        for name, text in outputs:
+            path = os.path.join(folder, name)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+            print(path, file=sys.stderr)
+    except OSError as err:
+        where = err.filename or folder
+        print(f"promptlang compile: cannot write {where}: {err.strerror or err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -169,3 +169,34 @@ def test_diagnostics_name_the_file_as_the_command_line_does(tmp_path, capsys, mo
     monkeypatch.chdir(tmp_path)
     assert run("check", "relative_app.py") == 1
     assert capsys.readouterr().out.startswith("relative_app.py:5:5: error: ")
+
+
+NAMED = """
+from promptlang import prompt, user
+
+@prompt(name=NAME)
+def f(q: str):
+    with user():
+        q
+"""
+
+
+@pytest.mark.parametrize("name", ["../../escaped", "a/b", "x" * 300, ".hidden"])
+def test_compile_output_names_that_are_not_plain_file_names_write_nothing(tmp_path, capsys,
+                                                                            name):
+    source = write(tmp_path, "named.py", NAMED.replace("NAME", repr(name)))
+    out = tmp_path / "out" / "a"
+    assert run("compile", source, "-o", str(out)) == 2
+    err = capsys.readouterr().err
+    assert "is not a plain file name" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.rglob("escaped*")) and not list(tmp_path.rglob("*.pml"))
+
+
+def test_compile_into_an_unwritable_output_is_one_clear_line(tmp_path, capsys):
+    source = write(tmp_path, "named.py", NAMED.replace("NAME", repr("fine")))
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    assert run("compile", source, "-o", str(blocker)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"promptlang compile: cannot write {blocker}") and "Traceback" not in err
