@@ -167,6 +167,8 @@ def _parse_header(f, size: int) -> tuple[dict, int]:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CorruptFileError(f"unreadable safetensors header: {err}") from None
+    except RecursionError:
+        raise CorruptFileError("unreadable safetensors header: nested too deeply") from None
     if not isinstance(header, dict):
         raise CorruptFileError("safetensors header is not an object")
     return header, 8 + length
@@ -211,16 +213,17 @@ def check_header(header: dict, key: str, stored: str, data_bytes: int) -> dict:
             offset = end
         if stored != "put" and dtype_name(_CODE_DTYPES[header["keys"]["dtype"]]) != stored:
             raise CorruptFileError(f"keys are {header['keys']['dtype']}, not stored as {stored}")
+        length = int(header["positions"]["shape"][0])
     except CorruptFileError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise CorruptFileError(f"malformed header ({type(err).__name__}: {err})") from None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError) as err:
+        raise CorruptFileError(f"malformed header ({type(err).__name__})") from None
     if offset != data_bytes:
         raise CorruptFileError(f"data section is {data_bytes} bytes, header says {offset} (truncated?)")
     if not isinstance(meta, dict):
         raise CorruptFileError("meta is not an object")
     return {"meta": {str(k): str(v) for k, v in meta.items()}, "put_dtype": put_dtype,
-            "sha256": sha, "data_bytes": offset, "length": int(header["positions"]["shape"][0])}
+            "sha256": sha, "data_bytes": offset, "length": length}
 
 
 # ---- looking at a file without loading it ----------------------------------------------------

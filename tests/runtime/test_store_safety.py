@@ -295,3 +295,42 @@ def test_listing_shows_each_store_dtype_and_nothing_is_corrupted(tmp_path):
         got = ModuleStore(disk_dir=tmp_path, dtype=dtype).get(key_of(9))
         expected = kv.keys if dtype is None else kv.keys.to(dtype).float()
         assert torch.equal(got.keys, expected)
+
+
+def _rewrite_header(path, edit) -> None:
+    """Rewrite a safetensors file's JSON header through `edit(header) -> header`."""
+    import json
+    import struct
+
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = edit(json.loads(data[8:8 + length]))
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+
+
+def test_hostile_headers_in_the_store_folder_are_listed_or_skipped_never_a_crash(tmp_path):
+    import struct
+
+    store = ModuleStore(disk_dir=tmp_path)
+    store.put(key_of(1), make_kv(1))
+    store.put(key_of(2), make_kv(2))
+    deep = tmp_path / f"{key_of(3)}.put.safetensors"          # a JSON bomb of nesting
+    deep.write_bytes(struct.pack("<Q", 400_000) + b"[" * 200_000 + b"]" * 200_000)
+    os.chmod(deep, 0o600)
+
+    def no_rows(header):
+        header["positions"]["shape"] = []
+        return header
+
+    def deep_meta(header):
+        header["__metadata__"]["meta"] = "[" * 100_000 + "]" * 100_000
+        return header
+
+    _rewrite_header(file_of(tmp_path, key_of(1)), no_rows)
+    _rewrite_header(file_of(tmp_path, key_of(2)), deep_meta)
+    listed = {item["key"]: item for item in list_disk_entries(tmp_path)}
+    assert set(listed) == {key_of(1), key_of(2)}              # the untagged bomb is not ours
+    assert all(item["error"] for item in listed.values())       # listed as unreadable
+    assert clear_disk(tmp_path) == 2
+    assert deep.exists()                                       # not ours: left alone
