@@ -75,11 +75,12 @@ def read_src(src: str, base_dir: str | None, fail: Callable[[str], NoReturn],
         size = os.stat(target).st_size
     except OSError:
         size = 0                            # read_bytes reports the problem, located
-    if size > budget.left:
+    if budget.left < size <= budget.cap:        # over the cap alone: read_bytes says so
         fail(f"src file {src!r} ({size} bytes) passes the cap of {budget.cap} bytes on all "
              f"the schema's src= files together ({budget.used} bytes read before it; set "
              "PROMPTLANG_MAX_INPUT_BYTES to change it)")
-    data = read_bytes(target, max_bytes=budget.left, error=SourceFileError, span=span)
+    data = read_bytes(target, max_bytes=budget.cap if size > budget.cap else budget.left,
+                      error=SourceFileError, span=span)
     budget.used += len(data)
     text = _newlines(decode_utf8(data, shown, error=SourceFileError))
     return text, span_in(text, 0, shown)
