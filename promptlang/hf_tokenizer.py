@@ -65,6 +65,7 @@ class HFTokenizer:
         self._eos_ids = _unique(([own_eos] if own_eos is not None else []) + list(eos_ids))
         self._prefix_ids = _added_prefix(tokenizer)
         self._fingerprint: str | None = None
+        self._max_token_chars: int | None | bool = False     # False: not computed yet
         self._affixes: dict[str, tuple[str, str]] | None = None
         self._affix_ids: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._affix_source = ""
@@ -118,6 +119,18 @@ class HFTokenizer:
     @property
     def max_positions(self) -> int | None:
         return self._max_positions
+
+    @property
+    def max_token_chars(self) -> int | None:
+        """The longest vocabulary entry (added tokens included) in characters, times 4
+        under NFC/NFKC normalisation (a composed character stands for at most 4), for a
+        fast BPE tokenizer whose normaliser and pre-tokenizer drop no characters and
+        whose unknown characters are never fused into one token; None otherwise.
+        Byte-level vocabularies write one character per byte, and a character is at
+        least one byte, so an entry's length bounds the characters it covers."""
+        if self._max_token_chars is False:
+            self._max_token_chars = _max_token_chars(self.tokenizer)
+        return self._max_token_chars  # type: ignore[return-value]
 
     @property
     def placeholder_id(self) -> int:
@@ -379,6 +392,77 @@ def _cut_inside(text: str, tokens: Iterable[str]) -> list[str]:
             at = text.find(token, at + 1)
     bounds = [0, *sorted(cuts), len(text)]
     return [text[a:b] for a, b in zip(bounds, bounds[1:]) if a < b]
+
+
+# Normalisers that never drop a character (NFD/NFKD/Lowercase only expand), and those
+# that shrink text by at most a factor: canonical composition puts at most 4 code
+# points (a canonical decomposition's longest) into one character.
+_KEEPING_NORMALIZERS = {"NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1,
+                        "NFC": 4, "NFKC": 4}
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation",
+                           "UnicodeScripts", "Split"}
+
+
+def _normalizer_shrink(spec: Any) -> int | None:
+    """How many characters of text one normalised character may stand for; None when
+    the normaliser may drop characters (Strip, StripAccents, BERT's cleaning ...)."""
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in spec.get("normalizers", ()):
+            step = _normalizer_shrink(part)
+            if step is None:
+                return None
+            factor *= step
+        return factor
+    if kind == "Replace":
+        pattern, content = spec.get("pattern", {}), spec.get("content", "")
+        literal = pattern.get("String") if isinstance(pattern, dict) else None
+        if isinstance(literal, str) and literal and isinstance(content, str) and content:
+            return max(1, -(-len(literal) // len(content)))
+        return None
+    return _KEEPING_NORMALIZERS.get(kind)
+
+
+def _pre_tokenizer_keeps(spec: Any) -> bool:
+    """Whether the pre-tokenizer keeps every character (Whitespace, WhitespaceSplit and
+    BERT's drop spaces; a Split may remove its matches)."""
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_pre_tokenizer_keeps(p) for p in spec.get("pretokenizers", ()))
+    if kind == "Split" and str(spec.get("behavior", "")).lower() == "removed":
+        return False
+    return kind in _KEEPING_PRE_TOKENIZERS
+
+
+def _max_token_chars(tokenizer: Any) -> int | None:
+    """See `HFTokenizer.max_token_chars`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None                     # a slow tokenizer: no definition to reason about
+    try:
+        definition = json.loads(backend.to_str())
+    except (TypeError, ValueError):
+        return None
+    model = definition.get("model") or {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        return None                     # WordPiece/WordLevel/Unigram: an unk covers a word
+    if model.get("dropout"):
+        return None
+    if model.get("unk_token") is not None and model.get("fuse_unk") \
+            and not model.get("byte_fallback"):
+        return None                     # a run of unknown characters becomes one token
+    shrink = _normalizer_shrink(definition.get("normalizer"))
+    if shrink is None or not _pre_tokenizer_keeps(definition.get("pre_tokenizer")):
+        return None
+    longest = max((len(entry) for entry in model["vocab"]), default=0)
+    for added in definition.get("added_tokens") or ():
+        longest = max(longest, len(str(added.get("content", ""))))
+    return max(1, longest) * shrink
 
 
 def _added_prefix(tokenizer: Any) -> tuple[int, ...]:

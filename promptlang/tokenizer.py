@@ -32,6 +32,14 @@ class Tokenizer(Protocol):
         """The model's context length in positions, when known."""
 
     @property
+    def max_token_chars(self) -> int | None:
+        """An upper bound on the characters of text one token of `encode` covers (the
+        longest vocabulary entry's length, times what normalisation may shrink text by),
+        or None where there is none. A text of n characters then needs at least
+        ceil(n / max_token_chars) tokens (`min_token_count`): the layout and the binder
+        refuse text that cannot fit before they tokenize it."""
+
+    @property
     def placeholder_id(self) -> int:
         """Filler token encoded in parameter slots that have no `scaffold=` text."""
 
@@ -61,6 +69,18 @@ class Tokenizer(Protocol):
     def role_affix_ids(self, role: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Token ids of `role_affixes(role)`, special-token strings recognised: the only
         text whose tokens may be control ids."""
+
+
+def min_token_count(tokenizer: Tokenizer, text: str) -> int:
+    """A cheap lower bound on `len(tokenizer.encode(text))`: ceil(len(text) /
+    max_token_chars), or 1 for non-empty text when the tokenizer gives no bound (or
+    predates `max_token_chars`)."""
+    if not text:
+        return 0
+    chars = getattr(tokenizer, "max_token_chars", None)
+    if not isinstance(chars, int) or isinstance(chars, bool) or chars < 1:
+        return 1
+    return -(-len(text) // chars)
 
 
 class WordTokenizer:
@@ -96,6 +116,10 @@ class WordTokenizer:
     @property
     def max_positions(self) -> int | None:
         return self._max_positions
+
+    @property
+    def max_token_chars(self) -> int | None:
+        return None                     # a word (with its leading spaces) may be any length
 
     @property
     def placeholder_id(self) -> int:

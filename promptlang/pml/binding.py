@@ -24,7 +24,7 @@ from promptlang.errors import (ArgumentTooLongError, ContextLengthError, Missing
 from promptlang.pml import nodes
 from promptlang.pml.layout import (ModuleLayout, ModulePath, SchemaLayout, Segment,
                                    module_unit_id, role_segment, scaffold_unit_id)
-from promptlang.tokenizer import Tokenizer
+from promptlang.tokenizer import Tokenizer, min_token_count
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,12 @@ class _Binder:
                 raise UnknownParameterError(
                     f"module {ref.name!r} has no parameter {arg.name!r} (parameters: {known})",
                     arg.span)
+            least = min_token_count(self.tok, arg.value)
+            if least > slot.length:             # cannot fit: fail before tokenizing
+                raise ArgumentTooLongError(
+                    f"argument for parameter {arg.name!r} is at least {least} tokens long; "
+                    f"the parameter allows {slot.length}", arg.span,
+                    parameter=arg.name, bound=slot.length, count=least)
             ids = tuple(self.tok.encode(arg.value))
             if len(ids) > slot.length:
                 raise ArgumentTooLongError(

@@ -17,7 +17,9 @@ Size is checked before it is built: a first pass sums what the parameters reserv
 (no tokenizing, no allocation) and fails at the parameter that passes the model's
 context, or `nodes.MAX_POSITIONS` in all (the same bound stands in for the context
 when the tokenizer does not know it); the walk checks each slot again before filling
-it, and slots without `scaffold=` text share one filler tuple per length.
+it, and slots without `scaffold=` text share one filler tuple per length. Text (a
+`src=` document included) is bounded before it is tokenized: a run whose fewest
+possible tokens (`min_token_count`) already pass the limit fails without encoding.
 
 `lay_out` is pure and memoised per (schema, tokenizer fingerprint).
 """
@@ -29,7 +31,7 @@ from typing import Literal, Mapping
 
 from promptlang.errors import ContextLengthError, SchemaError, Span
 from promptlang.pml import nodes
-from promptlang.tokenizer import Tokenizer
+from promptlang.tokenizer import Tokenizer, min_token_count
 
 ModulePath = tuple[str, ...]          # () is the schema root (its anonymous text)
 # prefix: the tokenizer's BOS; text/role: schema text and chat-role affixes; param:
@@ -171,8 +173,11 @@ class _Walker:
         self.modules: dict[ModulePath, ModuleLayout] = {}
         self.unions: list[UnionLayout] = []
         self.scaffolds: dict[str, tuple[ModulePath, ...]] = {}
+        self.schema_name = ""
+        self.first_over: Span | None = None     # the first segment's past the limit
 
     def run(self, schema: nodes.Schema) -> SchemaLayout:
+        self.schema_name = schema.name
         prefix = tuple(self.tok.prefix_ids)
         self._check_reservation(schema, len(prefix))
         own = [Segment(prefix, 0, "prefix", text=self.tok.decode(prefix))] if prefix else []
@@ -203,7 +208,13 @@ class _Walker:
             run.clear()
             if not text:
                 return pos
+            least = pos + min_token_count(self.tok, text)
+            if least > self.limit:               # cannot fit: fail before tokenizing
+                raise ContextLengthError(
+                    f"schema {self.schema_name!r} needs at least {least} positions; "
+                    f"{self.limit_text}", self.first_over or span[0])
             ids = tuple(self.tok.encode(text))
+            self._note_over(pos + len(ids), span[0])
             own.append(Segment(ids, pos, "text", text=text, span=span[0]))
             return pos + len(ids)
 
@@ -217,6 +228,7 @@ class _Walker:
             elif isinstance(child, (nodes.RoleOpen, nodes.RoleClose)):
                 pos = flush(pos)
                 segment = role_segment(self.tok, child, pos)
+                self._note_over(segment.end, segment.span)
                 own.append(segment)
                 pos = segment.end
             elif isinstance(child, nodes.Param):
@@ -284,12 +296,22 @@ class _Walker:
             if filler is None:
                 filler = self.fillers[param.length] = (self.tok.placeholder_id,) * param.length
             return filler
+        least = min_token_count(self.tok, param.scaffold)
+        if least > param.length:                # cannot fit: fail before tokenizing
+            raise SchemaError(
+                f"the scaffold text of parameter {param.name!r} has at least {least} "
+                f"tokens; the parameter reserves {param.length}", param.span)
         ids = self.tok.encode(param.scaffold)
         if len(ids) > param.length:
             raise SchemaError(
                 f"the scaffold text of parameter {param.name!r} has {len(ids)} tokens; "
                 f"the parameter reserves {param.length}", param.span)
         return tuple(ids) + (self.tok.placeholder_id,) * (param.length - len(ids))
+
+    def _note_over(self, end: int, span: Span | None) -> None:
+        """Remember the first segment (walk order) that ends past the limit."""
+        if end > self.limit and self.first_over is None and span is not None:
+            self.first_over = span
 
     def _check_reservation(self, schema: nodes.Schema, start: int) -> None:
         """Fail at the first parameter whose slot passes the limit, counting parameter

@@ -27,7 +27,7 @@ from promptlang.errors import (PMLSyntaxError, PromptLangError, SchemaError, Sou
 from promptlang.pml import nodes
 from promptlang.pml.lexer import (MAX_WARNINGS, NAME, WS, Attr, Chars, CommentToken, End,
                                   Lexer, Locator, Tag, is_name, run_text, strip_formatting)
-from promptlang.pml.source import read_pml, read_src
+from promptlang.pml.source import SrcBudget, read_pml, read_src
 
 __all__ = ["parse", "parse_schema", "parse_prompt", "parse_file", "read_pml",
            "strip_formatting", "is_name", "MAX_DEPTH", "MAX_NUMBER_DIGITS", "MAX_WARNINGS",
@@ -54,6 +54,7 @@ class _Parser:
         self.span, self.line_of, self.fail = where.span, where.line_of, where.fail
         self.lexer = Lexer(where)
         self.depth = 0
+        self.src_budget: SrcBudget | None = None    # made at the first src= (reads the cap)
 
     # -- document ----------------------------------------------------------------------------
 
@@ -148,10 +149,12 @@ class _Parser:
         span = self.span(tag.offset)
         if "src" in attrs:
             src = attrs["src"]
+            if self.src_budget is None:
+                self.src_budget = SrcBudget()
             text, text_span = read_src(
                 src.value, self.base_dir,
                 lambda message: self.fail(message, src.value_offset, SourceFileError),
-                self.span(src.value_offset))
+                self.span(src.value_offset), self.src_budget)
             if not tag.self_closing:
                 self.expect_empty(tag, f"module '{name}' takes its text from src={src.value!r} "
                                        "and can have no content of its own", SchemaError)

@@ -52,6 +52,9 @@ class ByteBPE:
         self._eos = tok.token_to_id(EOS_TEXT)
         byte_char = _bytes_to_unicode()
         self.byte_ids = [tok.token_to_id(byte_char[b]) for b in range(256)]
+        # byte-level vocabulary: one character per byte, so an entry's length bounds
+        # the characters of text it covers
+        self.max_token_chars = max(len(entry) for entry in tok.get_vocab())
 
     fingerprint = "test-byte-bpe"
     max_positions = None
