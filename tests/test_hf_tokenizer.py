@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from promptlang.errors import ModelError, RoleError
-from promptlang.hf_tokenizer import (PLAIN_AFFIXES, HFTokenizer, derive_role_affixes,
-                                     load_tokenizer)
+from promptlang.chat_template import PLAIN_AFFIXES, derive_role_affixes
+from promptlang.hf_tokenizer import HFTokenizer, load_tokenizer
 from promptlang.tokenizer import Tokenizer
 
 LLAMA2_TEMPLATE = (
