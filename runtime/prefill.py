@@ -74,8 +74,10 @@ def extend(adapter: ModelAdapter, buffer: KVBuffer, token_ids: Sequence[int],
     if not after_past:
         group_ids = None if groups is None else torch.tensor(list(groups), device=device)
         allowed = visibility(buffer.positions[:buffer.length], pos, group_ids)
+    # without groups, a mask over increasing positions is the positional rule itself
+    by_position = allowed is not None and groups is None and bool((pos[1:] > pos[:-1]).all())
     rows = torch.arange(q, device=device) if all_logits else torch.tensor([q - 1], device=device)
-    step = adapter.forward(ids, pos, buffer.past(), allowed, rows)
+    step = adapter.forward(ids, pos, buffer.past(), allowed, rows, by_position=by_position)
     buffer.append(ids, pos)
     return step.logits
 

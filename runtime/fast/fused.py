@@ -111,12 +111,14 @@ class FusedDecoder:
         return cls(hf_model, layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pieces: list[Piece],
-                new_keys: torch.Tensor, new_values: torch.Tensor,
-                rows: torch.Tensor) -> torch.Tensor | None:
+                new_keys: torch.Tensor, new_values: torch.Tensor, rows: torch.Tensor,
+                key_positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [R, V] of `rows` after running the Q new tokens (input_ids, positions: [Q])
         over the past `pieces` and causally over themselves; their keys/values are written to
-        new_keys/new_values ([L, H_kv, Q, D] views into the buffer). None (nothing written)
-        where pl_decoder does not apply."""
+        new_keys/new_values ([L, H_kv, Q, D] views into the buffer). key_positions ([S], the
+        pieces' keys in order; positions then increasing): each token sees only the past keys
+        at positions <= its own (recomputed tokens); None: every past key. None (nothing
+        written) where pl_decoder does not apply."""
         q = int(input_ids.shape[0])
         if (not _switch or not 0 < q <= MAX_TOKENS or len(pieces) >= native.MAX_SEGMENTS
                 or not native.enabled() or not native.available() or self._hooked()
@@ -136,7 +138,7 @@ class FusedDecoder:
         if cos.shape != (q, self.head_dim):
             return None                   # partial rotary: not this kernel's layout
         native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
-                       new_values)
+                       new_values, key_positions, None if key_positions is None else positions)
         return self.lm_head(self.norm(x[rows]))
 
     def _weights(self) -> ctypes.Array | None:

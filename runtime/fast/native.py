@@ -236,7 +236,7 @@ def _bind(library: Path) -> ctypes.CDLL:
                                   _L, _P, _P, ctypes.c_int]
         lib.pl_attend.restype = ctypes.c_int
         lib.pl_decoder.argtypes = [_P, _L, _P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _L,
-                                   _P, _P, _P, _P, _P, _P, _P, _L, _P, _L, ctypes.c_int]
+                                   _P, _P, _P, _P, _P, _P, _P, _L, _P, _L, _P, _P, ctypes.c_int]
         lib.pl_decoder.restype = ctypes.c_int
     except AttributeError as exc:                 # "...: undefined symbol: pl_attend"
         raise _Unavailable(f"{library} lacks a kernel ({exc})") from None
@@ -332,7 +332,9 @@ _HALF_KINDS = {torch.bfloat16: 1, torch.float16: 2}     # kernels.c's HALF_BF16,
 
 
 def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torch.Tensor,
-            sin: torch.Tensor, pieces, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
+            sin: torch.Tensor, pieces, new_keys: torch.Tensor, new_values: torch.Tensor,
+            key_positions: torch.Tensor | None = None,
+            query_positions: torch.Tensor | None = None) -> None:
     """Every decoder layer of a Llama-family model over x ([Q, hidden], replaced by the last
     layer's output) by pl_decoder; see fast/fused.py, which checks what it passes.
 
@@ -340,6 +342,9 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     ctypes pointers [layers][16] in kernels.c's order; cos, sin: [Q, D]; pieces: (keys,
     values) pairs of past slots, [L, H_kv, n, D] each, float32, bfloat16 or float16;
     new_keys/new_values: [L, H_kv, Q, D] float32, where the new tokens' keys/values go.
+    key_positions ([S] int64, the pieces' keys in order) and query_positions ([Q] int64,
+    increasing): token t then sees a past key only at a position <= its own; None: every
+    past key is visible to every token.
     """
     layers, nseg = shape[5], len(pieces)
     if nseg + 1 > MAX_SEGMENTS:
@@ -357,9 +362,18 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     lens = (ctypes.c_long * max(nseg, 1))(*[p[0].shape[2] for p in pieces])
     half = (ctypes.c_int * max(nseg, 1))(*[_HALF_KINDS.get(p[0].dtype, 0) for p in pieces])
     newk, newv = per_layer([new_keys]), per_layer([new_values])
+    kpos = qpos = None
+    if key_positions is not None:
+        if (key_positions.dtype != torch.int64 or query_positions is None
+                or query_positions.dtype != torch.int64
+                or key_positions.shape[0] != sum(p[0].shape[2] for p in pieces)
+                or query_positions.shape[0] != x.shape[0]):
+            raise ValueError("pl_decoder needs int64 positions of every past key and new token")
+        key_positions, query_positions = key_positions.contiguous(), query_positions.contiguous()
+        kpos, qpos = key_positions.data_ptr(), query_positions.data_ptr()
     status = (_lib or _load()).pl_decoder(
         x.data_ptr(), x.shape[0], shape, eps, scale, weights, cos.data_ptr(), sin.data_ptr(),
         nseg, keys, kstride, values, vstride, lens, half, newk, new_keys.stride(1), newv,
-        new_values.stride(1), torch.get_num_threads())
+        new_values.stride(1), kpos, qpos, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"pl_decoder failed ({status})")

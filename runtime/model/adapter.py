@@ -25,11 +25,18 @@ import torch
 
 from promptlang.errors import ModelError
 from promptlang.runtime.fast import FastPaths, accelerate
+from promptlang.runtime.fast.fused import MAX_TOKENS
+from promptlang.runtime.fast.native import MAX_SEGMENTS
 from promptlang.runtime.fast.pieces import past_pieces
 from promptlang.runtime.model.families import FAMILIES, Family
 from promptlang.runtime.model.fingerprint import model_fingerprint
 from promptlang.runtime.model.internals import BufferLayer, buffer_cache
 from promptlang.runtime.model.state import model_state
+
+
+# A pass under the positional rule of up to this many new tokens takes the fused layers (in
+# runs of MAX_TOKENS); longer ones (deviation:F over thousands of tokens) take the masked GEMMs.
+FUSED_BY_POSITION_MAX = 256
 
 
 class SharedKV(NamedTuple):
@@ -140,7 +147,8 @@ class ModelAdapter:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, past: Past | None,
-                allowed: torch.Tensor | None, logits_rows: torch.Tensor | None = None) -> Step:
+                allowed: torch.Tensor | None, logits_rows: torch.Tensor | None = None, *,
+                by_position: bool = False) -> Step:
         """Run Q new tokens against `past`.
 
         input_ids, positions: [Q] int64.
@@ -148,6 +156,9 @@ class ModelAdapter:
             then the new tokens in input order); None means causal in input order with
             every past key visible.
         logits_rows: [R] indices into the Q new tokens whose logits are wanted (None: none).
+        by_position: the caller promises that `allowed` is the positional rule -- positions
+            increase, and a token sees the past keys at positions <= its own and the new
+            tokens before it -- so the fused layers may serve it without a mask.
         """
         q = int(input_ids.shape[0])
         if past is None:
@@ -181,6 +192,11 @@ class ModelAdapter:
                     logits = decoder.forward(
                         input_ids, positions, past_pieces(past.keys, past.values, past.shared, s),
                         past.keys[:, :, s:s + q], past.values[:, :, s:s + q], rows)
+                    if logits is not None:
+                        return Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
+                if (by_position and in_place and decoder is not None
+                        and self.sliding_window is None and q <= FUSED_BY_POSITION_MAX):
+                    logits = _fused_by_position(decoder, input_ids, positions, past, rows)
                     if logits is not None:
                         return Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
                 past = _widened(past)
@@ -242,6 +258,34 @@ class ModelAdapter:
         if getattr(self.config, "use_sliding_window", True) is False:
             return None
         return int(window) if window else None
+
+
+def _fused_by_position(decoder, input_ids, positions, past: Past, rows) -> torch.Tensor | None:
+    """Logits of `rows` for Q new tokens under the positional rule (a recompute pass), by the
+    fused layers in runs of at most their MAX_TOKENS, each run attending to the past and the
+    runs before it (exact: positions increase). None, with nothing written, where the fused
+    layers do not serve the first run."""
+    # input_ids, positions: [Q]; past.keys: [L, H_kv, C, D] with room for the Q new tokens
+    q, s = int(input_ids.shape[0]), int(past.positions.shape[0])
+    size = MAX_TOKENS
+    if len(past.shared) + 2 >= MAX_SEGMENTS:       # a later run may add one piece
+        return None
+    order = torch.argsort(rows)                    # rows are served in input order
+    rows_sorted = rows[order]
+    logits = []
+    for start in range(0, q, size):
+        end, at = min(q, start + size), s + start
+        mine = rows_sorted[(rows_sorted >= start) & (rows_sorted < end)] - start
+        out = decoder.forward(input_ids[start:end], positions[start:end],
+                              past_pieces(past.keys, past.values, past.shared, at),
+                              past.keys[:, :, at:s + end], past.values[:, :, at:s + end], mine,
+                              key_positions=torch.cat([past.positions, positions[:start]]))
+        if out is None:
+            if start == 0:
+                return None
+            raise RuntimeError("the fused layers stopped serving a recompute pass half-way")
+        logits.append(out)
+    return torch.cat(logits)[torch.argsort(order)]
 
 
 def _widened(past: Past) -> Past:

@@ -3,7 +3,9 @@
 `choose_positions` is the one entry point the engine calls; the engine turns its answer
 into a RecomputePlan (plan.py).
 
-- first:K -- the first K cached tokens of every unit but the root (`first_tokens`).
+- first:K -- the first K cached tokens of every unit that missed something (`first_tokens`;
+  EPIC's LegoLink, which skips the first module: tokens that saw all they would see in a
+  full prefill are exact already, and recomputing them changes nothing).
 - deviation:F -- the ceil(F x candidates) candidates whose layer-1 KV differs most from a
   full prefill's (deviation.py).
 """
@@ -16,7 +18,7 @@ from typing import Callable, Sequence
 from promptlang.pml.binding import BoundPrompt
 from promptlang.runtime.kv import UnitKV
 from promptlang.runtime.model import ModelAdapter
-from promptlang.runtime.recompute.deviation import deviations
+from promptlang.runtime.recompute.deviation import candidates, deviations
 from promptlang.runtime.recompute.policy import Recompute
 
 
@@ -25,7 +27,7 @@ def choose_positions(adapter: ModelAdapter, bound: BoundPrompt, units: dict[str,
     """Positions of the cached tokens `policy` recomputes for `bound`. `units`: the KV of
     each of bound.units; `context_of(unit id)`: the units it was encoded against."""
     if policy.kind == "first":
-        return first_tokens(bound, int(policy.amount))
+        return first_tokens(bound, int(policy.amount), context_of)
     if policy.kind == "deviation":
         scores = deviations(adapter, bound, units, context_of)
         count = math.ceil(policy.amount * len(scores))
@@ -34,15 +36,11 @@ def choose_positions(adapter: ModelAdapter, bound: BoundPrompt, units: dict[str,
     return []
 
 
-def first_tokens(bound: BoundPrompt, k: int) -> list[int]:
-    """Positions of the first `k` cached tokens of every unit of `bound` but the root
-    (EPIC-style recompute at module seams: each module's first tokens otherwise act as
-    spurious attention sinks)."""
-    positions = []
-    for unit in bound.units:
-        if not bound.layout.units[unit].modules[0]:
-            continue                                   # the root: nothing precedes it
-        tokens = [seg.start + i for seg in bound.layout.units[unit].segments
-                  if seg.kind != "param" for i in range(len(seg.token_ids))]
-        positions += sorted(tokens)[:k]
-    return positions
+def first_tokens(bound: BoundPrompt, k: int,
+                 context_of: Callable[[str], Sequence[str]]) -> list[int]:
+    """Positions of the first `k` candidates of every unit of `bound` (deviation.candidates:
+    its cached tokens whose encoding missed a request token before them), position order.
+    EPIC-style recompute at module seams: a module's first tokens otherwise act as spurious
+    attention sinks. A unit that missed nothing (the first module after the schema's text,
+    a module whose optional siblings before it are all absent) recomputes nothing."""
+    return sorted(p for found in candidates(bound, context_of).values() for p in found[:k])

@@ -6,8 +6,9 @@ its location in `Schema.recompute_span`; `schema_policy` reads it here, so a mal
 one is an error located at the attribute). What each policy chooses: choose.py.
 
   none            serve every cached token as stored
-  first:K         the first K cached tokens of every non-root unit (EPIC, arXiv 2410.15332:
-                  a module's first tokens otherwise become spurious attention sinks)
+  first:K         the first K cached tokens of every unit that missed a request token
+                  before it (EPIC's LegoLink, arXiv 2410.15332: a module's first tokens
+                  otherwise become spurious attention sinks; exact tokens are skipped)
   deviation:F     the fraction F (0 < F <= 1) of the non-root units' cached tokens whose
                   layer-1 keys and values differ most from a pass over the whole request
                   (in the spirit of CacheBlend, arXiv 2405.16444); `F%` also works

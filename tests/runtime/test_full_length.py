@@ -236,3 +236,38 @@ def test_full_length_bound_catches_one_hidden_key_block(long_run):
                                       expected.token_ids[~cached], new_positions, allowed,
                                       torch.arange(int(new_positions.shape[0])), past)
     assert (hidden - expected.logits).abs().max() > 20 * LOGITS_TOL
+
+
+RECOMPUTE = "first:16"
+
+
+@pytest.fixture(scope="module")
+def recompute_run(long_run) -> tuple[OracleResult, frozenset]:
+    """The oracle for the prompt under first:16 (doc-b's first 16 tokens and the schema's
+    closing text computed again; doc-a missed nothing), computed once."""
+    llm = long_run.llm
+    with two_threads():
+        positions = llm.prefill(PROMPT, recompute=RECOMPUTE).recompute.positions
+        expected = oracle_prefill(llm.adapter, llm.bind(PROMPT), recomputed=positions)
+    return expected, positions
+
+
+def test_full_length_recompute_pass_matches_the_unmodified_model(long_run, recompute_run,
+                                                                 kernels, monkeypatch):
+    """Recomputed tokens see only the past before them: the fused layers serve that pass
+    by positions (no mask), split over two threads, and still equal the oracle."""
+    expected, positions = recompute_run
+    calls = KernelCalls(monkeypatch)
+    llm = long_run.llm
+    llm.assembler = Assembler(llm.adapter)
+    with two_threads():
+        got = llm.prefill(PROMPT, recompute=RECOMPUTE)
+    assert got.recompute.positions == positions and 16 < len(positions) < 64
+    if kernels == "fused":                         # one positional pass over the whole past
+        assert [threads for _, threads in calls.calls["decoder"]] == [THREADS]
+        assert calls.calls["decoder"][0][0] >= int(expected.cached.sum()) > 40 * BLOCK
+    keys, values = aligned(got, expected)
+    assert (got.logits - expected.logits).abs().max() < LOGITS_TOL
+    assert (keys - expected.keys).abs().max() < KV_TOL
+    assert (values - expected.values).abs().max() < KV_TOL
+    assert torch.equal(got.logits.argmax(-1), expected.logits.argmax(-1))

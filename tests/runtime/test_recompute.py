@@ -141,25 +141,40 @@ def test_recomputing_every_token_that_missed_something_gives_the_full_prefill(mo
 
 # --- selection ------------------------------------------------------------------------------
 
-def test_first_k_takes_the_first_tokens_of_every_module_but_the_root(models, tmp_path):
-    llm = make_llm(models["llama"], tmp_path)
-    bound = llm.bind(PROMPTS["nested modules"])
-    result = llm.prefill(PROMPTS["nested modules"], recompute="first:2")
-    assert sorted(result.recompute.positions) == sorted(first_tokens(bound, 2))
-    non_root = [u for u in bound.units if bound.layout.units[u].modules[0]]
-    assert len(result.recompute) == 2 * len(non_root)
+@pytest.mark.parametrize("isolate", [False, True], ids=["guaranteed", "isolate"])
+def test_first_k_takes_the_first_k_tokens_of_every_unit_that_missed_something(models, tmp_path,
+                                                                              isolate):
+    """LegoLink: the first module after the schema's text saw everything a full prefill
+    shows it, so first:K skips it (under isolate it missed the system text: not skipped)."""
+    llm = make_llm(models["llama"], tmp_path, isolate=isolate)
+    for case in ("two modules with a gap", "nested modules", "union"):
+        bound = llm.bind(PROMPTS[case])
+        context = lambda u: llm.encoder.context_of(bound.layout.units[u])   # noqa: E731
+        found = recompute.candidates(bound, context)
+        result = llm.prefill(PROMPTS[case], recompute="first:2")
+        assert sorted(result.recompute.positions) == first_tokens(bound, 2, context)
+        assert sorted(result.recompute.positions) == sorted(
+            p for positions in found.values() for p in positions[:2])
+        assert len(result.recompute) == sum(min(2, len(ps)) for ps in found.values()) > 0
+        if case == "two modules with a gap":        # <a/><last/>: a is exact unless isolated
+            assert ("module:a" in found) == isolate
+            assert ("module:last" in found) and len(found["module:last"]) > 2
 
 
 def test_a_plan_moves_the_chosen_cached_tokens_to_the_uncached_ones():
     tok = WordTokenizer(VOCAB, bos=True)
     layout = lay_out(parse_schema(SCHEMA), tok)
     bound = bind(parse_prompt(PROMPTS["union"]), layout, tok)
-    chosen = first_tokens(bound, 2)
+    chosen = first_tokens(bound, 2, lambda u: layout.units[u].context)
     plan_at, paris, b = (layout.modules[path].start for path in
                          [("plan",), ("plan", "paris"), ("b",)])
-    assert sorted(chosen) == sorted([plan_at, plan_at + 1, paris, paris + 1, b, b + 1])
+    tail = max(p for _, p, origin in bound.sequence() if origin == "module:")
+    # b comes first in the schema: it saw all a full prefill shows it, and is left alone;
+    # plan missed b, paris missed b and the argument, the schema's closing text missed all
+    assert b < plan_at
+    assert chosen == [plan_at, plan_at + 1, paris, paris + 1, tail]
     plan = RecomputePlan.of(bound, chosen)
-    assert plan.positions == frozenset(chosen) and len(plan) == 6
+    assert plan.positions == frozenset(chosen) and len(plan) == 5
     uncached = plan.uncached(bound)
     assert [s.start for s in uncached] == sorted(s.start for s in uncached)
     moved = [(s.start, s.token_ids) for s in uncached if s.kind == "recompute"]
@@ -224,12 +239,17 @@ def test_request_policy_overrides_schema_default_which_overrides_the_llms(models
     llm = LLM.from_model(models["llama"], WordTokenizer(VOCAB, bos=True), store=store,
                          recompute="first:1")
     llm.add_schema(SCHEMA)
-    prompt = PROMPTS["two modules with a gap"]
-    assert llm.generate(prompt, max_new_tokens=1).recomputed_tokens == 2     # the LLM's
+    prompt = PROMPTS["two modules with a gap"]     # <a/><last/>: last and the tail missed a
+    missed = [len(found) for found in recompute.candidates(
+        llm.bind(prompt), lambda u: llm.bind(prompt).layout.units[u].context).values()]
+    first = lambda k: sum(min(k, n) for n in missed)          # noqa: E731  first:k's count
+    assert len(missed) == 2 and first(1) == 2 and first(3) > first(2)
+    assert llm.generate(prompt, max_new_tokens=1).recomputed_tokens == first(1)   # the LLM's
     assert llm.generate(prompt, max_new_tokens=1, recompute="none").recomputed_tokens == 0
     llm.add_schema(SCHEMA.replace('<schema name="s">', '<schema name="s" recompute="first:3">'))
-    assert llm.generate(prompt, max_new_tokens=1).recomputed_tokens == 6     # the schema's
-    assert llm.generate(prompt, max_new_tokens=1, recompute="first:2").recomputed_tokens == 4
+    assert llm.generate(prompt, max_new_tokens=1).recomputed_tokens == first(3)   # the schema's
+    assert llm.generate(prompt, max_new_tokens=1,
+                        recompute="first:2").recomputed_tokens == first(2)
     assert llm.generate(prompt, max_new_tokens=1, baseline=True).recomputed_tokens == 0
 
 
