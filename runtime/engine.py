@@ -164,7 +164,7 @@ class LLM:
         options: the fields of SamplingParams (max_new_tokens=256, temperature=0.0,
         top_p=1.0, top_k=0, seed=None, stop=(), stop_token_ids=(), draft=0), applied on
         top of `sampling` when given. recompute: a policy ("none", "first:K",
-        "deviation:F" or a Recompute; see docs/RECOMPUTE.md); None: the schema's
+        "deviation:F", "exact" or a Recompute; docs/RECOMPUTE.md); None: the schema's
         `recompute` attribute, else the LLM's."""
         started = time.perf_counter()
         params = options_to_params(sampling, **options)

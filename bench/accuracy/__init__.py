@@ -16,10 +16,11 @@ greedily under every setting, each document a module of its own:
   cached         the default rule, guaranteed context: a document attends to itself and
                  the schema text before it, never to the other documents
   cached+SPEC    the same cached documents, with the recompute policy SPEC applied per
-                 request (runtime/recompute.py): "first:K" recomputes the first K cached
-                 tokens of every non-root unit (EPIC), "deviation:F" the fraction F of the
-                 candidate tokens whose layer-1 KV deviates most from a full pass (in the
-                 spirit of CacheBlend)
+                 request (runtime/recompute/): "first:K" recomputes the first K cached
+                 tokens of every unit that missed something (EPIC's LegoLink),
+                 "deviation:F" the fraction F of those candidate tokens whose layer-1 KV
+                 deviates most from a full pass (in the spirit of CacheBlend), "exact"
+                 every candidate (the full prefill's answer)
   cached-bf16    cached, from a bfloat16 store (half the KV bytes; read in place by the fused
                  layers of Llama-family models, else widened to float32 when a request
                  assembles them): what the 16-bit store costs in answers

@@ -32,7 +32,7 @@ def register(subparsers: Any) -> None:
     run.add_argument("--isolate", action="store_true",
                      help="each module attends only to itself (the paper's rule)")
     run.add_argument("--recompute", metavar="POLICY", default=None,
-                     help="cached tokens to compute again: none, first:K or deviation:F "
+                     help="cached tokens to compute again: none, first:K, deviation:F or exact "
                           "(default: the schema's recompute attribute, else none; "
                           "see docs/RECOMPUTE.md)")
     run.add_argument("--temperature", type=float, default=0.0, metavar="T",

@@ -1,6 +1,6 @@
 """Selective recompute (docs/RECOMPUTE.md): cached tokens a request computes again.
 
-policy.py   the policy as text ("none", "first:K", "deviation:F") -> `Recompute`,
+policy.py   the policy as text ("none", "first:K", "deviation:F", "exact") -> `Recompute`,
             and a schema's `recompute` attribute read with its location
 choose.py   a policy -> the positions it recomputes for one request (`choose_positions`)
 deviation.py  the deviation policy's measure: one pass stopped after layer 1

@@ -8,6 +8,7 @@ into a RecomputePlan (plan.py).
   full prefill are exact already, and recomputing them changes nothing).
 - deviation:F -- the ceil(F x candidates) candidates whose layer-1 KV differs most from a
   full prefill's (deviation.py).
+- exact -- every candidate: what the full prefill computes, without deviation's pass.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def choose_positions(adapter: ModelAdapter, bound: BoundPrompt, units: dict[str,
     each of bound.units; `context_of(unit id)`: the units it was encoded against."""
     if policy.kind == "first":
         return first_tokens(bound, int(policy.amount), context_of)
+    if policy.kind == "exact":
+        return sorted(p for found in candidates(bound, context_of).values() for p in found)
     if policy.kind == "deviation":
         scores = deviations(adapter, bound, units, context_of)
         count = math.ceil(policy.amount * len(scores))

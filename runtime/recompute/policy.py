@@ -1,4 +1,4 @@
-"""Recompute policies as text: "none", "first:K", "deviation:F" -> a `Recompute`.
+"""Recompute policies as text: "none", "first:K", "deviation:F", "exact" -> a `Recompute`.
 
 A policy is written wherever one is given: a request's `recompute=`, `load(recompute=)`,
 or a schema's `recompute` attribute (PML keeps that attribute's text as written and
@@ -12,6 +12,8 @@ one is an error located at the attribute). What each policy chooses: choose.py.
   deviation:F     the fraction F (0 < F <= 1) of the non-root units' cached tokens whose
                   layer-1 keys and values differ most from a pass over the whole request
                   (in the spirit of CacheBlend, arXiv 2405.16444); `F%` also works
+  exact           every cached token that missed a request token before it: the request
+                  then equals the full prefill (the cost of one, less the exact prefix)
 
 Pure: no torch.
 """
@@ -24,8 +26,8 @@ from typing import Literal
 
 from promptlang.errors import PromptLangError, Span
 
-Kind = Literal["none", "first", "deviation"]
-KINDS = ("none", "first", "deviation")
+Kind = Literal["none", "first", "deviation", "exact"]
+KINDS = ("none", "first", "deviation", "exact")
 MAX_SPEC_CHARS = 64         # longer policy text is refused before it is read
 MAX_TOKENS_DIGITS = 9       # digits of K in first:K (int() of them stays cheap)
 
@@ -55,9 +57,12 @@ class Recompute:
                                      f"policy is at most {MAX_SPEC_CHARS}", span)
         if spec in ("none", "off", "0", ""):
             return cls()
+        if spec == "exact":
+            return cls("exact", 1)
         kind, _, amount = spec.partition(":")
-        expected = "expected none, first:K (K tokens per module) or deviation:F (0 < F <= 1)"
-        if kind not in KINDS or not amount:
+        expected = ("expected none, first:K (K tokens per module), deviation:F (0 < F <= 1) "
+                    "or exact")
+        if kind not in ("first", "deviation") or not amount:
             raise fail(expected)
         if kind == "first":
             digits = amount.lstrip("0")
@@ -83,6 +88,8 @@ class Recompute:
             return "none"
         if self.kind == "first":
             return f"first:{int(self.amount)}"
+        if self.kind == "exact":
+            return "exact"
         return f"deviation:{self.amount:g}"
 
 

@@ -53,7 +53,8 @@ def assert_matches_oracle(llm: LLM, prompt: str, isolate: bool, **options):
 @pytest.mark.parametrize("text, parsed", [
     ("none", Recompute()), ("first:8", Recompute("first", 8)), ("first:0", Recompute()),
     ("deviation:0.15", Recompute("deviation", 0.15)), ("deviation:15%", Recompute("deviation", 0.15)),
-    (" Deviation:1 ", Recompute("deviation", 1.0)),
+    (" Deviation:1 ", Recompute("deviation", 1.0)), ("exact", Recompute("exact", 1)),
+    (" Exact", Recompute("exact", 1)),
 ])
 def test_policies_parse_and_print_back(text, parsed):
     assert Recompute.parse(text) == parsed
@@ -61,7 +62,7 @@ def test_policies_parse_and_print_back(text, parsed):
 
 
 @pytest.mark.parametrize("text", ["first", "first:-1", "first:2.5", "deviation:2", "deviation:x",
-                                  "blend:0.1", "deviation:nan"])
+                                  "blend:0.1", "deviation:nan", "exact:1", "exact:"])
 def test_malformed_policies_are_rejected_with_what_is_expected(text):
     with pytest.raises(RecomputeSpecError, match="recompute policy"):
         Recompute.parse(text)
@@ -94,7 +95,7 @@ CASES = ["two modules with a gap", "nested modules", "union", "shorter argument"
          "cache false", "no uncached tokens"]
 
 
-@pytest.mark.parametrize("policy", ["first:2", "deviation:0.3", "deviation:1"])
+@pytest.mark.parametrize("policy", ["first:2", "deviation:0.3", "deviation:1", "exact"])
 @pytest.mark.parametrize("isolate", [False, True], ids=["guaranteed", "isolate"])
 @pytest.mark.parametrize("kind", ARCHITECTURES)
 def test_recomputed_prefill_equals_one_masked_pass(models, tmp_path, kind, isolate, policy):
@@ -135,6 +136,10 @@ def test_recomputing_every_token_that_missed_something_gives_the_full_prefill(mo
     cached = llm.prefill(prompt, recompute="deviation:1")
     assert cached.recompute.positions
     assert (cached.logits[-1] - full.logits[-1]).abs().max() < TOL
+    exact = llm.prefill(prompt, recompute="exact")             # the same, without the pass
+    assert exact.recompute.positions == cached.recompute.positions
+    assert exact.timings.select < cached.timings.select
+    assert (exact.logits[-1] - full.logits[-1]).abs().max() < TOL
     none = llm.prefill(prompt, recompute="none")
     assert (none.logits[-1] - full.logits[-1]).abs().max() > 1e-3   # the test can fail
 
