@@ -32,8 +32,8 @@ from promptlang.runtime.assembler import Assembler, KVBuffer, request_keys
 from promptlang.runtime.encoder import EncodeStats, UnitEncoder
 from promptlang.runtime.decode import Decoder
 from promptlang.runtime.model import ModelAdapter, adapt
-from promptlang.runtime.recompute import (NO_RECOMPUTE, Recompute, RecomputePlan,
-                                          choose_positions, schema_policy)
+from promptlang.runtime.recompute import (NO_RECOMPUTE, Recompute, RecomputePlan, candidates,
+                                          choose_positions, exact, schema_policy)
 from promptlang.runtime.prefill import baseline_prefill, prefill, take_last, uncached_tokens
 from promptlang.runtime.results import Opened, Prefilled, Result, Timings
 from promptlang.runtime.sampling import Decoding, SamplingParams, options_to_params
@@ -68,7 +68,7 @@ class LLM:
     decode_room = 1024     # generated tokens a request buffer holds before it grows
 
     def __init__(self, adapter: ModelAdapter, tokenizer, store=None, *, isolate: bool = False,
-                 recompute: "str | Recompute" = "none"):
+                 recompute: "str | Recompute" = "none", exact_reuse: bool = True):
         if store is None:
             from promptlang.runtime.store import ModuleStore
             store = ModuleStore(device=adapter.device)
@@ -77,6 +77,7 @@ class LLM:
         self.store = store
         self.isolate = isolate
         self.recompute = _policy(recompute)      # used when neither request nor schema says
+        self.exact_reuse = exact_reuse           # keep and serve exact units (recompute/exact.py)
         self.encoder = UnitEncoder(adapter, store, tokenizer.fingerprint, isolate=isolate)
         self.assembler = Assembler(adapter)
         self._schemas: dict[str, tuple[nodes.Schema, SchemaLayout | None]] = {}
@@ -84,9 +85,11 @@ class LLM:
 
     @classmethod
     def from_model(cls, hf_model: torch.nn.Module, tokenizer, *, store=None,
-                   isolate: bool = False, recompute: "str | Recompute" = "none") -> "LLM":
+                   isolate: bool = False, recompute: "str | Recompute" = "none",
+                   exact_reuse: bool = True) -> "LLM":
         """Wrap an already loaded transformers causal LM (e.g. a tiny test model)."""
-        return cls(adapt(hf_model), tokenizer, store, isolate=isolate, recompute=recompute)
+        return cls(adapt(hf_model), tokenizer, store, isolate=isolate, recompute=recompute,
+                   exact_reuse=exact_reuse)
 
     @property
     def max_positions(self) -> int | None:
@@ -191,7 +194,7 @@ class LLM:
             return Prefilled(logits.clone(), buffer.keys[:, :, :n].clone(),
                              buffer.values[:, :, :n].clone(), buffer.positions[:n].clone(),
                              buffer.token_ids[:n].clone(), opened.cached_tokens,
-                             opened.timings, opened.bound, opened.recompute)
+                             opened.timings, opened.bound, opened.recompute, opened.exact)
         finally:
             self.assembler.release(buffer)
 
@@ -247,14 +250,20 @@ class LLM:
                  if kv.length]
         t.retrieve, t.encode = time.perf_counter() - mark, stats.seconds
 
+        mark = time.perf_counter()
+        keys = {unit_id: self.encoder.key(bound.layout, unit_id) for unit_id in by_unit}
+        context_of = lambda unit_id: self.encoder.context_of(bound.layout.units[unit_id])  # noqa: E731
+        missed = list(candidates(bound, context_of)) if self.exact_reuse else []
+        served = exact.lookup(self.store, bound, keys, missed)     # seen before: exact
+        if served:
+            units = [(served[u][0], served[u][1]) if u in served else (keys[u], kv)
+                     for u, kv in by_unit.items() if kv.length]
+            context_of = exact.context_with(context_of, bound, list(served))
         plan = NO_RECOMPUTE
         if policy:
-            mark = time.perf_counter()
-            chosen = choose_positions(
-                self.adapter, bound, by_unit, policy,
-                lambda unit_id: self.encoder.context_of(bound.layout.units[unit_id]))
+            chosen = choose_positions(self.adapter, bound, by_unit, policy, context_of)
             plan = RecomputePlan.of(bound, chosen)
-            t.select = time.perf_counter() - mark
+        t.select = time.perf_counter() - mark
 
         mark = time.perf_counter()
         ids, positions = uncached_tokens(plan.uncached(bound))
@@ -273,8 +282,11 @@ class LLM:
             mark = time.perf_counter()
             logits = prefill(self.adapter, buffer, ids, positions, all_logits)
             t.prefill = time.perf_counter() - mark
+            if policy.kind == "exact" and self.exact_reuse:   # every candidate now exact
+                exact.remember(self.store, bound, buffer, keys,
+                               [u for u in missed if u not in served], bound.layout.schema.name)
         return Opened(buffer, logits[-1], bound.end, bound, t, len(ids), cached_length,
-                      len(plan), started, plan), logits
+                      len(plan), started, plan, tuple(served)), logits
 
     @contextlib.contextmanager
     def _released_on_error(self, buffer: KVBuffer):
@@ -307,7 +319,7 @@ class LLM:
         t.total = time.perf_counter() - opened.started
         text, token_ids, reason = decoding.result()
         return Result(text, token_ids, reason, t, opened.prefill_tokens, opened.cached_tokens,
-                      opened.recomputed_tokens)
+                      opened.recomputed_tokens, len(opened.exact))
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -373,14 +385,17 @@ def _read_prompt(source) -> nodes.PromptDoc:
 
 def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
          dtype: torch.dtype = torch.float32, isolate: bool = False, store=None,
-         store_dtype: torch.dtype | None = None, recompute: "str | Recompute" = "none") -> LLM:
+         store_dtype: torch.dtype | None = None, recompute: "str | Recompute" = "none",
+         exact_reuse: bool = True) -> LLM:
     """Load a causal LM (None: the embedded default, SmolLM2-135M-Instruct) ready to serve.
 
     store_dtype (e.g. torch.bfloat16): keep cached KV at that precision (half the bytes).
     With the fused layers (Llama-family models on a CPU with the kernels) long units are
     read in place at that precision; otherwise they go back to `dtype` when copied into a
     request's buffer. Ignored if `store` is given. recompute: the default recompute policy
-    of requests whose schema names none (docs/RECOMPUTE.md)."""
+    of requests whose schema names none (docs/RECOMPUTE.md). exact_reuse: keep the units
+    an `exact` request makes exact and serve them to later requests with the same tokens
+    before them (docs/RECOMPUTE.md, "Exact reuse")."""
     from promptlang.runtime.loading import load_hf_model
     hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)
     adapter = adapt(hf_model)
@@ -388,4 +403,5 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
         from promptlang.runtime.store import ModuleStore
         # get() hands out the stored tensors as they are: no per-request conversion copy
         store = ModuleStore(device=adapter.device, dtype=store_dtype, compute_dtype=store_dtype)
-    return LLM(adapter, tokenizer, store, isolate=isolate, recompute=recompute)
+    return LLM(adapter, tokenizer, store, isolate=isolate, recompute=recompute,
+               exact_reuse=exact_reuse)

@@ -55,6 +55,7 @@ class Result:
     prefill_tokens: int          # tokens computed by the prefill pass
     cached_tokens: int           # tokens served from cached units
     recomputed_tokens: int = 0   # cached tokens computed again (the recompute policy)
+    exact_units: int = 0         # units served from exact entries (recompute/exact.py)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Opened:
     recomputed_tokens: int = 0
     started: float = 0.0         # time.perf_counter() when the request was made
     recompute: RecomputePlan = NO_RECOMPUTE   # the cached tokens computed again
+    exact: tuple[str, ...] = ()  # units served from exact entries (recompute/exact.py)
 
 
 @dataclass
@@ -89,6 +91,11 @@ class Prefilled:
     timings: Timings
     bound: BoundPrompt | None = None   # what was bound
     recompute: RecomputePlan = NO_RECOMPUTE   # the cached tokens computed again
+    exact: tuple[str, ...] = ()  # units served from exact entries (recompute/exact.py)
+
+    @property
+    def exact_units(self) -> int:
+        return len(self.exact)
 
 
 @dataclass(frozen=True)

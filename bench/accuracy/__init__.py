@@ -103,6 +103,8 @@ from promptlang.bench.accuracy.answer import (_rule_llms, _requests, gold_ids, _
 from promptlang.bench.accuracy.run import make_items, run_accuracy, _Quiet
 from promptlang.bench.accuracy.scores import (score, PER_ITEM, item_values, compare, Recovery,
                                               recovery, recompute_settings, recovery_goal)
-from promptlang.bench.accuracy.cost import cost_item, measure_cost
+from promptlang.bench.accuracy.seams import (SEAM_NAME, SEAM_NATS, SEAM_POINTS, SEAM_SPEEDUP,
+                                             seam_goals)
+from promptlang.bench.accuracy.cost import EXACT_REUSE, cost_item, measure_cost
 from promptlang.bench.accuracy.tables import (accuracy_table, recovery_table, paired_table,
                                               cost_table, store16_effect, sections, plot, to_json)

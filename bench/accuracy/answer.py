@@ -24,10 +24,12 @@ def _rule_llms(llm, budget: int) -> dict:
     from promptlang.runtime.store import ModuleStore
 
     device = llm.adapter.device
+    # exact_reuse off: the settings share a store, and each is measured as it is alone
+    # (an `exact` request's units would otherwise serve the other settings exactly)
     return {rule: LLM(llm.adapter, llm.tokenizer,
                       ModuleStore(device, budget, disk_budget_bytes=0, dtype=dtype,
                                   compute_dtype=dtype),       # as load(store_dtype=...) does
-                      isolate=isolate)
+                      isolate=isolate, exact_reuse=False)
             for rule, isolate, dtype in (("context", False, None), ("isolate", True, None),
                                          ("context16", False, torch.bfloat16))}
 

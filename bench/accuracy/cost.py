@@ -16,6 +16,26 @@ from promptlang.bench.accuracy.results import (AccuracyOptions, COST_STORE_BUDGE
 from promptlang.bench.accuracy.answer import _requests, _rule_llms
 
 
+EXACT_SETTING = "cached+exact"
+EXACT_REUSE = "cached+exact, seen before"   # the same request again, exact reuse on
+
+
+def _exact_reuse(llm, request, repeats: int) -> CostPoint:
+    """The exact request once more on an LLM with exact reuse (the settings' own have it
+    off): the first request stores its exact units, the timed repeats are served them."""
+    from promptlang.runtime.engine import LLM
+
+    this, prompt, schema, _, spec = request
+    # the settings' store: every timed request of the section has run by now
+    reuse = LLM(this.adapter, this.tokenizer, this.store, isolate=this.isolate)
+    results = [reuse.generate(prompt, schema=schema, max_new_tokens=1, recompute=spec)
+               for _ in range(1 + repeats)][1:]
+    if any(r.exact_units == 0 for r in results):
+        raise AssertionError("a repeated exact request was not served its exact units")
+    return CostPoint(EXACT_REUSE, [r.timings.first_token for r in results],
+                     results[-1].recomputed_tokens)
+
+
 def cost_item(llm, options: AccuracyOptions, target: int):
     """(item, schema, prompt, tokens): one dependent item whose prompt has about
     `target` tokens in `options.cost_docs` documents (two tries at the word count)."""
@@ -80,6 +100,8 @@ def measure_cost(llm, options: AccuracyOptions, names: Sequence[str] | None = No
                                     results[-1].recomputed_tokens,
                                     statistics.median(getattr(r.timings, "select", 0.0)
                                                       for r in results)))
+        if EXACT_SETTING in timed:
+            points.append(_exact_reuse(llm, requests[EXACT_SETTING], options.cost_repeats))
         cached_tokens = timed["cached"][-1].cached_tokens if "cached" in timed else 0
     return CostReport(tokens, cached_tokens, max(2, options.cost_docs), baseline, points,
                       options.cost_tokens, note, time.perf_counter() - started)

@@ -16,6 +16,7 @@ from promptlang.bench.accuracy.results import (AccuracyOptions, AccuracyReport, 
                                                STORE_BUDGET)
 from promptlang.bench.accuracy.answer import _answer, _rule_llms
 from promptlang.bench.accuracy.scores import compare, recovery_goal, score
+from promptlang.bench.accuracy.seams import seam_goals
 from promptlang.bench.accuracy.cost import measure_cost
 
 
@@ -60,7 +61,7 @@ def run_accuracy(llm, options: AccuracyOptions = AccuracyOptions(), *, model_nam
     report.scores = score(results, options.kinds, names)
     report.comparisons = compare(results, options.kinds, names, resamples=options.resamples,
                                  seed=options.bootstrap_seed)
-    report.goals = [recovery_goal(report)]
+    report.goals = [recovery_goal(report), *seam_goals(report)]
     report.workers = max(1, min(workers, len(items)))
     return report
 

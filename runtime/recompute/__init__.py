@@ -6,17 +6,20 @@ choose.py   a policy -> the positions it recomputes for one request (`choose_pos
 deviation.py  the deviation policy's measure: one pass stopped after layer 1
 plan.py     those positions -> a `RecomputePlan`: the request's extra uncached segments,
             and the stored copies the assembler leaves out
+exact.py    exact reuse: units an `exact` request made exact, stored under the request's
+            tokens before them and served as they are to any request with the same ones
 
-Data flow (runtime/engine.py): request policy, else `schema_policy(schema)`, else the
-LLM's -> choose_positions -> RecomputePlan.of(bound, positions) -> plan.uncached(bound)
-for the prefill, the plan for the assembler.
+Data flow (runtime/engine.py): exact.lookup (units seen before with the same tokens before
+them, served exactly); request policy, else `schema_policy(schema)`, else the LLM's ->
+choose_positions -> RecomputePlan.of(bound, positions) -> plan.uncached(bound) for the
+prefill, the plan for the assembler; after an `exact` request, exact.remember.
 """
 
 from __future__ import annotations
 
 __all__ = ["Recompute", "RecomputeSpecError", "schema_policy", "choose_positions",
            "first_tokens", "candidates", "deviations", "layer_kv", "DEVIATION_LAYER",
-           "RecomputePlan", "NO_RECOMPUTE"]
+           "RecomputePlan", "NO_RECOMPUTE", "exact"]
 
 # imported on first use: the policy's text parsing (CLI arguments) needs no torch
 _HOME = {"Recompute": "policy", "RecomputeSpecError": "policy", "schema_policy": "policy",

@@ -29,15 +29,17 @@ def candidates(bound: BoundPrompt, context_of: Callable[[str], Sequence[str]]
                ) -> dict[str, list[int]]:
     """Per served unit, the positions of its cached tokens whose encoding missed a request
     token at a lower position (see the module docstring)."""
-    sequence = bound.sequence()
+    by_origin: dict[str, list[int]] = {}             # one pass: each origin's positions
+    for _, p, origin in bound.sequence():
+        by_origin.setdefault(origin, []).append(p)
     found = {}
     for unit in bound.units:
         seen = {unit, *context_of(unit)}
-        missed = [p for _, p, origin in sequence if origin not in seen]
+        missed = [positions[0] for origin, positions in by_origin.items() if origin not in seen]
         if not missed:
             continue
         first_missed = min(missed)
-        mine = [p for _, p, origin in sequence if origin == unit and p > first_missed]
+        mine = [p for p in by_origin.get(unit, ()) if p > first_missed]
         if mine:
             found[unit] = mine
     return found

@@ -1,0 +1,110 @@
+"""Exact reuse: a unit served as the full prefill computes it, where its request was seen before.
+
+A unit's stored KV was encoded without the optional modules, arguments and new text that a
+request puts before it (its *candidates* missed them: deviation.py). A request under the
+`exact` policy recomputes every candidate, so afterwards each such unit's KV in the request's
+buffer is exactly what one full prefill of that request computes. That KV depends on nothing
+but the unit's own tokens and the request's other tokens before the unit's last position, so
+it is stored under a key made of both (`exact_key`): prefix caching at module granularity.
+Any later request -- whatever its policy -- whose tokens before that unit are the same, serves
+the unit from that entry: it has no candidates left and costs what a cached unit costs.
+Only new combinations of modules pay the approximation (or the recompute).
+
+Flow (runtime/engine.py): `lookup` before choosing what to recompute (the units it finds are
+treated as having seen every request token: `context_with`), the assembler serves their
+entries instead of the units' own KV, and after an `exact` request's prefill `remember`
+stores the units it made exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Callable, Sequence
+
+import torch
+
+from promptlang.pml.binding import BoundPrompt
+from promptlang.runtime.kv import UnitKV
+
+EXACT_VERSION = "promptlang-exact-v1"
+
+
+def exact_key(unit_key: str, sequence: Sequence[tuple[int, int, str]], unit_id: str) -> str | None:
+    """The store key of `unit_id`'s exact KV in a request with `sequence` (BoundPrompt.sequence():
+    (token id, position, origin), position order): a digest of the unit's own key and every
+    other token (id and position) of the request below the unit's last position. None for a
+    unit with no token in the request."""
+    mine = [p for _, p, origin in sequence if origin == unit_id]
+    if not mine:
+        return None
+    last = max(mine)
+    others = array("q")
+    for token, position, origin in sequence:
+        if position >= last:
+            break
+        if origin != unit_id:
+            others.extend((token, position))
+    h = hashlib.sha256()
+    h.update(EXACT_VERSION.encode() + b"\0" + unit_key.encode() + b"\0")
+    h.update(others.tobytes())
+    return h.hexdigest()
+
+
+def lookup(store, bound: BoundPrompt, keys: dict[str, str],
+           missed: Sequence[str]) -> dict[str, tuple[str, UnitKV]]:
+    """The units of `missed` (ids with candidates) whose exact entry `store` holds, as
+    unit id -> (entry key, KV). `keys`: each unit's own store key."""
+    if not missed:
+        return {}
+    sequence = bound.sequence()
+    found = {}
+    for unit_id in missed:
+        key = exact_key(keys[unit_id], sequence, unit_id)
+        kv = None if key is None or not store.contains(key) else store.get(key)
+        if kv is not None:
+            found[unit_id] = (key, kv)
+    return found
+
+
+def context_with(context_of: Callable[[str], Sequence[str]], bound: BoundPrompt,
+                 exact: Sequence[str]) -> Callable[[str], Sequence[str]]:
+    """`context_of`, except that a unit served exactly saw every token of the request before
+    it (so it has no candidates)."""
+    if not exact:
+        return context_of
+    everything = (*bound.units, "uncached")
+    served = frozenset(exact)
+    return lambda unit_id: everything if unit_id in served else context_of(unit_id)
+
+
+@torch.inference_mode()
+def remember(store, bound: BoundPrompt, buffer, keys: dict[str, str], units: Sequence[str],
+             schema: str) -> int:
+    """Store the exact KV of `units` (made exact by an `exact` request) from the request's
+    `buffer` after its prefill; returns how many entries were written."""
+    if not units:
+        return 0
+    sequence = bound.sequence()
+    n = buffer.length
+    slots_by_position = torch.argsort(buffer.positions[:n])
+    sorted_positions = buffer.positions[:n][slots_by_position]
+    keys_all, values_all = buffer.keys, buffer.values        # shared runs copied in first
+    written = 0
+    for unit_id in units:
+        key = exact_key(keys[unit_id], sequence, unit_id)
+        if key is None or store.contains(key):
+            continue
+        positions = torch.tensor([p for _, p, origin in sequence if origin == unit_id],
+                                 dtype=torch.int64, device=buffer.positions.device)
+        at = torch.searchsorted(sorted_positions, positions)
+        slots = slots_by_position[at]
+        if not torch.equal(buffer.positions[slots], positions):
+            raise RuntimeError(f"unit {unit_id!r} is not in the request's buffer")
+        # keys_all: [L, H_kv, C, D]
+        kv = UnitKV(keys_all[:, :, slots].clone(), values_all[:, :, slots].clone(), positions,
+                    buffer.token_ids[slots].clone(), torch.zeros_like(positions, dtype=torch.bool))
+        store.put(key, kv, {"unit": unit_id, "schema": schema, "tokens": str(len(positions)),
+                            "rule": "exact"})
+        written += 1
+    return written

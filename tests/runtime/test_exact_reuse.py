@@ -1,0 +1,122 @@
+"""Exact reuse (runtime/recompute/exact.py): a unit an `exact` request made exact is served
+exactly to every later request with the same tokens before it, and to no other.
+
+The property: a request whose units are all served from exact entries (or exact anyway)
+equals one causal pass of the model over its tokens at their positions; a request mixing
+exact entries with approximate units equals DESIGN.md's oracle in which the exact units'
+tokens attend to every request token before them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from promptlang.runtime.engine import LLM
+from promptlang.runtime.recompute import exact
+from promptlang.runtime.store import ModuleStore
+from promptlang.tokenizer import WordTokenizer
+
+from .oracle import oracle_prefill
+from .test_oracle import PROMPTS, SCHEMA, TOL, VOCAB, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def make(model, path) -> LLM:
+    llm = LLM.from_model(model, WordTokenizer(VOCAB, bos=True),
+                         store=ModuleStore(disk_dir=path / "kv"))
+    llm.add_schema(SCHEMA)
+    return llm
+
+
+def full_pass(llm: LLM, prompt: str) -> torch.Tensor:
+    """The last token's logits of one causal pass over the request at its positions."""
+    sequence = llm.bind(prompt).sequence()
+    step = llm.adapter.forward(torch.tensor([t for t, _, _ in sequence]),
+                               torch.tensor([p for _, p, _ in sequence]), None, None,
+                               torch.tensor([len(sequence) - 1]))
+    return step.logits[-1]
+
+
+def test_a_repeated_request_is_served_exactly_and_recomputes_nothing(model, tmp_path):
+    llm = make(model, tmp_path)
+    prompt = PROMPTS["two modules with a gap"]         # <a/><last/>: last and the tail missed a
+    want = full_pass(llm, prompt)
+    first = llm.prefill(prompt, recompute="exact")
+    assert first.recompute.positions and first.exact_units == 0
+    again = llm.prefill(prompt, recompute="exact")
+    assert again.exact_units == 2 and not again.recompute.positions
+    plain = llm.prefill(prompt, recompute="none")      # any policy reads the entries
+    assert plain.exact_units == 2
+    for got in (first, again, plain):
+        assert (got.logits[-1] - want).abs().max() < TOL
+    cold = make(model, tmp_path)                       # a new process: from the disk tier
+    assert cold.generate(prompt, max_new_tokens=1).exact_units == 2
+    approximate = make(model, tmp_path / "other").prefill(prompt)   # the test can fail
+    assert (approximate.logits[-1] - want).abs().max() > 1e-3
+
+
+def test_an_entry_serves_only_requests_with_the_same_tokens_before_it(model, tmp_path):
+    llm = make(model, tmp_path)
+    llm.prefill('<prompt schema="s"><a/><last/>Question?</user></prompt>', recompute="exact")
+    # the text after the units differs: both units (last, the schema's tail) are hits
+    assert llm.prefill('<prompt schema="s"><a/><last/>Another one?</user></prompt>'
+                       ).exact_units == 2
+    # another module before `last`: nothing is the same before it
+    assert llm.prefill('<prompt schema="s"><b/><last/>Question?</user></prompt>'
+                       ).exact_units == 0
+    # an argument before a unit is part of what it saw
+    llm.prefill(PROMPTS["union"], recompute="exact")
+    assert llm.prefill(PROMPTS["union"]).exact_units > 0
+    other = PROMPTS["union"].replace('days="three"', 'days="four"')
+    assert llm.prefill(other).exact_units == 0
+
+
+def test_exact_entries_beside_approximate_units_match_the_oracle(model, tmp_path):
+    """b made exact after <a/>, then served to <a/><b/><last/>: b's tokens are as if they
+    attended to every token before them; last is approximate (it missed a and b)."""
+    llm = make(model, tmp_path)
+    llm.prefill('<prompt schema="s"><a/><b/>Go?</user></prompt>', recompute="exact")
+    prompt = '<prompt schema="s"><a/><b/><last/>Go?</user></prompt>'
+    got = llm.prefill(prompt, all_logits=True)
+    assert got.exact_units == 1
+    bound = got.bound
+    b_positions = {p for _, p, origin in bound.sequence() if origin == "module:b"}
+    expected = oracle_prefill(llm.adapter, bound, recomputed=b_positions)
+    order = torch.argsort(got.positions)
+    assert torch.equal(got.positions[order], expected.positions)
+    assert (got.keys[:, :, order] - expected.keys).abs().max() < TOL
+    assert (got.values[:, :, order] - expected.values).abs().max() < TOL
+    assert (got.logits[-1] - expected.logits[-1]).abs().max() < TOL
+    plain = make(model, tmp_path / "other").prefill(prompt, all_logits=True)
+    assert plain.exact_units == 0
+    assert (plain.logits[-1] - expected.logits[-1]).abs().max() > 1e-3   # b matters
+
+
+def test_the_key_covers_every_token_below_the_units_last_position():
+    sequence = [(5, 0, "module:"), (6, 1, "module:a"), (7, 2, "uncached"), (8, 3, "module:a"),
+                (9, 4, "module:b")]
+    key = exact.exact_key("k", sequence, "module:a")
+    assert key == exact.exact_key("k", sequence[:4] + [(1, 4, "module:b")], "module:a")
+    changed = [sequence[0], sequence[1], (70, 2, "uncached"), *sequence[3:]]
+    assert key != exact.exact_key("k", changed, "module:a")        # what it saw changed
+    assert key != exact.exact_key("other", sequence, "module:a")   # the unit itself changed
+    assert exact.exact_key("k", sequence, "module:c") is None
+
+
+def test_exact_reuse_off_keeps_and_serves_nothing(model, tmp_path):
+    """What the benchmarks use to measure each setting apart from the others."""
+    llm = LLM.from_model(model, WordTokenizer(VOCAB, bos=True),
+                         store=ModuleStore(disk_dir=tmp_path / "kv"), exact_reuse=False)
+    llm.add_schema(SCHEMA)
+    prompt = PROMPTS["two modules with a gap"]
+    want = full_pass(llm, prompt)
+    for _ in range(2):
+        got = llm.prefill(prompt, recompute="exact")
+        assert got.recompute.positions and got.exact_units == 0
+        assert (got.logits[-1] - want).abs().max() < TOL
+    assert make(model, tmp_path).prefill(prompt).exact_units == 0     # nothing was stored
