@@ -29,17 +29,19 @@ def candidates(bound: BoundPrompt, context_of: Callable[[str], Sequence[str]]
                ) -> dict[str, list[int]]:
     """Per served unit, the positions of its cached tokens whose encoding missed a request
     token at a lower position (see the module docstring)."""
-    by_origin: dict[str, list[int]] = {}             # one pass: each origin's positions
-    for _, p, origin in bound.sequence():
-        by_origin.setdefault(origin, []).append(p)
+    by_origin: dict[str, list] = {}         # each origin's segments (runs of positions)
+    for seg, origin in bound.segments():
+        if seg.token_ids:
+            by_origin.setdefault(origin, []).append(seg)
     found = {}
     for unit in bound.units:
         seen = {unit, *context_of(unit)}
-        missed = [positions[0] for origin, positions in by_origin.items() if origin not in seen]
+        missed = [segs[0].start for origin, segs in by_origin.items() if origin not in seen]
         if not missed:
             continue
         first_missed = min(missed)
-        mine = [p for p in by_origin.get(unit, ()) if p > first_missed]
+        mine = [p for seg in by_origin.get(unit, ()) if seg.end > first_missed
+                for p in range(max(seg.start, first_missed + 1), seg.end)]
         if mine:
             found[unit] = mine
     return found

@@ -25,29 +25,30 @@ from typing import Callable, Sequence
 import torch
 
 from promptlang.pml.binding import BoundPrompt
+from promptlang.pml.layout import Segment
 from promptlang.runtime.kv import UnitKV
 
 EXACT_VERSION = "promptlang-exact-v1"
 
 
-def exact_key(unit_key: str, sequence: Sequence[tuple[int, int, str]], unit_id: str) -> str | None:
-    """The store key of `unit_id`'s exact KV in a request with `sequence` (BoundPrompt.sequence():
-    (token id, position, origin), position order): a digest of the unit's own key and every
-    other token (id and position) of the request below the unit's last position. None for a
-    unit with no token in the request."""
-    mine = [p for _, p, origin in sequence if origin == unit_id]
+def exact_key(unit_key: str, segments: Sequence[tuple[Segment, str]], unit_id: str) -> str | None:
+    """The store key of `unit_id`'s exact KV in a request made of `segments`
+    (BoundPrompt.segments(): (segment, origin), position order): a digest of the unit's own
+    key and every other token (id and position) of the request below the unit's last
+    position. None for a unit with no token in the request."""
+    mine = [seg for seg, origin in segments if origin == unit_id and seg.token_ids]
     if not mine:
         return None
-    last = max(mine)
-    others = array("q")
-    for token, position, origin in sequence:
-        if position >= last:
-            break
-        if origin != unit_id:
-            others.extend((token, position))
+    last = max(seg.end for seg in mine) - 1
     h = hashlib.sha256()
     h.update(EXACT_VERSION.encode() + b"\0" + unit_key.encode() + b"\0")
-    h.update(others.tobytes())
+    for seg, origin in segments:
+        if seg.start >= last:
+            break
+        if origin == unit_id or not seg.token_ids:
+            continue
+        ids = seg.token_ids[:last - seg.start]       # consecutive positions from seg.start
+        h.update(array("q", (seg.start, len(ids), *ids)).tobytes())
     return h.hexdigest()
 
 
@@ -57,10 +58,10 @@ def lookup(store, bound: BoundPrompt, keys: dict[str, str],
     unit id -> (entry key, KV). `keys`: each unit's own store key."""
     if not missed:
         return {}
-    sequence = bound.sequence()
+    segments = bound.segments()
     found = {}
     for unit_id in missed:
-        key = exact_key(keys[unit_id], sequence, unit_id)
+        key = exact_key(keys[unit_id], segments, unit_id)
         kv = None if key is None or not store.contains(key) else store.get(key)
         if kv is not None:
             found[unit_id] = (key, kv)
@@ -85,14 +86,14 @@ def remember(store, bound: BoundPrompt, buffer, keys: dict[str, str], units: Seq
     `buffer` after its prefill; returns how many entries were written."""
     if not units:
         return 0
-    sequence = bound.sequence()
+    segments, sequence = bound.segments(), bound.sequence()
     n = buffer.length
     slots_by_position = torch.argsort(buffer.positions[:n])
     sorted_positions = buffer.positions[:n][slots_by_position]
     keys_all, values_all = buffer.keys, buffer.values        # shared runs copied in first
     written = 0
     for unit_id in units:
-        key = exact_key(keys[unit_id], sequence, unit_id)
+        key = exact_key(keys[unit_id], segments, unit_id)
         if key is None or store.contains(key):
             continue
         positions = torch.tensor([p for _, p, origin in sequence if origin == unit_id],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from promptlang.pml.layout import Segment
 from promptlang.runtime.engine import LLM
 from promptlang.runtime.recompute import exact
 from promptlang.runtime.store import ModuleStore
@@ -98,14 +99,24 @@ def test_exact_entries_beside_approximate_units_match_the_oracle(model, tmp_path
 
 
 def test_the_key_covers_every_token_below_the_units_last_position():
-    sequence = [(5, 0, "module:"), (6, 1, "module:a"), (7, 2, "uncached"), (8, 3, "module:a"),
-                (9, 4, "module:b")]
-    key = exact.exact_key("k", sequence, "module:a")
-    assert key == exact.exact_key("k", sequence[:4] + [(1, 4, "module:b")], "module:a")
-    changed = [sequence[0], sequence[1], (70, 2, "uncached"), *sequence[3:]]
-    assert key != exact.exact_key("k", changed, "module:a")        # what it saw changed
-    assert key != exact.exact_key("other", sequence, "module:a")   # the unit itself changed
-    assert exact.exact_key("k", sequence, "module:c") is None
+    def seg(ids, start, origin):
+        return Segment(tuple(ids), start, "text"), origin
+
+    segments = [seg([5], 0, "module:"), seg([6], 1, "module:a"), seg([7], 2, "uncached"),
+                seg([8], 3, "module:a"), seg([9, 10], 4, "module:b")]
+    key = exact.exact_key("k", segments, "module:a")
+    after = segments[:4] + [seg([1, 2], 4, "module:b")]              # tokens after it: same
+    assert key == exact.exact_key("k", after, "module:a")
+    changed = [*segments[:2], seg([70], 2, "uncached"), *segments[3:]]
+    assert key != exact.exact_key("k", changed, "module:a")          # what it saw changed
+    moved = [*segments[:2], seg([7], 2, "module:b"), *segments[3:]]
+    assert key == exact.exact_key("k", moved, "module:a")    # the same tokens, whoever's
+    assert key != exact.exact_key("other", segments, "module:a")     # the unit itself changed
+    assert exact.exact_key("k", segments, "module:c") is None
+    straddle = [seg([5], 0, "module:"), seg([6], 1, "module:a"), seg([7, 8, 9], 2, "uncached"),
+                seg([11], 3, "module:a")]   # not a real layout: only positions < 3 count
+    assert exact.exact_key("k", straddle, "module:a") == exact.exact_key(
+        "k", [*straddle[:2], seg([7], 2, "uncached"), straddle[3]], "module:a")
 
 
 def test_exact_reuse_off_keeps_and_serves_nothing(model, tmp_path):
