@@ -122,7 +122,15 @@ class HFTokenizer:
         least one byte, so an entry's length bounds the characters it covers."""
         if self._max_token_chars is False:
             self._max_token_chars = _max_token_chars(self.tokenizer)
-        return self._max_token_chars  # type: ignore[return-value]
+        return None if self._max_token_chars is None else self._max_token_chars[0]
+
+    @property
+    def vanishing_chars(self) -> frozenset[str]:
+        """Characters the tokenizer drops without a token (a byte-level vocabulary lacking
+        some bytes, and no unknown token): `min_token_count` does not count them. Empty
+        where `max_token_chars` is None."""
+        self.max_token_chars                    # computes both
+        return frozenset() if self._max_token_chars is None else self._max_token_chars[1]
 
     @property
     def placeholder_id(self) -> int:
@@ -302,8 +310,46 @@ def _pre_tokenizer_keeps(spec: Any) -> bool:
     return kind in _KEEPING_PRE_TOKENIZERS
 
 
-def _max_token_chars(tokenizer: Any) -> int | None:
-    """See `HFTokenizer.max_token_chars`."""
+def _byte_symbols() -> dict[int, str]:
+    """The byte-level alphabet: byte -> the character a ByteLevel vocabulary spells it with
+    (printable Latin-1 bytes as themselves, the other 68 as U+0100 on, in byte order)."""
+    keep = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
+    symbols, extra = {}, 0
+    for byte in range(256):
+        if byte in keep:
+            symbols[byte] = chr(byte)
+        else:
+            symbols[byte] = chr(256 + extra)
+            extra += 1
+    return symbols
+
+
+def _byte_level(spec: Any) -> bool:
+    if not spec:
+        return False
+    if spec.get("type") == "Sequence":
+        return any(_byte_level(p) for p in spec.get("pretokenizers", ()))
+    return spec.get("type") == "ByteLevel"
+
+
+def _vanishing(definition: dict, model: dict) -> frozenset[str] | None:
+    """The characters that produce no token at all (None: unknown, any might): with an
+    unknown token or byte fallback, none; a byte-level vocabulary without them drops the
+    bytes it lacks, so the ASCII characters among those vanish (a missing continuation
+    byte would let longer characters vanish too: no bound then)."""
+    if model.get("unk_token") is not None or model.get("byte_fallback"):
+        return frozenset()
+    if not _byte_level(definition.get("pre_tokenizer")):
+        return None                     # any character outside the vocabulary vanishes
+    vocab = model["vocab"]
+    missing = [b for b, symbol in _byte_symbols().items() if symbol not in vocab]
+    if any(0x80 <= b < 0xC0 for b in missing):
+        return None
+    return frozenset(chr(b) for b in missing if b < 0x80)
+
+
+def _max_token_chars(tokenizer: Any) -> tuple[int, frozenset[str]] | None:
+    """See `HFTokenizer.max_token_chars` (with the vanishing characters beside it)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None                     # a slow tokenizer: no definition to reason about
@@ -320,12 +366,14 @@ def _max_token_chars(tokenizer: Any) -> int | None:
             and not model.get("byte_fallback"):
         return None                     # a run of unknown characters becomes one token
     shrink = _normalizer_shrink(definition.get("normalizer"))
-    if shrink is None or not _pre_tokenizer_keeps(definition.get("pre_tokenizer")):
+    vanishing = _vanishing(definition, model)
+    if shrink is None or vanishing is None \
+            or not _pre_tokenizer_keeps(definition.get("pre_tokenizer")):
         return None
     longest = max((len(entry) for entry in model["vocab"]), default=0)
     for added in definition.get("added_tokens") or ():
         longest = max(longest, len(str(added.get("content", ""))))
-    return max(1, longest) * shrink
+    return max(1, longest) * shrink, vanishing
 
 
 def _added_prefix(tokenizer: Any) -> tuple[int, ...]:

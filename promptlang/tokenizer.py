@@ -36,8 +36,9 @@ class Tokenizer(Protocol):
         """An upper bound on the characters of text one token of `encode` covers (the
         longest vocabulary entry's length, times what normalisation may shrink text by),
         or None where there is none. A text of n characters then needs at least
-        ceil(n / max_token_chars) tokens (`min_token_count`): the layout and the binder
-        refuse text that cannot fit before they tokenize it."""
+        ceil(n / max_token_chars) tokens (`min_token_count`; characters in a tokenizer's
+        `vanishing_chars`, dropped without a token, not counted): the layout and the
+        binder refuse text that cannot fit before they tokenize it."""
 
     @property
     def placeholder_id(self) -> int:
@@ -72,15 +73,17 @@ class Tokenizer(Protocol):
 
 
 def min_token_count(tokenizer: Tokenizer, text: str) -> int:
-    """A cheap lower bound on `len(tokenizer.encode(text))`: ceil(len(text) /
-    max_token_chars), or 1 for non-empty text when the tokenizer gives no bound (or
-    predates `max_token_chars`)."""
+    """A cheap lower bound on `len(tokenizer.encode(text))`: ceil(n / max_token_chars)
+    over the n characters of `text` that are not among the tokenizer's
+    `vanishing_chars` (dropped without a token), or 1 for non-empty text when the
+    tokenizer gives no bound (or predates `max_token_chars`)."""
     if not text:
         return 0
     chars = getattr(tokenizer, "max_token_chars", None)
     if not isinstance(chars, int) or isinstance(chars, bool) or chars < 1:
         return 1
-    return -(-len(text) // chars)
+    n = len(text) - sum(text.count(c) for c in getattr(tokenizer, "vanishing_chars", ()))
+    return -(-n // chars)
 
 
 class WordTokenizer:

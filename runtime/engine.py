@@ -246,19 +246,15 @@ class LLM:
         stats = EncodeStats()
         by_unit = {unit_id: self.encoder.get(bound.layout, unit_id, stats)
                    for unit_id in bound.units}
-        units = [(self.encoder.key(bound.layout, unit_id), kv) for unit_id, kv in by_unit.items()
-                 if kv.length]
+        keys = {unit_id: self.encoder.key(bound.layout, unit_id) for unit_id in by_unit}
         t.retrieve, t.encode = time.perf_counter() - mark, stats.seconds
 
         mark = time.perf_counter()
-        keys = {unit_id: self.encoder.key(bound.layout, unit_id) for unit_id in by_unit}
         context_of = lambda unit_id: self.encoder.context_of(bound.layout.units[unit_id])  # noqa: E731
         missed = list(candidates(bound, context_of)) if self.exact_reuse else []
         served = exact.lookup(self.store, bound, keys, missed)     # seen before: exact
-        if served:
-            units = [(served[u][0], served[u][1]) if u in served else (keys[u], kv)
-                     for u, kv in by_unit.items() if kv.length]
-            context_of = exact.context_with(context_of, bound, list(served))
+        units = [served.get(u, (keys[u], kv)) for u, kv in by_unit.items() if kv.length]
+        context_of = exact.context_with(context_of, bound, list(served))
         plan = NO_RECOMPUTE
         if policy:
             chosen = choose_positions(self.adapter, bound, by_unit, policy, context_of)

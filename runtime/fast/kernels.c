@@ -400,30 +400,33 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 }
             }
             long nk8 = (nk + 7) & ~7L;
+            long visr[MAXR];               /* each row's keys [0, visr) hold every one it sees */
             for (long r = 0; r < nr; r++) {
                 float* sr = s + r * BK;
                 long vis = nk;
                 if (causal[g]) {           /* new-token block: row sees keys j <= its token */
                     long t = (r0 + r) % qlen - j0;
                     vis = t + 1 < 0 ? 0 : (t + 1 < nk ? t + 1 : nk);
-                }
-                for (long j = vis; j < nk8; j++) sr[j] = -INFINITY;
-                if (kp) {                  /* keys positioned after the row's token */
-                    long seen = 0;
+                } else if (kp) {           /* keys positioned after the row's token */
+                    long last = 0;
                     for (long j = 0; j < nk; j++) {
                         if (kp[j0 + j] > qp[r]) sr[j] = -INFINITY;
-                        else seen++;
+                        else last = j + 1;
                     }
-                    if (!seen) vis = 0;
+                    vis = last;
                 }
-                if (vis == 0) { for (long j = 0; j < nk8; j++) sr[j] = 0.f; continue; }
+                long vis8 = (vis + 7) & ~7L;
+                visr[r] = vis;
+                for (long j = vis; j < vis8; j++) sr[j] = -INFINITY;
+                for (long j = vis8; j < nk8; j++) sr[j] = 0.f;      /* never weighed */
+                if (vis == 0) continue;
                 __m256 vmx = ninf;
-                for (long j = 0; j < nk8; j += 8) vmx = _mm256_max_ps(vmx, _mm256_load_ps(sr + j));
+                for (long j = 0; j < vis8; j += 8) vmx = _mm256_max_ps(vmx, _mm256_load_ps(sr + j));
                 float mx = hmax(vmx);
                 float mn = mx > m[r] ? mx : m[r];
                 float corr = exp2f(m[r] - mn);
                 __m256 sum = _mm256_setzero_ps(), vm = _mm256_set1_ps(mn);
-                for (long j = 0; j < nk8; j += 8) {
+                for (long j = 0; j < vis8; j += 8) {
                     __m256 e = exp2_neg(_mm256_sub_ps(_mm256_load_ps(sr + j), vm));
                     _mm256_store_ps(sr + j, e);
                     sum = _mm256_add_ps(sum, e);
@@ -437,17 +440,25 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                                          _mm256_mul_ps(vc, _mm256_loadu_ps(acc + r * d + c)));
                 }
             }
+            /* values only up to the last key a tile's rows see (the rest weigh 0) */
             for (long c = 0; c + 32 <= d; c += 32) {
                 long r = 0;
                 for (; r + 3 <= nr; r += 3) {
                     pull(&vahead);
-                    pv_tile(3, s + r * BK, nk, vb + c, d, acc + r * d + c);
+                    long n = visr[r] > visr[r + 1] ? visr[r] : visr[r + 1];
+                    n = visr[r + 2] > n ? visr[r + 2] : n;
+                    if (n) pv_tile(3, s + r * BK, n, vb + c, d, acc + r * d + c);
                 }
-                if (nr - r == 2) pv_tile(2, s + r * BK, nk, vb + c, d, acc + r * d + c);
-                if (nr - r == 1) pv_tile(1, s + r * BK, nk, vb + c, d, acc + r * d + c);
+                if (nr - r == 2) {
+                    long n = visr[r] > visr[r + 1] ? visr[r] : visr[r + 1];
+                    if (n) pv_tile(2, s + r * BK, n, vb + c, d, acc + r * d + c);
+                }
+                if (nr - r == 1 && visr[r])
+                    pv_tile(1, s + r * BK, visr[r], vb + c, d, acc + r * d + c);
             }
             for (long c = d & ~31L; c < d; c += 8)
-                for (long r = 0; r < nr; r++) pv_col8(s + r * BK, nk, vb + c, d, acc + r * d + c);
+                for (long r = 0; r < nr; r++)
+                    if (visr[r]) pv_col8(s + r * BK, visr[r], vb + c, d, acc + r * d + c);
         }
     }
 }

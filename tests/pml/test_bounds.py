@@ -64,7 +64,7 @@ def test_tokenizers_offer_a_bound(default_tokenizer):
                                                       + 1)) == 4
 
 
-_runs = st.lists(st.tuples(st.sampled_from(" \n\t0123456789-=_#*.a"),
+_runs = st.lists(st.tuples(st.sampled_from(" \n\t0123456789-=_#*.a\x04\x06"),
                            st.integers(1, 400)), max_size=8).map(
     lambda parts: "".join(c * n for c, n in parts))
 
@@ -75,7 +75,18 @@ _runs = st.lists(st.tuples(st.sampled_from(" \n\t0123456789-=_#*.a"),
 def test_bound_never_exceeds_the_token_count(text):
     tok = _default()
     count = len(tok.encode(text))
-    assert count >= math.ceil(len(text) / tok.max_token_chars) == min_token_count(tok, text)
+    kept = len(text) - sum(text.count(c) for c in tok.vanishing_chars)
+    assert count >= math.ceil(kept / tok.max_token_chars) == min_token_count(tok, text)
+
+
+def test_characters_the_vocabulary_cannot_spell_are_not_counted(default_tokenizer):
+    """The default vocabulary lacks the byte-level symbols of a few ASCII control
+    characters and has no unknown token: they vanish, and the bound leaves them out."""
+    tok = default_tokenizer
+    assert "\x06" in tok.vanishing_chars and "a" not in tok.vanishing_chars
+    for text in ("\x06", "\x06" * 500, "a\x06b", "\x04\x06\x13" * 99 + "word"):
+        assert len(tok.encode(text)) >= min_token_count(tok, text)
+    assert min_token_count(tok, "\x06" * 500) == 0 == len(tok.encode("\x06" * 500))
 
 
 _TOK = None
