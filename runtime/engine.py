@@ -194,7 +194,8 @@ class LLM:
             return Prefilled(logits.clone(), buffer.keys[:, :, :n].clone(),
                              buffer.values[:, :, :n].clone(), buffer.positions[:n].clone(),
                              buffer.token_ids[:n].clone(), opened.cached_tokens,
-                             opened.timings, opened.bound, opened.recompute, opened.exact)
+                             opened.timings, opened.bound, opened.recompute, opened.exact,
+                             opened.approximate_tokens)
         finally:
             self.assembler.release(buffer)
 
@@ -251,14 +252,16 @@ class LLM:
 
         mark = time.perf_counter()
         context_of = lambda unit_id: self.encoder.context_of(bound.layout.units[unit_id])  # noqa: E731
-        missed = list(candidates(bound, context_of)) if self.exact_reuse else []
-        served = exact.lookup(self.store, bound, keys, missed)     # seen before: exact
+        missed = candidates(bound, context_of)         # unit -> its tokens that missed some
+        served = exact.lookup(self.store, bound, keys, list(missed)) if self.exact_reuse else {}
         units = [served.get(u, (keys[u], kv)) for u, kv in by_unit.items() if kv.length]
         context_of = exact.context_with(context_of, bound, list(served))
         plan = NO_RECOMPUTE
         if policy:
             chosen = choose_positions(self.adapter, bound, by_unit, policy, context_of)
             plan = RecomputePlan.of(bound, chosen)
+        approximate = sum(p not in plan.positions for u, found in missed.items()
+                          if u not in served for p in found)
         t.select = time.perf_counter() - mark
 
         mark = time.perf_counter()
@@ -282,7 +285,7 @@ class LLM:
                 exact.remember(self.store, bound, buffer, keys,
                                [u for u in missed if u not in served], bound.layout.schema.name)
         return Opened(buffer, logits[-1], bound.end, bound, t, len(ids), cached_length,
-                      len(plan), started, plan, tuple(served)), logits
+                      len(plan), started, plan, tuple(served), approximate), logits
 
     @contextlib.contextmanager
     def _released_on_error(self, buffer: KVBuffer):
@@ -315,7 +318,7 @@ class LLM:
         t.total = time.perf_counter() - opened.started
         text, token_ids, reason = decoding.result()
         return Result(text, token_ids, reason, t, opened.prefill_tokens, opened.cached_tokens,
-                      opened.recomputed_tokens, len(opened.exact))
+                      opened.recomputed_tokens, len(opened.exact), opened.approximate_tokens)
 
     # --- helpers ------------------------------------------------------------------------------
 

@@ -56,6 +56,9 @@ class Result:
     cached_tokens: int           # tokens served from cached units
     recomputed_tokens: int = 0   # cached tokens computed again (the recompute policy)
     exact_units: int = 0         # units served from exact entries (recompute/exact.py)
+    # cached tokens served as encoded apart although they missed request tokens before them
+    # (0: the prefill is the full prefill's, up to rounding; docs/RECOMPUTE.md)
+    approximate_tokens: int = 0
 
 
 @dataclass
@@ -75,6 +78,7 @@ class Opened:
     started: float = 0.0         # time.perf_counter() when the request was made
     recompute: RecomputePlan = NO_RECOMPUTE   # the cached tokens computed again
     exact: tuple[str, ...] = ()  # units served from exact entries (recompute/exact.py)
+    approximate_tokens: int = 0  # as Result.approximate_tokens
 
 
 @dataclass
@@ -92,6 +96,7 @@ class Prefilled:
     bound: BoundPrompt | None = None   # what was bound
     recompute: RecomputePlan = NO_RECOMPUTE   # the cached tokens computed again
     exact: tuple[str, ...] = ()  # units served from exact entries (recompute/exact.py)
+    approximate_tokens: int = 0  # as Result.approximate_tokens
 
     @property
     def exact_units(self) -> int:

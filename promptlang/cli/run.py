@@ -74,7 +74,8 @@ def _run(args: argparse.Namespace) -> int:
     mode = "baseline" if args.baseline else ("isolate" if args.isolate else "cached")
     print(f"[{mode}] {len(result.token_ids)} tokens, finish: {result.finish_reason}; "
           f"prefill {result.prefill_tokens} tokens ({result.recomputed_tokens} recomputed), "
-          f"cached {result.cached_tokens}; "
+          f"cached {result.cached_tokens} ({result.exact_units} units exact, "
+          f"{result.approximate_tokens} tokens encoded apart from what precedes them); "
           f"model load {loaded:.1f} s", file=sys.stderr)
     print(f"[{mode}] {result.timings}", file=sys.stderr)
     return 0

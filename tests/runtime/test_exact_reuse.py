@@ -55,10 +55,12 @@ def test_a_repeated_request_is_served_exactly_and_recomputes_nothing(model, tmp_
     assert plain.exact_units == 2
     for got in (first, again, plain):
         assert (got.logits[-1] - want).abs().max() < TOL
+        assert got.approximate_tokens == 0           # nothing served as encoded apart
     cold = make(model, tmp_path)                       # a new process: from the disk tier
     assert cold.generate(prompt, max_new_tokens=1).exact_units == 2
     approximate = make(model, tmp_path / "other").prefill(prompt)   # the test can fail
     assert (approximate.logits[-1] - want).abs().max() > 1e-3
+    assert approximate.approximate_tokens == len(first.recompute.positions) > 0
 
 
 def test_an_entry_serves_only_requests_with_the_same_tokens_before_it(model, tmp_path):

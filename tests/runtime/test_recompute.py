@@ -167,6 +167,10 @@ def test_first_k_takes_the_first_k_tokens_of_every_unit_that_missed_something(mo
         assert sorted(result.recompute.positions) == sorted(
             p for positions in found.values() for p in positions[:2])
         assert len(result.recompute) == sum(min(2, len(ps)) for ps in found.values()) > 0
+        # what is left of the candidates is served as encoded apart, and said so
+        assert result.approximate_tokens == sum(len(ps) for ps in found.values()) \
+            - len(result.recompute)
+        assert llm.prefill(PROMPTS[case], recompute="exact").approximate_tokens == 0
         if case == "two modules with a gap":        # <a/><last/>: a is exact unless isolated
             assert ("module:a" in found) == isolate
             assert ("module:last" in found) and len(found["module:last"]) > 2
