@@ -32,8 +32,9 @@ from promptlang.runtime.assembler import Assembler, KVBuffer, request_keys
 from promptlang.runtime.encoder import EncodeStats, UnitEncoder
 from promptlang.runtime.decode import Decoder
 from promptlang.runtime.model import ModelAdapter, adapt
-from promptlang.runtime.recompute import (NO_RECOMPUTE, Recompute, RecomputePlan, candidates,
-                                          choose_positions, exact, schema_policy)
+from promptlang.runtime.recompute import (DEFAULT_POLICY, NO_RECOMPUTE, Recompute,
+                                          RecomputePlan, candidates, choose_positions, exact,
+                                          schema_policy)
 from promptlang.runtime.prefill import baseline_prefill, prefill, take_last, uncached_tokens
 from promptlang.runtime.results import Opened, Prefilled, Result, Timings
 from promptlang.runtime.sampling import Decoding, SamplingParams, options_to_params
@@ -68,7 +69,7 @@ class LLM:
     decode_room = 1024     # generated tokens a request buffer holds before it grows
 
     def __init__(self, adapter: ModelAdapter, tokenizer, store=None, *, isolate: bool = False,
-                 recompute: "str | Recompute" = "none", exact_reuse: bool = True):
+                 recompute: "str | Recompute" = DEFAULT_POLICY, exact_reuse: bool = True):
         if store is None:
             from promptlang.runtime.store import ModuleStore
             store = ModuleStore(device=adapter.device)
@@ -85,7 +86,7 @@ class LLM:
 
     @classmethod
     def from_model(cls, hf_model: torch.nn.Module, tokenizer, *, store=None,
-                   isolate: bool = False, recompute: "str | Recompute" = "none",
+                   isolate: bool = False, recompute: "str | Recompute" = DEFAULT_POLICY,
                    exact_reuse: bool = True) -> "LLM":
         """Wrap an already loaded transformers causal LM (e.g. a tiny test model)."""
         return cls(adapt(hf_model), tokenizer, store, isolate=isolate, recompute=recompute,
@@ -167,7 +168,7 @@ class LLM:
         options: the fields of SamplingParams (max_new_tokens=256, temperature=0.0,
         top_p=1.0, top_k=0, seed=None, stop=(), stop_token_ids=(), draft=0), applied on
         top of `sampling` when given. recompute: a policy ("none", "first:K",
-        "deviation:F", "exact" or a Recompute; docs/RECOMPUTE.md); None: the schema's
+        "deviation:F", "exact", "seams" or a Recompute; docs/RECOMPUTE.md); None: the schema's
         `recompute` attribute, else the LLM's."""
         started = time.perf_counter()
         params = options_to_params(sampling, **options)
@@ -281,9 +282,10 @@ class LLM:
             mark = time.perf_counter()
             logits = prefill(self.adapter, buffer, ids, positions, all_logits)
             t.prefill = time.perf_counter() - mark
-            if policy.kind == "exact" and self.exact_reuse:   # every candidate now exact
+            if plan and self.exact_reuse:
                 exact.remember(self.store, bound, buffer, keys,
-                               [u for u in missed if u not in served], bound.layout.schema.name)
+                               exact.made_exact(bound, missed, plan.positions, list(served)),
+                               bound.layout.schema.name)
         return Opened(buffer, logits[-1], bound.end, bound, t, len(ids), cached_length,
                       len(plan), started, plan, tuple(served), approximate), logits
 
@@ -384,7 +386,7 @@ def _read_prompt(source) -> nodes.PromptDoc:
 
 def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
          dtype: torch.dtype = torch.float32, isolate: bool = False, store=None,
-         store_dtype: torch.dtype | None = None, recompute: "str | Recompute" = "none",
+         store_dtype: torch.dtype | None = None, recompute: "str | Recompute" = DEFAULT_POLICY,
          exact_reuse: bool = True) -> LLM:
     """Load a causal LM (None: the embedded default, SmolLM2-135M-Instruct) ready to serve.
 
@@ -392,8 +394,8 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     With the fused layers (Llama-family models on a CPU with the kernels) long units are
     read in place at that precision; otherwise they go back to `dtype` when copied into a
     request's buffer. Ignored if `store` is given. recompute: the default recompute policy
-    of requests whose schema names none (docs/RECOMPUTE.md). exact_reuse: keep the units
-    an `exact` request makes exact and serve them to later requests with the same tokens
+    of requests whose schema names none ("seams": exact at module seams; docs/RECOMPUTE.md).
+    exact_reuse: keep the units a request makes exact and serve them to later requests with the same tokens
     before them (docs/RECOMPUTE.md, "Exact reuse")."""
     from promptlang.runtime.loading import load_hf_model
     hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)

@@ -108,8 +108,10 @@ class Opening:
     """What opening a session cost: the prompt's cached and computed tokens."""
 
     cached_tokens: int           # served from cached modules
-    prefill_tokens: int          # computed (the prompt's uncached tokens)
+    prefill_tokens: int          # computed (the prompt's uncached and recomputed tokens)
     timings: Timings             # bind, retrieve, encode, assemble, prefill, total
+    recomputed_tokens: int = 0   # cached tokens computed again (the recompute policy)
+    approximate_tokens: int = 0  # as Result.approximate_tokens (0: the full prefill's KV)
 
 
 @dataclass(frozen=True)

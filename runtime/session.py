@@ -78,7 +78,8 @@ class Session:
         self._setup(llm, prompt, opened.bound, baseline, opened.buffer)
         self.position = opened.position
         self.logits = opened.logits
-        self.opening = Opening(opened.cached_tokens, opened.prefill_tokens, opened.timings)
+        self.opening = Opening(opened.cached_tokens, opened.prefill_tokens, opened.timings,
+                               opened.recomputed_tokens, opened.approximate_tokens)
         self.role = _open_role(opened.bound)
         self.static_text = opened.bound.render()
 

@@ -30,11 +30,12 @@ def register(subparsers: Any) -> None:
     run.add_argument("--baseline", action="store_true",
                      help="no reuse: the same tokens at positions 0..N-1, for comparison")
     run.add_argument("--isolate", action="store_true",
-                     help="each module attends only to itself (the paper's rule)")
+                     help="each module attends only to itself (the paper's rule); give "
+                          "--recompute none with it, or the default seams recomputes it all")
     run.add_argument("--recompute", metavar="POLICY", default=None,
-                     help="cached tokens to compute again: none, first:K, deviation:F or exact "
-                          "(default: the schema's recompute attribute, else none; "
-                          "see docs/RECOMPUTE.md)")
+                     help="cached tokens to compute again: seams, none, first:K, deviation:F or "
+                          "exact (default: the schema's recompute attribute, else seams: "
+                          "exact at module seams; see docs/RECOMPUTE.md)")
     run.add_argument("--temperature", type=float, default=0.0, metavar="T",
                      help="0 (default) is greedy")
     run.add_argument("--seed", type=int, default=None, metavar="S")

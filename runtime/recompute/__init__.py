@@ -1,28 +1,30 @@
 """Selective recompute (docs/RECOMPUTE.md): cached tokens a request computes again.
 
-policy.py   the policy as text ("none", "first:K", "deviation:F", "exact") -> `Recompute`,
+policy.py   the policy as text ("none", "seams", "first:K", "deviation:F", "exact") ->
+            `Recompute` (DEFAULT_POLICY: "seams"),
             and a schema's `recompute` attribute read with its location
 choose.py   a policy -> the positions it recomputes for one request (`choose_positions`)
 deviation.py  the deviation policy's measure: one pass stopped after layer 1
 plan.py     those positions -> a `RecomputePlan`: the request's extra uncached segments,
             and the stored copies the assembler leaves out
-exact.py    exact reuse: units an `exact` request made exact, stored under the request's
+exact.py    exact reuse: units a request made exact, stored under the request's
             tokens before them and served as they are to any request with the same ones
 
 Data flow (runtime/engine.py): exact.lookup (units seen before with the same tokens before
 them, served exactly); request policy, else `schema_policy(schema)`, else the LLM's ->
 choose_positions -> RecomputePlan.of(bound, positions) -> plan.uncached(bound) for the
-prefill, the plan for the assembler; after an `exact` request, exact.remember.
+prefill, the plan for the assembler; after the prefill, exact.remember of the units the
+request made exact (exact.made_exact).
 """
 
 from __future__ import annotations
 
-__all__ = ["Recompute", "RecomputeSpecError", "schema_policy", "choose_positions",
+__all__ = ["Recompute", "DEFAULT_POLICY", "RecomputeSpecError", "schema_policy", "choose_positions",
            "first_tokens", "candidates", "deviations", "layer_kv", "DEVIATION_LAYER",
            "RecomputePlan", "NO_RECOMPUTE", "exact"]
 
 # imported on first use: the policy's text parsing (CLI arguments) needs no torch
-_HOME = {"Recompute": "policy", "RecomputeSpecError": "policy", "schema_policy": "policy",
+_HOME = {"Recompute": "policy", "DEFAULT_POLICY": "policy", "RecomputeSpecError": "policy", "schema_policy": "policy",
          "choose_positions": "choose", "first_tokens": "choose", "candidates": "deviation",
          "deviations": "deviation", "layer_kv": "deviation", "DEVIATION_LAYER": "deviation",
          "RecomputePlan": "plan", "NO_RECOMPUTE": "plan"}

@@ -9,6 +9,8 @@ into a RecomputePlan (plan.py).
 - deviation:F -- the ceil(F x candidates) candidates whose layer-1 KV differs most from a
   full prefill's (deviation.py).
 - exact -- every candidate: what the full prefill computes, without deviation's pass.
+- seams -- every candidate that missed another module or text computed per request, not
+  one that missed only an argument (`candidates(..., arguments=False)`).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ def choose_positions(adapter: ModelAdapter, bound: BoundPrompt, units: dict[str,
     each of bound.units; `context_of(unit id)`: the units it was encoded against."""
     if policy.kind == "first":
         return first_tokens(bound, int(policy.amount), context_of)
-    if policy.kind == "exact":
-        return sorted(p for found in candidates(bound, context_of).values() for p in found)
+    if policy.kind in ("exact", "seams"):
+        found = candidates(bound, context_of, arguments=policy.kind == "exact")
+        return sorted(p for positions in found.values() for p in positions)
     if policy.kind == "deviation":
         scores = deviations(adapter, bound, units, context_of)
         count = math.ceil(policy.amount * len(scores))

@@ -25,22 +25,28 @@ from promptlang.runtime.model import ModelAdapter, Past
 DEVIATION_LAYER = 1      # layer 0's KV depends on the token alone; layer 1's on its context
 
 
-def candidates(bound: BoundPrompt, context_of: Callable[[str], Sequence[str]]
-               ) -> dict[str, list[int]]:
+def candidates(bound: BoundPrompt, context_of: Callable[[str], Sequence[str]],
+               arguments: bool = True) -> dict[str, list[int]]:
     """Per served unit, the positions of its cached tokens whose encoding missed a request
-    token at a lower position (see the module docstring)."""
-    by_origin: dict[str, list] = {}         # each origin's segments (runs of positions)
+    token at a lower position (see the module docstring). With `arguments=False` an
+    argument in a parameter slot does not count as missed (the `seams` policy: a module's
+    tokens after its parameter keep the KV they computed against the placeholders)."""
+    first_seen: dict[str, int] = {}         # each origin's first position that counts
     for seg, origin in bound.segments():
-        if seg.token_ids:
-            by_origin.setdefault(origin, []).append(seg)
+        if seg.token_ids and (arguments or seg.kind != "argument"):
+            first_seen.setdefault(origin, seg.start)
+    by_unit: dict[str, list] = {}
+    for seg, origin in bound.segments():
+        if seg.token_ids and origin != "uncached":
+            by_unit.setdefault(origin, []).append(seg)
     found = {}
     for unit in bound.units:
         seen = {unit, *context_of(unit)}
-        missed = [segs[0].start for origin, segs in by_origin.items() if origin not in seen]
+        missed = [start for origin, start in first_seen.items() if origin not in seen]
         if not missed:
             continue
         first_missed = min(missed)
-        mine = [p for seg in by_origin.get(unit, ()) if seg.end > first_missed
+        mine = [p for seg in by_unit.get(unit, ()) if seg.end > first_missed
                 for p in range(max(seg.start, first_missed + 1), seg.end)]
         if mine:
             found[unit] = mine

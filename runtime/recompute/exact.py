@@ -10,10 +10,15 @@ Any later request -- whatever its policy -- whose tokens before that unit are th
 the unit from that entry: it has no candidates left and costs what a cached unit costs.
 Only new combinations of modules pay the approximation (or the recompute).
 
+Any policy can make a unit exact: it is, after the prefill, when every candidate at a position
+below its last token was recomputed (its own, and every other unit's whose KV it attended
+to: `made_exact`). Under `exact` that is every unit; under `seams` every unit before the first
+token that missed only an argument.
+
 Flow (runtime/engine.py): `lookup` before choosing what to recompute (the units it finds are
 treated as having seen every request token: `context_with`), the assembler serves their
-entries instead of the units' own KV, and after an `exact` request's prefill `remember`
-stores the units it made exact.
+entries instead of the units' own KV, and after the prefill `remember` stores the units the
+request made exact.
 """
 
 from __future__ import annotations
@@ -79,11 +84,28 @@ def context_with(context_of: Callable[[str], Sequence[str]], bound: BoundPrompt,
     return lambda unit_id: everything if unit_id in served else context_of(unit_id)
 
 
+def made_exact(bound: BoundPrompt, missed: dict[str, list[int]], recomputed: frozenset[int],
+               served: Sequence[str]) -> list[str]:
+    """The units of `missed` (unit id -> its candidates) not in `served` that a request
+    recomputing `recomputed` leaves exact: no candidate left as stored (of any unit not
+    served exactly) at a position below the unit's last token."""
+    skipped = frozenset(served)
+    approximate = [p for unit, found in missed.items() if unit not in skipped
+                   for p in found if p not in recomputed]
+    first_approximate = min(approximate, default=None)
+    last: dict[str, int] = {}
+    for seg, origin in bound.segments():
+        if seg.token_ids and origin in missed:
+            last[origin] = max(last.get(origin, -1), seg.end - 1)
+    return [unit for unit in missed if unit not in skipped and unit in last
+            and (first_approximate is None or first_approximate > last[unit])]
+
+
 @torch.inference_mode()
 def remember(store, bound: BoundPrompt, buffer, keys: dict[str, str], units: Sequence[str],
              schema: str) -> int:
-    """Store the exact KV of `units` (made exact by an `exact` request) from the request's
-    `buffer` after its prefill; returns how many entries were written."""
+    """Store the exact KV of `units` (made exact by the request: `made_exact`) from the
+    request's `buffer` after its prefill; returns how many entries were written."""
     if not units:
         return 0
     segments, sequence = bound.segments(), bound.sequence()

@@ -1,4 +1,4 @@
-"""Recompute policies as text: "none", "first:K", "deviation:F", "exact" -> a `Recompute`.
+"""Recompute policies as text: "none", "seams", "first:K", "deviation:F", "exact" -> a `Recompute`.
 
 A policy is written wherever one is given: a request's `recompute=`, `load(recompute=)`,
 or a schema's `recompute` attribute (PML keeps that attribute's text as written and
@@ -6,6 +6,9 @@ its location in `Schema.recompute_span`; `schema_policy` reads it here, so a mal
 one is an error located at the attribute). What each policy chooses: choose.py.
 
   none            serve every cached token as stored
+  seams           (the default) every cached token that missed another module or text
+                  computed per request, but not one that missed only an argument: exact
+                  at module seams, the paper's parameter reuse kept
   first:K         the first K cached tokens of every unit that missed a request token
                   before it (EPIC's LegoLink, arXiv 2410.15332: a module's first tokens
                   otherwise become spurious attention sinks; exact tokens are skipped)
@@ -26,8 +29,9 @@ from typing import Literal
 
 from promptlang.errors import PromptLangError, Span
 
-Kind = Literal["none", "first", "deviation", "exact"]
-KINDS = ("none", "first", "deviation", "exact")
+Kind = Literal["none", "seams", "first", "deviation", "exact"]
+KINDS = ("none", "seams", "first", "deviation", "exact")
+DEFAULT_POLICY = "seams"    # docs/RECOMPUTE.md, "What to use, and the default": why
 MAX_SPEC_CHARS = 64         # longer policy text is refused before it is read
 MAX_TOKENS_DIGITS = 9       # digits of K in first:K (int() of them stays cheap)
 
@@ -59,9 +63,11 @@ class Recompute:
             return cls()
         if spec == "exact":
             return cls("exact", 1)
+        if spec == "seams":
+            return cls("seams", 1)
         kind, _, amount = spec.partition(":")
-        expected = ("expected none, first:K (K tokens per module), deviation:F (0 < F <= 1) "
-                    "or exact")
+        expected = ("expected none, seams, first:K (K tokens per module), deviation:F "
+                    "(0 < F <= 1) or exact")
         if kind not in ("first", "deviation") or not amount:
             raise fail(expected)
         if kind == "first":
@@ -88,8 +94,8 @@ class Recompute:
             return "none"
         if self.kind == "first":
             return f"first:{int(self.amount)}"
-        if self.kind == "exact":
-            return "exact"
+        if self.kind in ("exact", "seams"):
+            return self.kind
         return f"deviation:{self.amount:g}"
 
 

@@ -49,8 +49,10 @@ def model():
 
 
 def make_llm(model, disk_dir, **store_args) -> LLM:
+    """Recompute "none": the counts below are those of units served as encoded (the
+    default policy, seams, is test_recompute.py's)."""
     llm = LLM.from_model(model, WordTokenizer(VOCAB, bos=True),
-                         store=ModuleStore(disk_dir=disk_dir, **store_args))
+                         store=ModuleStore(disk_dir=disk_dir, **store_args), recompute="none")
     llm.add_schema(SCHEMA)
     return llm
 
@@ -216,7 +218,7 @@ def test_prompt_may_be_text_a_document_or_a_compiled_prompt(model, tmp_path):
     assert llm.generate(doc, max_new_tokens=4).token_ids == expected
     compiled = SimpleNamespace(schema=parse_schema(SCHEMA), doc=doc)
     other = LLM.from_model(model, WordTokenizer(VOCAB, bos=True),
-                           store=ModuleStore(disk_dir=tmp_path / "other"))
+                           store=ModuleStore(disk_dir=tmp_path / "other"), recompute="none")
     assert other.generate(compiled, max_new_tokens=4).token_ids == expected
 
 

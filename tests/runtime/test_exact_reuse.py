@@ -27,9 +27,10 @@ def model():
     return tiny_model("llama")
 
 
-def make(model, path) -> LLM:
+def make(model, path, recompute="none") -> LLM:
+    """An LLM whose requests serve what they are not told to recompute as stored."""
     llm = LLM.from_model(model, WordTokenizer(VOCAB, bos=True),
-                         store=ModuleStore(disk_dir=path / "kv"))
+                         store=ModuleStore(disk_dir=path / "kv"), recompute=recompute)
     llm.add_schema(SCHEMA)
     return llm
 
@@ -98,6 +99,41 @@ def test_exact_entries_beside_approximate_units_match_the_oracle(model, tmp_path
     plain = make(model, tmp_path / "other").prefill(prompt, all_logits=True)
     assert plain.exact_units == 0
     assert (plain.logits[-1] - expected.logits[-1]).abs().max() > 1e-3   # b matters
+
+
+def test_seams_leaves_exact_the_units_before_the_first_argument_it_serves_as_stored(model,
+                                                                                   tmp_path):
+    """Any policy can make units exact (exact.made_exact): under seams, every unit whose
+    candidates were all recomputed and that attended to no approximate token."""
+    llm = make(model, tmp_path, recompute="seams")
+    prompt = PROMPTS["two modules with a gap"]           # no argument: all exact
+    first = llm.prefill(prompt)
+    assert first.recompute.positions and first.approximate_tokens == 0
+    again = llm.prefill(prompt)
+    assert again.exact_units == 2 and not again.recompute.positions
+    assert (again.logits[-1] - full_pass(llm, prompt)).abs().max() < TOL
+    # <plan days="two"><tokyo/></plan>: plan's " days." is served as stored (it missed only
+    # the argument), so plan's text after the union and the schema's tail, recomputed after
+    # it, attended to approximate KV: neither is exact
+    shorter = llm.prefill(PROMPTS["shorter argument"])
+    assert shorter.recompute.positions and shorter.approximate_tokens > 0
+    assert llm.prefill(PROMPTS["shorter argument"]).exact_units == 0
+
+
+def test_made_exact_needs_every_candidate_below_the_unit_recomputed():
+    """made_exact over a hand-made request: a: 0-1, b: 2-4 (candidates 2-4), c: 5-6
+    (candidates 5-6)."""
+    from types import SimpleNamespace
+
+    segs = [(Segment((1, 2), 0, "text"), "a"), (Segment((3, 4, 5), 2, "text"), "b"),
+            (Segment((6, 7), 5, "text"), "c")]
+    bound = SimpleNamespace(segments=lambda: segs)
+    missed = {"b": [2, 3, 4], "c": [5, 6]}
+    assert exact.made_exact(bound, missed, frozenset({2, 3, 4, 5, 6}), []) == ["b", "c"]
+    assert exact.made_exact(bound, missed, frozenset({2, 3, 4}), []) == ["b"]
+    assert exact.made_exact(bound, missed, frozenset({2, 3, 5, 6}), []) == []   # 4 missed
+    assert exact.made_exact(bound, missed, frozenset({5, 6}), ["b"]) == ["c"]  # b served
+    assert exact.made_exact(bound, missed, frozenset(), []) == []
 
 
 def test_the_key_covers_every_token_below_the_units_last_position():

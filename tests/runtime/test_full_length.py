@@ -116,10 +116,10 @@ def long_run(tmp_path_factory) -> LongRun:
     """Encodes both stores' units and computes the references once for the module."""
     tmp = tmp_path_factory.mktemp("full-length")
     with two_threads():
-        llm = load(store=ModuleStore(disk_dir=tmp / "kv"))
+        llm = load(store=ModuleStore(disk_dir=tmp / "kv"), recompute="none")   # as encoded
         store16 = ModuleStore(dtype=torch.bfloat16, compute_dtype=torch.bfloat16,
                               disk_dir=tmp / "kv16")        # what load(store_dtype=) builds
-        llm16 = LLM(llm.adapter, llm.tokenizer, store16)
+        llm16 = LLM(llm.adapter, llm.tokenizer, store16, recompute="none")
         for each in (llm, llm16):
             each.add_schema(SCHEMA)
             each.encoder.warm(each.layout("long"))

@@ -75,9 +75,12 @@ def models():
     return {kind: tiny_model(kind) for kind in SCHEMES}
 
 
-def make_llm(model, tmp_path, isolate=False) -> LLM:
+def make_llm(model, tmp_path, isolate=False, recompute="none") -> LLM:
+    """Serves every cached token as encoded (recompute "none"): the rule under test here;
+    the policies that recompute some are held to the oracle in test_recompute.py."""
     store = ModuleStore(disk_dir=tmp_path / "kv")
-    llm = LLM.from_model(model, WordTokenizer(VOCAB, bos=True), store=store, isolate=isolate)
+    llm = LLM.from_model(model, WordTokenizer(VOCAB, bos=True), store=store, isolate=isolate,
+                         recompute=recompute)
     llm.add_schema(SCHEMA)
     return llm
 
@@ -222,7 +225,7 @@ def default_llm(tmp_path_factory):
     from promptlang.runtime.loading import load_hf_model
     model, tokenizer = load_hf_model()
     store = ModuleStore(disk_dir=tmp_path_factory.mktemp("kv"))
-    return LLM(adapt(model), tokenizer, store)
+    return LLM(adapt(model), tokenizer, store, recompute="none")
 
 
 def test_default_model_greedy_tokens_equal_baseline_for_a_scaffold_like_prefix(default_llm):

@@ -184,10 +184,10 @@ PROMPT = '<prompt schema="s"><doc/>What comes after golf?</user></prompt>'
 def test_a_16_bit_store_halves_kv_and_serves_float32_buffers(tmp_path):
     model = llama()
     full = LLM.from_model(model, WordTokenizer(VOCAB, bos=True),
-                          store=ModuleStore(disk_dir=tmp_path / "f32"))
+                          store=ModuleStore(disk_dir=tmp_path / "f32"), recompute="none")
     half = LLM.from_model(model, WordTokenizer(VOCAB, bos=True),
                           store=ModuleStore(disk_dir=tmp_path / "bf16", dtype=torch.bfloat16,
-                                            compute_dtype=torch.bfloat16))
+                                            compute_dtype=torch.bfloat16), recompute="none")
     for llm in (full, half):
         llm.add_schema(SCHEMA)
     expected = full.prefill(PROMPT)
@@ -248,7 +248,7 @@ def pair(tmp_path, model):
     engines = []
     for name, share in (("copy", None), ("share", 1)):
         llm = LLM.from_model(model, WordTokenizer(VOCAB, bos=True),
-                             store=ModuleStore(disk_dir=tmp_path / name))
+                             store=ModuleStore(disk_dir=tmp_path / name), recompute="none")
         llm.assembler.share_min_tokens = share
         llm.add_schema(SCHEMA)
         engines.append(llm)
