@@ -64,9 +64,12 @@ from promptlang.bench.qa_kinds import (_BUILDERS, _Draw, _Person, FEMALE_NAMES, 
                                        _FILLER_SUBJECTS, _FILLER_PREDICATES, _FILLER_TAILS,
                                        filler_sentence, Attribute, ATTRIBUTES, SAME_SHAPE_KEYS)
 
-KINDS = ("single", "cross", "dependent", "needle", "same-shape")
-Kind = Literal["single", "cross", "dependent", "needle", "same-shape"]
-DEFAULT_DOC_WORDS = {"single": 60, "cross": 60, "dependent": 60, "needle": 300, "same-shape": 60}
+KINDS = ("single", "cross", "dependent", "needle", "same-shape", "argument")
+Kind = Literal["single", "cross", "dependent", "needle", "same-shape", "argument"]
+DEFAULT_DOC_WORDS = {"single": 60, "cross": 60, "dependent": 60, "needle": 300, "same-shape": 60,
+                     "argument": 60}
+ARGUMENT_PARAM = "who"       # the parameter of an "argument" item's documents
+ARGUMENT_TOKENS = 12         # its slot's length in tokens (names take 3-7 here)
 
 SYSTEM_PROMPT = ("You answer questions about the documents you are given. Reply with the "
                  "answer only: one or two words copied from the documents.")
@@ -75,7 +78,14 @@ SYSTEM_PROMPT = ("You answer questions about the documents you are given. Reply 
 @dataclass(frozen=True)
 class Doc:
     name: str      # unique across items: usable as a PML module name
-    text: str
+    text: str      # as the baseline sees it (the argument in its place)
+    argument: str = ""   # passed per request into parameter ARGUMENT_PARAM ("": none)
+    at: int = 0          # where the argument starts in `text`
+
+    def parts(self) -> tuple[str, str, str]:
+        """(text before the argument, the argument, text after it)."""
+        end = self.at + len(self.argument)
+        return self.text[:self.at], self.argument, self.text[end:]
 
 
 @dataclass(frozen=True)
@@ -192,12 +202,19 @@ def generate(n_items: int, seed: int = 0, kind: str = "single", docs_per_item: i
         texts, question, answer, answer_docs, checks = _BUILDERS[item_kind](
             rng, draw, docs_per_item, words)
         item_id = f"{item_kind}-s{seed}-{index:04d}"
-        documents = tuple(Doc(f"{item_id}-doc{j}", text) for j, text in enumerate(texts))
+        documents = tuple(_doc(f"{item_id}-doc{j}", text) for j, text in enumerate(texts))
         item = QAItem(item_id, item_kind, documents, question, answer, answer_docs,
                       _distractor_answers(draw.people, answer))
         _verify(item, checks)
         items.append(item)
     return items
+
+
+def _doc(name: str, text: "str | tuple[str, str, str]") -> Doc:
+    if isinstance(text, str):
+        return Doc(name, text)
+    head, argument, tail = text
+    return Doc(name, head + argument + tail, argument, len(head))
 
 
 def _verify(item: QAItem, checks: list[tuple[str, tuple[int, ...]]]) -> None:
@@ -249,7 +266,12 @@ def build_schema(items: Sequence[QAItem], name: str, mode: Mode = "modules",
     balanced user turn.
     """
     def module(doc: Doc) -> nodes.Module:
-        return nodes.Module(doc.name, (nodes.Text(doc.text + "\n\n"),))
+        if not doc.argument:
+            return nodes.Module(doc.name, (nodes.Text(doc.text + "\n\n"),))
+        head, _, tail = doc.parts()
+        return nodes.Module(doc.name, (nodes.Text(head), nodes.Param(ARGUMENT_PARAM,
+                                                                     ARGUMENT_TOKENS),
+                                       nodes.Text(tail + "\n\n")))
 
     if docs_role == "user":
         head = [nodes.RoleOpen("system"), nodes.Text(system), nodes.RoleClose("system"),
@@ -281,10 +303,10 @@ def build_prompt(item: QAItem, schema_name: str, mode: Mode = "modules",
                  docs_role: DocsRole = "user") -> nodes.PromptDoc:
     """The prompt for `item` against a `build_schema` schema of the same mode and
     docs_role: import the item's documents, ask the question, open the assistant turn."""
-    if mode == "scaffold":
+    if mode == "scaffold" and not any(doc.argument for doc in item.documents):
         imports: list[nodes.PromptChild] = [nodes.ScaffoldRef(scaffold_name(item))]
-    elif mode in ("modules", "unions"):
-        imports = [nodes.ModuleRef(doc.name) for doc in item.documents]
+    elif mode in ("modules", "unions", "scaffold"):   # all of a scaffold's modules: joint KV
+        imports = [nodes.ModuleRef(doc.name, _arguments(doc)) for doc in item.documents]
     else:
         raise ValueError(f"unknown mode {mode!r}: 'modules', 'unions' or 'scaffold'")
     question = [nodes.Text(f"Question: {item.question}"), nodes.RoleClose("user"),
@@ -294,6 +316,10 @@ def build_prompt(item: QAItem, schema_name: str, mode: Mode = "modules",
     elif docs_role != "user":
         raise ValueError(f"unknown docs_role {docs_role!r}: 'user' or 'system'")
     return nodes.PromptDoc(schema_name, tuple(imports + question))
+
+
+def _arguments(doc: Doc) -> tuple[nodes.Argument, ...]:
+    return (nodes.Argument(ARGUMENT_PARAM, doc.argument),) if doc.argument else ()
 
 
 def to_pml(item: QAItem, schema_name: str, mode: Mode = "modules",

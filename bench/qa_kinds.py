@@ -247,9 +247,12 @@ def _people_document(rng: random.Random, draw: _Draw, words: int) -> tuple[str, 
     return _document(rng, facts, words), people
 
 
-# --- the four kinds: each returns (texts, question, answer, answer_docs, checks) ---------
+# --- the kinds: each returns (texts, question, answer, answer_docs, checks) -------------
+# A text is a document's text, or (head, argument, tail): a document whose `argument` is
+# passed per request into a parameter slot between `head` and `tail`.
 
-_Built = tuple[list[str], str, str, tuple[int, ...], list[tuple[str, tuple[int, ...]]]]
+_Text = "str | tuple[str, str, str]"
+_Built = tuple[list, str, str, tuple[int, ...], list[tuple[str, tuple[int, ...]]]]
 
 
 def _single(rng: random.Random, draw: _Draw, n_docs: int, words: int) -> _Built:
@@ -348,6 +351,23 @@ def _same_shape(rng: random.Random, draw: _Draw, n_docs: int, words: int) -> _Bu
     return texts, _question(person.name, person, key), person.values[key], (target,), checks
 
 
+def _argument(rng: random.Random, draw: _Draw, n_docs: int, words: int) -> _Built:
+    """Profiles whose subject is an argument: "Profile of <param who/>. She works as ...".
+    The facts name no one (pronouns only), so only the argument ties them to a name: what
+    a module's tokens after its parameter miss when encoded against placeholders."""
+    people = [draw.person() for _ in range(n_docs)]
+    texts = []
+    for person in people:
+        facts = [_statement(rng, person, key, pronoun=True)
+                 for key in draw.facts(person, rng.randint(2, 3))]
+        texts.append(("Profile of ", person.name, ". " + _document(rng, facts, words)))
+    target = rng.randrange(n_docs)
+    person = people[target]
+    key = rng.choice(list(person.values))
+    checks = [(person.name, (target,))]
+    return texts, _question(person.name, person, key), person.values[key], (target,), checks
+
+
 _BUILDERS: dict[str, Callable[[random.Random, _Draw, int, int], _Built]] = {
     "single": _single, "cross": _cross, "dependent": _dependent, "needle": _needle,
-    "same-shape": _same_shape}
+    "same-shape": _same_shape, "argument": _argument}

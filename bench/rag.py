@@ -15,7 +15,10 @@ Every request is served three ways, on one engine (the same adapter, weights, ke
 and pooled request buffers), in an order that rotates from request to request:
 
   promptlang  the cached request: the documents' KV from the store's memory tier (each
-              at its schema position, whatever the order asked), the question prefilled
+              at its schema position, whatever the order asked), the question prefilled;
+              recompute policy `none` (documents as encoded apart: the fast path, whose
+              cost in answers docs/RECOMPUTE.md gives; the default `seams` computes a new
+              combination's documents after the first again)
   prefix      a prefix cache, as vLLM's automatic prefix caching and llama.cpp's prompt
               cache give one: the documents in the request's order at positions 0..N-1;
               the KV of every request it served before is kept, and a new request reuses
@@ -290,7 +293,8 @@ def run_rag(llm: LLM, options: RagOptions = RagOptions(), *, model_name: str = "
         questions.append(item.question)
     report = RagReport(options, model_name or getattr(tokenizer, "name", ""),
                        [len(tokenizer.encode(t)) for t in texts])
-    engine = LLM(llm.adapter, tokenizer, ModuleStore(llm.adapter.device, disk_budget_bytes=0))
+    engine = LLM(llm.adapter, tokenizer, ModuleStore(llm.adapter.device, disk_budget_bytes=0),
+                 recompute="none", exact_reuse=False)
     schema = engine.add_schema(build_schema(texts))
     try:
         engine.layout(schema)                      # fits the model's context?

@@ -134,7 +134,7 @@ def _accuracy_options(args):
         "items": "items_per_kind", "kinds": "kinds", "docs_per_item": "docs_per_item",
         "doc_words": "doc_words", "max_new_tokens": "max_new_tokens", "seed": "seed",
         "recompute": "recompute", "recompute_rules": "recompute_rules", "scaffold": "scaffold",
-        "store16": "store16",
+        "store16": "store16", "isolate": "isolate",
         "cost_tokens": "cost_tokens", "cost_repeats": "cost_repeats",
         "resamples": "resamples"})
 

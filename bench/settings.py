@@ -23,8 +23,8 @@ DESCRIPTIONS = {
     "scaffold": "one scaffold per item (joint encoding)",
     "RULE+SPEC": "RULE's cached modules with recompute policy SPEC per request",
 }
-DEFAULT_RECOMPUTE = ("first:4", "first:16", "first:32", "deviation:0.15")
-QUICK_RECOMPUTE = ("first:2", "deviation:0.2")
+DEFAULT_RECOMPUTE = ("seams", "first:16", "first:32", "deviation:0.15")   # seams: the default
+QUICK_RECOMPUTE = ("seams", "first:2", "deviation:0.2")
 RECOMPUTE_RULES = ("cached", "isolate")    # the cached rules a policy is applied to
 STORE16 = "cached-bf16"       # the cached setting on a bfloat16 store
 
@@ -41,9 +41,10 @@ def normalize_specs(specs: Sequence[str | Recompute]) -> tuple[str, ...]:
 
 
 def settings(recompute: Sequence[str] = (), rules: Sequence[str] = RECOMPUTE_RULES,
-             scaffold: bool = True, store16: bool = False) -> tuple[str, ...]:
+             scaffold: bool = True, store16: bool = False,
+             isolate: bool = True) -> tuple[str, ...]:
     """Every setting, in report order: baseline, cached, cached+SPEC..., [cached-bf16],
-    isolate, isolate+SPEC..., [scaffold]; RULE+SPEC only for the RULEs in `rules`."""
+    [isolate, isolate+SPEC...], [scaffold]; RULE+SPEC only for the RULEs in `rules`."""
     specs = normalize_specs(recompute)
     unknown = set(rules) - set(RECOMPUTE_RULES)
     if unknown:
@@ -51,6 +52,8 @@ def settings(recompute: Sequence[str] = (), rules: Sequence[str] = RECOMPUTE_RUL
                          f"{', '.join(RECOMPUTE_RULES)}")
     names = ["baseline"]
     for rule in RECOMPUTE_RULES:
+        if rule == "isolate" and not isolate:
+            continue
         names += [rule, *(f"{rule}+{s}" for s in specs if rule in rules)]
         if rule == "cached" and store16:
             names.append(STORE16)

@@ -105,6 +105,6 @@ from promptlang.bench.accuracy.scores import (score, PER_ITEM, item_values, comp
                                               recovery, recompute_settings, recovery_goal)
 from promptlang.bench.accuracy.seams import (SEAM_NAME, SEAM_NATS, SEAM_POINTS, SEAM_SPEEDUP,
                                              seam_goals)
-from promptlang.bench.accuracy.cost import EXACT_REUSE, cost_item, measure_cost
+from promptlang.bench.accuracy.cost import seen_before, cost_item, measure_cost
 from promptlang.bench.accuracy.tables import (accuracy_table, recovery_table, paired_table,
                                               cost_table, store16_effect, sections, plot, to_json)

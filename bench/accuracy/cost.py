@@ -16,12 +16,17 @@ from promptlang.bench.accuracy.results import (AccuracyOptions, COST_STORE_BUDGE
 from promptlang.bench.accuracy.answer import _requests, _rule_llms
 
 
-EXACT_SETTING = "cached+exact"
-EXACT_REUSE = "cached+exact, seen before"   # the same request again, exact reuse on
+EXACT_SETTINGS = ("cached+seams", "cached+exact")     # policies that leave units exact
+SEEN_BEFORE = ", seen before"    # "cached+exact, seen before": the same request again
 
 
-def _exact_reuse(llm, request, repeats: int) -> CostPoint:
-    """The exact request once more on an LLM with exact reuse (the settings' own have it
+def seen_before(setting: str) -> str:
+    """The cost row of `setting`'s request repeated with exact reuse on."""
+    return setting + SEEN_BEFORE
+
+
+def _exact_reuse(llm, setting: str, request, repeats: int) -> CostPoint:
+    """`setting`'s request once more on an LLM with exact reuse (the settings' own have it
     off): the first request stores its exact units, the timed repeats are served them."""
     from promptlang.runtime.engine import LLM
 
@@ -32,7 +37,7 @@ def _exact_reuse(llm, request, repeats: int) -> CostPoint:
                for _ in range(1 + repeats)][1:]
     if any(r.exact_units == 0 for r in results):
         raise AssertionError("a repeated exact request was not served its exact units")
-    return CostPoint(EXACT_REUSE, [r.timings.first_token for r in results],
+    return CostPoint(seen_before(setting), [r.timings.first_token for r in results],
                      results[-1].recomputed_tokens)
 
 
@@ -100,8 +105,10 @@ def measure_cost(llm, options: AccuracyOptions, names: Sequence[str] | None = No
                                     results[-1].recomputed_tokens,
                                     statistics.median(getattr(r.timings, "select", 0.0)
                                                       for r in results)))
-        if EXACT_SETTING in timed:
-            points.append(_exact_reuse(llm, requests[EXACT_SETTING], options.cost_repeats))
+        for setting in EXACT_SETTINGS:
+            if setting in timed:
+                points.append(_exact_reuse(llm, setting, requests[setting],
+                                           options.cost_repeats))
         cached_tokens = timed["cached"][-1].cached_tokens if "cached" in timed else 0
     return CostReport(tokens, cached_tokens, max(2, options.cost_docs), baseline, points,
                       options.cost_tokens, note, time.perf_counter() - started)

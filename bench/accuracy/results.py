@@ -38,6 +38,7 @@ class AccuracyOptions:
     recompute_rules: tuple[str, ...] = RECOMPUTE_RULES   # ... for these rules
     scaffold: bool = True            # the scaffold setting (the baseline's tokens, jointly)
     store16: bool = True             # the cached-bf16 setting (cached, bfloat16 store)
+    isolate: bool = True             # the isolate settings (the paper's rule)
     cost_tokens: int = 6000          # the recompute cost section's prompt (0: skip it)
     cost_docs: int = 4
     cost_repeats: int = 3            # warm cached requests per setting (median)
@@ -52,7 +53,8 @@ class AccuracyOptions:
 
     @property
     def settings(self) -> tuple[str, ...]:
-        return settings(self.recompute, self.recompute_rules, self.scaffold, self.store16)
+        return settings(self.recompute, self.recompute_rules, self.scaffold, self.store16,
+                        self.isolate)
 
 
 @dataclass

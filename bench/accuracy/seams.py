@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from promptlang.bench.accuracy.results import AccuracyReport
 from promptlang.bench.report import Goal
+from promptlang.bench.accuracy.cost import seen_before
 from promptlang.bench.settings import split_setting
+from promptlang.runtime.recompute.policy import DEFAULT_POLICY
 
 SEAM_POINTS = 2.0       # answer-in-output points below the baseline's, at most
 SEAM_NATS = 0.15        # gold log-probability nats below the baseline's, at most
@@ -51,7 +53,10 @@ def _goal(report: AccuracyReport, setting: str) -> Goal:
     else:
         speed_text, fast = f"{speed:.1f}x faster at ~{report.cost.prompt_tokens:,} tokens", \
             speed >= SEAM_SPEEDUP
-    default = " (the default policy)" if setting == "cached" else ""
+        again = report.cost.speedup(seen_before(setting))
+        if again is not None:
+            speed_text += f" ({again:.1f}x for the same modules seen before)"
+    default = " (the default policy)" if split_setting(setting)[1] == DEFAULT_POLICY else ""
     verdict = None if fast is None and not failed else (not failed and bool(fast))
     why = []
     if failed:

@@ -184,8 +184,9 @@ def sections(report: AccuracyReport) -> list[Section]:
             "token; recomputed: tokens computed again per request; select: seconds choosing "
             "them (deviation's layer-1 pass)",
             "cached+exact recomputes every token that missed something each time (a new "
-            "combination of modules); 'cached+exact, seen before' is the same request "
-            "again with exact reuse on: served the units the first one made exact",
+            "combination of modules), cached+seams every one that missed a module; "
+            "'SETTING, seen before' is the same request again with exact reuse on: served "
+            "the units the first one made exact",
             f"this section took {c.seconds / 60:.1f} min, encoding included"]))
     parts.append(Section("Goals (issues 8 and 16)", (), [str(g) for g in report.goals]))
     return parts

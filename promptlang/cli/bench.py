@@ -7,7 +7,8 @@
     promptlang bench accuracy [--items N] [--kinds single,cross,...] [--docs-per-item D]
                               [--doc-words W] [--max-new-tokens N] [--seed S]
                               [--recompute SPEC,...] [--recompute-rules cached,isolate]
-                              [--no-scaffold] [--no-bf16] [--workers N] [--cost-tokens N] [--cost-repeats R]
+                              [--no-scaffold] [--no-isolate] [--no-bf16] [--workers N]
+                              [--cost-tokens N] [--cost-repeats R]
                               [--resamples B]
     promptlang bench all      (the three, one model load, one folder, one report.md)
 
@@ -78,7 +79,7 @@ def register(subparsers: Any) -> None:
                           help="items per question kind (default 10)")
     accuracy.add_argument("--kinds", type=_kinds, metavar="K,K,...",
                           help="question kinds (default single,cross,dependent,needle,"
-                               "same-shape)")
+                               "same-shape,argument)")
     accuracy.add_argument("--docs-per-item", type=_positive, metavar="D",
                           help="documents per item (default 4)")
     accuracy.add_argument("--doc-words", type=_positive, metavar="W",
@@ -88,13 +89,16 @@ def register(subparsers: Any) -> None:
     accuracy.add_argument("--seed", type=int, metavar="S", help="item seed (default 0)")
     accuracy.add_argument("--recompute", type=_recompute_list, metavar="SPEC,SPEC,...",
                           help="recompute policies, each adding the settings cached+SPEC and "
-                               "isolate+SPEC: first:K, deviation:F or exact; 'none' for no such "
-                               "settings (default " + ",".join(DEFAULT_RECOMPUTE) + ")")
+                               "isolate+SPEC: seams, first:K, deviation:F or exact; 'none' for no "
+                               "such settings (default " + ",".join(DEFAULT_RECOMPUTE) + ")")
     accuracy.add_argument("--recompute-rules", type=_rules, metavar="RULE,...",
                           help="the cached rules the policies apply to: cached (guaranteed "
                                "context), isolate (default both)")
     accuracy.add_argument("--no-scaffold", dest="scaffold", action="store_false", default=None,
                           help="leave out the scaffold setting")
+    accuracy.add_argument("--no-isolate", dest="isolate", action="store_false", default=None,
+                          help="leave out the isolate settings (the paper's rule, and "
+                               "isolate+SPEC)")
     accuracy.add_argument("--no-bf16", dest="store16", action="store_false", default=None,
                           help="leave out the cached-bf16 setting (cached, bfloat16 store)")
     accuracy.add_argument("--workers", type=_positive, metavar="N",
@@ -214,7 +218,7 @@ def _kinds(text: str) -> tuple[str, ...]:
     return kinds
 
 
-_NEGATED = {"scaffold": "--no-scaffold", "store16": "--no-bf16"}     # store_false options: dest -> flag
+_NEGATED = {"scaffold": "--no-scaffold", "store16": "--no-bf16", "isolate": "--no-isolate"}     # store_false options: dest -> flag
 
 
 def command_line(args: argparse.Namespace) -> str:

@@ -65,7 +65,7 @@ def test_seam_goal_passes_within_two_points_and_a_tenth_and_a_half_nat_at_30x():
                                     for s in SCORES})
         goals = {g.name.split()[0]: g for g in accuracy.seam_goals(report)}
         assert set(goals) == {"cached", "cached+first:4", "cached+deviation:0.15"}
-        assert "(the default policy)" in goals["cached"].name
+        assert not any("(the default policy)" in g.name for g in goals.values())   # seams
         return goals["cached+first:4"], goals["cached"]
 
     same, cached = goal(80)
@@ -81,6 +81,18 @@ def test_seam_goal_passes_within_two_points_and_a_tenth_and_a_half_nat_at_30x():
     no_cost.cost = None
     assert {g.name.split()[0]: g.passed for g in accuracy.seam_goals(no_cost)}[
         "cached+first:4"] is None
+
+
+def test_the_default_policys_goal_line_says_so_with_its_speed_seen_before():
+    """The seams setting is the default policy's; its line also gives the speed of the same
+    modules seen before (the cost section's "cached+seams, seen before" row)."""
+    report = fake_report(SCORES | {"cached+seams": 80})
+    report.cost.points.append(accuracy.CostPoint(accuracy.seen_before("cached+seams"),
+                                                 [0.1] * 3, 0))
+    goals = {g.name.split()[0]: g for g in accuracy.seam_goals(report)}
+    assert "(the default policy)" in goals["cached+seams"].name
+    assert goals["cached+seams"].passed is True
+    assert "(200.0x for the same modules seen before)" in goals["cached+seams"].detail
 
 
 def test_recovery_is_the_share_of_the_gap_won_back_with_its_interval():
@@ -229,7 +241,7 @@ def test_recompute_option_parses_lists_and_none(capsys):
 
 @pytest.mark.parametrize("spec, message", [("first:x", "K must be a whole number"),
                                            ("deviation:1.5", "between 0 and 1"),
-                                           ("rerun:3", "expected none, first:K")])
+                                           ("rerun:3", "expected none, seams, first:K")])
 def test_bad_recompute_spec_is_a_usage_error(spec, message, capsys):
     assert main(["bench", "accuracy", "--recompute", spec]) == 2
     err = capsys.readouterr().err
@@ -265,6 +277,12 @@ def test_rules_and_scaffold_options_choose_the_settings():
     assert cli.command_line(args) == "promptlang bench accuracy --recompute none --no-bf16"
     assert accuracy.AccuracyOptions(recompute=()).settings == \
         ("baseline", "cached", "cached-bf16", "isolate", "scaffold")
+    args = build_parser().parse_args(["bench", "accuracy", "--recompute", "seams,first:16",
+                                      "--no-isolate", "--no-scaffold", "--no-bf16"])
+    assert run._accuracy_options(args).settings == ("baseline", "cached", "cached+seams",
+                                                    "cached+first:16")
+    assert cli.command_line(args) == ("promptlang bench accuracy --no-isolate --recompute "
+                                      "seams,first:16 --no-scaffold --no-bf16")
     with pytest.raises(ValueError):
         accuracy.settings(["first:4"], ["joint"])
 
@@ -323,7 +341,7 @@ def test_accuracy_on_a_tiny_model_runs_every_setting_and_the_cost(tiny_llm):
         assert result.answers["cached"].recomputed == 0
         assert result.answers["scaffold"].same_as_baseline in (True, False)
     cost = report.cost
-    assert [p.setting for p in cost.points] == list(names[1:])
+    assert [p.setting for p in cost.points] == list(names[1:]) + ["cached+seams, seen before"]
     assert cost.point("cached+first:2").recomputed > 0
     assert all(len(p.seconds) == options.cost_repeats for p in cost.points)
     assert abs(cost.prompt_tokens - options.cost_tokens) <= 0.2 * options.cost_tokens
@@ -430,6 +448,6 @@ def test_exact_is_the_baseline_per_item_and_its_repeat_is_served_exactly(tiny_ll
         assert result.answers["cached+exact"].same_as_baseline
         assert result.answers["cached+exact"].recomputed > 0
     exact_point = report.cost.point("cached+exact")
-    reuse = report.cost.point(accuracy.EXACT_REUSE)
+    reuse = report.cost.point(accuracy.seen_before("cached+exact"))
     assert exact_point.recomputed > 0 and reuse.recomputed == 0
     assert len(reuse.seconds) == options.cost_repeats

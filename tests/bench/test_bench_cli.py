@@ -17,9 +17,12 @@ LATENCY_GOALS = {"cached TTFT <= 2x floor", "cached >= 100x faster than baseline
                  "cached first token == baseline's at every length"}
 MEMORY_GOAL = "a 16-bit store halves KV bytes per token"
 ACCURACY_GOAL = "recompute recovers >= half the cached-vs-baseline gap at >= 10x"
-QUICK_SETTINGS = ("baseline", "cached", "cached+first:2", "cached+deviation:0.2", "cached-bf16",
-                  "isolate", "isolate+first:2", "isolate+deviation:0.2", "scaffold")
-SEAM_GOALS = {"cached (the default policy) as right as the full prefill at >= 30x (issue 16)",
+QUICK_SETTINGS = ("baseline", "cached", "cached+seams", "cached+first:2", "cached+deviation:0.2",
+                  "cached-bf16", "isolate", "isolate+seams", "isolate+first:2",
+                  "isolate+deviation:0.2", "scaffold")
+SEAM_GOALS = {"cached as right as the full prefill at >= 30x (issue 16)",
+              "cached+seams (the default policy) as right as the full prefill at >= 30x "
+              "(issue 16)",
               "cached+first:2 as right as the full prefill at >= 30x (issue 16)",
               "cached+deviation:0.2 as right as the full prefill at >= 30x (issue 16)"}
 
@@ -109,17 +112,17 @@ def test_accuracy_quick_scores_every_setting_and_kind(tmp_path, capsys):
     rows = read_csv(tmp_path / "accuracy.csv")
     assert {(r["setting"], r["kind"]) for r in rows} == {
         (s, k) for s in QUICK_SETTINGS
-        for k in ("single", "cross", "dependent", "needle", "same-shape", "all")}
+        for k in ("single", "cross", "dependent", "needle", "same-shape", "argument", "all")}
     assert {"accuracy", "found_rate", "agreement", "ci95_low", "mean_ttft_s",
             "mean_recomputed_tokens"} <= set(rows[0])
     baseline_all = next(r for r in rows if r["setting"] == "baseline" and r["kind"] == "all")
-    assert baseline_all["items"] == "5" and baseline_all["agreement"] == "1.0"
+    assert baseline_all["items"] == "6" and baseline_all["agreement"] == "1.0"
     assert baseline_all["found_delta"] == "0.0" and float(baseline_all["mean_gold_logprob"]) < 0
     assert all(float(r["mean_recomputed_tokens"]) > 0 for r in rows
                if r["setting"].endswith("first:2"))
     items = json.loads((tmp_path / "accuracy-items.json").read_text())
     assert [item["kind"] for item in items] == ["single", "cross", "dependent", "needle",
-                                                "same-shape"]
+                                                "same-shape", "argument"]
     for item in items:
         assert tuple(item["settings"]) == QUICK_SETTINGS
         assert item["prompt_tokens"] > 0
@@ -129,7 +132,8 @@ def test_accuracy_quick_scores_every_setting_and_kind(tmp_path, capsys):
     assert (tmp_path / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(goals(out)) == {ACCURACY_GOAL} | SEAM_GOALS
     data = json.loads((tmp_path / "accuracy.json").read_text())
-    assert [p["setting"] for p in data["cost"]["points"]] == list(QUICK_SETTINGS[1:])
+    assert [p["setting"] for p in data["cost"]["points"]] == list(QUICK_SETTINGS[1:]) + [
+        "cached+seams, seen before"]
     assert data["goals"][0]["name"] == ACCURACY_GOAL
 
 

@@ -319,3 +319,30 @@ def test_same_shape_is_deterministic_asks_both_attributes_and_needs_two_document
     assert {i.answer in qa.OCCUPATIONS for i in items} == {True, False}
     with pytest.raises(ValueError, match="docs_per_item"):
         qa.generate(1, kind="same-shape", docs_per_item=1)
+
+
+@pytest.mark.parametrize("mode", ["modules", "unions", "scaffold"])
+def test_argument_items_pass_each_profiles_name_as_an_argument_the_cached_text_lacks(mode):
+    """"argument" items: the subject of each profile is an argument in a parameter slot,
+    the facts use pronouns, so the cached text names no one; the request renders the
+    documents as the baseline sees them."""
+    items = qa.generate(4, seed=3, kind="argument", docs_per_item=3)
+    tok = WordTokenizer(max_positions=None)
+    schema = qa.build_schema(items, "qa", mode)
+    layout = lay_out(schema, tok)
+    for item in items:
+        people = [doc.argument for doc in item.documents]
+        assert all(people) and len(set(people)) == len(people)
+        assert people[item.answer_docs[-1]] in item.question
+        for doc in item.documents:
+            head, argument, tail = doc.parts()
+            assert head + argument + tail == doc.text and argument == doc.argument
+            assert not ANY_NAME.search(head + tail)         # only the argument names anyone
+        bound = bind(qa.build_prompt(item, "qa", mode), layout, tok)
+        text = bound.render()
+        assert all(doc.text in text for doc in item.documents)
+        arguments = [seg for seg in bound.uncached if seg.kind == "argument"]
+        assert [seg.text for seg in arguments] == people
+    params = [c for m in qa.build_schema(items[:1], "qa").children if isinstance(m, n.Module)
+              for c in m.children if isinstance(c, n.Param)]
+    assert [(p.name, p.length) for p in params] == [(qa.ARGUMENT_PARAM, qa.ARGUMENT_TOKENS)] * 3
