@@ -120,6 +120,12 @@ class LLM:
                 self._schemas[schema.name] = (schema, layout)
         return schema
 
+    def remove_schema(self, name: str) -> bool:
+        """Forget the schema registered as `name` (its units' KV stays in the store, under
+        keys of their own, until the store evicts it); False if none was."""
+        with self._lock:
+            return self._schemas.pop(name, None) is not None
+
     def layout(self, schema) -> SchemaLayout:
         """The layout of a registered schema (by name or node), memoised."""
         name = schema if isinstance(schema, str) else schema.name

@@ -51,3 +51,26 @@ def pytorch_kernels():
 
     with native.disabled():
         yield
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    """A randomly initialised 2-layer Llama with the default model's tokenizer, saved as
+    a local transformers folder: what `--model PATH` takes."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from promptlang import default_model
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=1024)
+    folder = tmp_path / "tiny"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    for path in default_model.default_tokenizer_dir().iterdir():
+        if path.is_file() and path.name != "config.json":     # keep the tiny config
+            shutil.copy(path, folder / path.name)
+    return folder

@@ -4,6 +4,7 @@
     promptlang compile FILE         @prompt functions -> PML                      (compile.py)
     promptlang pml check FILE...    PML only (the alias `check` dispatches to)    (pml.py)
     promptlang run SCHEMA PROMPT    answer a prompt from cached modules          (run.py)
+    promptlang serve                the OpenAI HTTP API over one engine          (serve.py)
     promptlang cache ls|clear       the KV store's disk tier                      (cache.py)
     promptlang bench ...            latency, memory, accuracy benchmarks          (bench.py)
 
@@ -23,11 +24,11 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from promptlang.cli import bench, cache, check, compile, pml, run
+from promptlang.cli import bench, cache, check, compile, pml, run, serve
 from promptlang.cli.pml import format_binding, format_layout     # noqa: F401 - public helpers
 from promptlang.errors import PromptLangError
 
-GROUPS = (check, compile, pml, run, cache, bench)     # in the order `--help` lists them
+GROUPS = (check, compile, pml, run, serve, cache, bench)     # in the order `--help` lists them
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,73 @@
+"""`promptlang serve`: the OpenAI HTTP API over one engine (promptlang/server/).
+
+    promptlang serve [--model PATH] [--host 127.0.0.1] [--port 8000]
+                     [--schemas DIR_OR_FILE ...] [--api-key KEY] [--max-queue N]
+                     [--recompute POLICY] [--model-name NAME]
+
+Loads the model once, registers the schemas and @prompt functions named, and serves until
+SIGINT or SIGTERM (requests in flight finish first). FastAPI, uvicorn and the runtime are
+imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+API_KEY_ENV = "PROMPTLANG_API_KEY"
+
+
+def register(subparsers: Any) -> None:
+    serve = subparsers.add_parser(
+        "serve", help="serve the OpenAI HTTP API (chat, completions, PML)",
+        description="An OpenAI-compatible server: /v1/models, /v1/chat/completions, "
+                    "/v1/completions (with stream), /health, /metrics. PML prompts and "
+                    "@prompt functions travel in the `promptlang` extension field "
+                    "(docs/SERVING.md). Binds 127.0.0.1 unless --host says otherwise.")
+    serve.add_argument("--model", metavar="PATH",
+                       help="transformers model folder (default: the embedded SmolLM2-135M)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--schemas", nargs="+", default=[], metavar="DIR_OR_FILE",
+                       help=".pml schema files, folders of them, or Python files of @prompt "
+                            "functions (imported: their top-level code runs)")
+    serve.add_argument("--api-key", metavar="KEY",
+                       help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
+    serve.add_argument("--max-queue", type=int, default=64, metavar="N",
+                       help="requests that may wait for the engine; more get 429 (default 64)")
+    serve.add_argument("--recompute", metavar="POLICY", default=None,
+                       help="the default recompute policy (default seams; docs/RECOMPUTE.md)")
+    serve.add_argument("--model-name", metavar="NAME", default=None,
+                       help="the model id clients send and /v1/models lists (default: the "
+                            "model's name)")
+    serve.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from promptlang.runtime import engine
+    from promptlang.server.load import load_schemas, serve
+
+    if not 0 < args.port < 65536:
+        print(f"promptlang serve: --port must be 1-65535, not {args.port}", file=sys.stderr)
+        return 2
+    if args.max_queue < 1:
+        print("promptlang serve: --max-queue must be at least 1", file=sys.stderr)
+        return 2
+    options = {} if args.recompute is None else {"recompute": args.recompute}
+    llm = engine.load(args.model, **options)
+    functions = load_schemas(llm, args.schemas)
+    name = args.model_name or _model_name(llm, args.model)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    print(f"promptlang serve: {name} on http://{args.host}:{args.port}/v1 "
+          f"({len(functions)} @prompt functions)", file=sys.stderr)
+    serve(llm, functions=functions, host=args.host, port=args.port, api_key=api_key,
+          model_name=name, max_queue=args.max_queue)
+    return 0
+
+
+def _model_name(llm, model: str | None) -> str:
+    if model:
+        return os.path.basename(os.path.normpath(str(model))) or str(model)
+    return getattr(llm.tokenizer, "name", None) or "smollm2-135m-instruct"

@@ -1,0 +1,80 @@
+"""What `promptlang serve --schemas` names, registered on an engine; and `serve` itself.
+
+A `.pml` file holds one schema; a folder is every `.pml` file in it (not below it); a `.py`
+file is compiled like `promptlang compile` does (it runs: its top-level code executes) and
+its @prompt functions are served by name, each schema registered up front. Any error is a
+located PromptLangError, raised before the server starts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from promptlang.errors import PromptLangError
+
+DEFAULT_HOST = "127.0.0.1"       # loopback unless told otherwise
+DEFAULT_PORT = 8000
+
+
+def load_schemas(llm, sources: Sequence[str | os.PathLike]) -> dict[str, Any]:
+    """Register the schemas `sources` name on `llm`; returns the @prompt functions found,
+    by name."""
+    from promptlang.pml import nodes
+    from promptlang.pml.parser import parse_file
+
+    functions: dict[str, Any] = {}
+    for source in sources:
+        path = Path(source)
+        if path.is_dir():
+            files = sorted(p for p in path.glob("*.pml") if p.is_file())
+            if not files:
+                raise PromptLangError(f"{path}: no .pml files in this folder")
+        else:
+            files = [path]
+        for file in files:
+            if file.suffix == ".py":
+                functions.update(_functions(llm, file))
+                continue
+            parsed = parse_file(file)
+            if not isinstance(parsed, nodes.Schema):
+                raise PromptLangError(f"{file} holds a prompt, not a schema", parsed.span)
+            llm.add_schema(parsed)
+            llm.layout(parsed.name)          # fits the model: fail now, not per request
+    return functions
+
+
+def _functions(llm, path: Path) -> dict[str, Any]:
+    from promptlang.cli.pyfile import compile_file
+    from promptlang.compiler.diagnostics import CompileError, errors
+
+    compiled = compile_file(str(path))
+    if errors(compiled.diagnostics):
+        raise CompileError(compiled.diagnostics)
+    found = {}
+    for fn in compiled.functions:
+        name = fn.__name__
+        if name in found:
+            raise PromptLangError(f"{path}: two @prompt functions are named {name!r}")
+        llm.add_schema(fn.schema)
+        found[name] = fn
+    return found
+
+
+def serve(llm, *, functions=None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+          api_key: str | None = None, model_name: str = "promptlang", max_queue: int = 64,
+          log_level: str = "info") -> None:
+    """Serve `llm` over HTTP until SIGINT/SIGTERM (in-flight requests finish first)."""
+    import uvicorn
+
+    from promptlang.server.app import create_app
+
+    app = create_app(llm, functions=functions, model_name=model_name, api_key=api_key,
+                     max_queue=max_queue)
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        print(f"promptlang serve: listening on {host} with no --api-key: anyone who can "
+              "reach it can use the model", file=sys.stderr)
+    uvicorn.run(app, host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=60)

@@ -1,0 +1,173 @@
+"""What an OpenAI-style request asks for, as a prompt the engine serves.
+
+Four ways in, by what the request carries:
+
+- the `promptlang` extension field (clients send it with the `openai` client's
+  `extra_body`) with `pml`: a PML `<prompt>` against a registered schema, parsed here with
+  the request as its file name, so its errors are located (`<request>:1:20: ...`);
+- the extension field with `function` and `args`: a registered @prompt function called
+  by name with keyword arguments (its schema is registered on first use);
+- chat `messages` alone: the conversation as a schema of its own (`ChatSchemas`): the system
+  text is the schema's anonymous text and every message but the last is a module, so a
+  later turn of the same conversation reuses them (module KV, and exact reuse of the
+  sequence: docs/RECOMPUTE.md); the last message and the assistant's opening are new text;
+- completions `prompt` text alone: new text against an empty schema (nothing to reuse).
+
+Message contents and arguments are data: they become `Text` nodes, never markup, and the
+tokenizer splits control-token strings in them into plain text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from promptlang.errors import PromptLangError
+from promptlang.pml import nodes
+
+ROLES = ("system", "user", "assistant")
+REQUEST_FILE = "<request>"           # the file name of a request's PML in located errors
+COMPLETION_SCHEMA = "promptlang-completions"
+
+
+class RequestError(PromptLangError):
+    """A request that names something unknown or is malformed (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+class ChatSchemas:
+    """The schemas of plain chat requests: one per conversation prefix, at most `limit`
+    registered (the least recently used is dropped from this table; its KV stays in the
+    store, under keys of its own tokens, until the store evicts it)."""
+
+    def __init__(self, llm, limit: int = 256):
+        self.llm = llm
+        self.limit = limit
+        self._names: OrderedDict[str, None] = OrderedDict()
+
+    def prompt(self, messages: Sequence[Message]) -> nodes.PromptDoc:
+        """The prompt for `messages`: every message before the last imported as a module of
+        the conversation's schema, the last one as new text, then the assistant's opening."""
+        if not messages:
+            raise RequestError("messages is empty: a chat request needs at least one message")
+        system = [m for m in messages if m.role == "system"]
+        turns = [m for m in messages if m.role != "system"]
+        if system and messages[0].role != "system" or len(system) > 1:
+            raise RequestError("a system message may only come first, once")
+        if not turns:
+            raise RequestError("the messages hold no user or assistant turn")
+        earlier, last = turns[:-1], turns[-1]
+        head: list[nodes.SchemaChild] = []
+        if system:
+            head = [nodes.RoleOpen("system"), nodes.Text(system[0].content),
+                    nodes.RoleClose("system")]
+        modules = [nodes.Module(f"m{i}", (nodes.RoleOpen(m.role), nodes.Text(m.content),
+                                          nodes.RoleClose(m.role)))
+                   for i, m in enumerate(earlier)]
+        digest = hashlib.sha256(repr([(m.role, m.content) for m in messages[:-1]])
+                                .encode()).hexdigest()[:24]
+        name = f"chat-{digest}"
+        self._register(nodes.Schema(name, tuple(head + modules)))
+        body: list[nodes.PromptChild] = [nodes.ModuleRef(m.name) for m in modules]
+        body += [nodes.RoleOpen(last.role), nodes.Text(last.content), nodes.RoleClose(last.role)]
+        if last.role != "assistant":
+            body.append(nodes.RoleOpen("assistant"))
+        else:                        # continue the assistant's message: reopen no turn
+            body.pop()
+        return nodes.PromptDoc(name, tuple(body))
+
+    def _register(self, schema: nodes.Schema) -> None:
+        if schema.name in self._names:
+            self._names.move_to_end(schema.name)
+            return
+        self.llm.add_schema(schema)
+        self._names[schema.name] = None
+        while len(self._names) > self.limit:
+            old, _ = self._names.popitem(last=False)
+            self.llm.remove_schema(old)
+
+
+def parse_messages(raw: Any) -> list[Message]:
+    """OpenAI chat messages -> Messages (text content only)."""
+    if not isinstance(raw, list):
+        raise RequestError("messages must be a list of {role, content} objects")
+    out = []
+    for i, message in enumerate(raw):
+        if not isinstance(message, Mapping):
+            raise RequestError(f"messages[{i}] must be an object with role and content")
+        role, content = message.get("role"), message.get("content")
+        if role == "developer":                  # the newer name of the system role
+            role = "system"
+        if role not in ROLES:
+            raise RequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}, "
+                               f"not {role!r}")
+        out.append(Message(role, _text_content(content, f"messages[{i}].content")))
+    return out
+
+
+def _text_content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):                # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise RequestError(f"{where}[{j}] must be a text part "
+                                   "({'type': 'text', 'text': ...}); nothing else is served")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise RequestError(f"{where} must be a string or a list of text parts")
+
+
+def completion_prompt(llm, text: Any) -> nodes.PromptDoc:
+    """A completions request's `prompt`: new text against an empty schema."""
+    if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
+        text = text[0]
+    if not isinstance(text, str):
+        raise RequestError("prompt must be a string (one prompt per request: n=1)")
+    if not text:
+        raise RequestError("prompt is empty: nothing to complete")
+    llm.add_schema(nodes.Schema(COMPLETION_SCHEMA, ()))
+    return nodes.PromptDoc(COMPLETION_SCHEMA, (nodes.Text(text),))
+
+
+def extension_prompt(ext: Any, functions: Mapping[str, Any]):
+    """The prompt the `promptlang` extension field names: a PromptDoc (from `pml`) or a
+    compiled Prompt (from `function` and `args`)."""
+    from promptlang.pml.parser import parse_prompt
+
+    if not isinstance(ext, Mapping):
+        raise RequestError("the promptlang field must be an object with pml, or function "
+                           "and args")
+    unknown = set(ext) - {"pml", "function", "args", "recompute"}
+    if unknown:
+        raise RequestError(f"unknown promptlang field(s) {sorted(unknown)}: expected pml, "
+                           "or function and args, and optionally recompute")
+    if ("pml" in ext) == ("function" in ext):
+        raise RequestError("the promptlang field needs exactly one of pml or function")
+    if "pml" in ext:
+        if not isinstance(ext["pml"], str):
+            raise RequestError("promptlang.pml must be a string holding a <prompt>")
+        return parse_prompt(ext["pml"], file=REQUEST_FILE)
+    name, args = ext["function"], ext.get("args", {})
+    fn = functions.get(name) if isinstance(name, str) else None
+    if fn is None:
+        known = ", ".join(sorted(functions)) or "none are registered (serve --schemas app.py)"
+        raise RequestError(f"unknown @prompt function {name!r} (known: {known})")
+    if not isinstance(args, Mapping):
+        raise RequestError("promptlang.args must be an object of keyword arguments")
+    if fn.generates:
+        raise RequestError(f"{name} calls gen() or select(): programs are run with fn.run() "
+                           "in Python, not served yet")
+    try:
+        return fn(**args)
+    except TypeError as error:                   # missing or unexpected arguments
+        raise RequestError(f"{name}: {error}") from None

@@ -1,0 +1,81 @@
+"""`promptlang serve` as a user runs it: a process on a free loopback port, a tiny local
+model with the default tokenizer, a PML schema from --schemas; SIGTERM lets the request in
+flight finish, then the process ends (by the signal, as uvicorn re-raises it after a graceful
+shutdown). Every wait is bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 120.0
+TIMEOUT = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the server exited with {process.returncode}: "
+                                 f"{process.stderr.read()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if json.loads(response.read()) == {"status": "ok"}:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError("the server did not become healthy in time")
+
+
+def test_serve_answers_pml_and_drains_the_stream_in_flight_on_sigterm(tmp_path,
+                                                                     tiny_model_dir):
+    port = free_port()
+    env = dict(os.environ, PROMPTLANG_HOME=str(tmp_path / "home"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "promptlang", "serve", "--model", str(tiny_model_dir),
+         "--port", str(port), "--schemas", str(ROOT / "examples" / "pml" / "travel.pml"),
+         "--model-name", "tiny"],
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=TIMEOUT,
+                               max_retries=0)
+        pml = (ROOT / "examples" / "pml" / "travel-prompt.pml").read_text()
+        reply = client.chat.completions.create(model="tiny", messages=[], max_tokens=3,
+                                               temperature=0,
+                                               extra_body={"promptlang": {"pml": pml}})
+        assert reply.usage.prompt_tokens_details.cached_tokens > 0
+        stream = client.completions.create(model="tiny", prompt="Count on and on:",
+                                           max_tokens=300, temperature=0, stream=True)
+        chunks = iter(stream)
+        next(chunks)
+        process.send_signal(signal.SIGTERM)          # mid-stream: the stream still ends
+        rest = list(chunks)
+        assert rest and rest[-1].choices[0].finish_reason in ("length", "stop")
+        # uvicorn re-raises the signal once it has shut down gracefully
+        assert process.wait(TIMEOUT) in (0, -signal.SIGTERM)
+        assert "Finished server process" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(TIMEOUT)

@@ -1,0 +1,348 @@
+"""`promptlang serve` end to end: a real uvicorn server on a free loopback port, spoken to
+with the `openai` client (and raw HTTP where a client would not send it). Every request has a
+timeout and every loop a bound; the server only ever listens on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from promptlang.runtime.engine import LLM                     # noqa: E402
+from promptlang.runtime.store import ModuleStore              # noqa: E402
+from promptlang.server.app import create_app                  # noqa: E402
+from promptlang.tokenizer import WordTokenizer                # noqa: E402
+
+from tests.runtime.tiny import tiny_llama                      # noqa: E402
+
+VOCAB = 1000
+TIMEOUT = 60.0            # seconds for any one request
+SCHEMA = """\
+<schema name="docs">
+  <system>You answer questions about the documents.</system>
+  <module name="intro">An introduction of several words here.</module>
+  <module name="guide">The guide covers <param name="topic" len="3"/> in depth.</module>
+  <user>
+</schema>
+"""
+PML = '<prompt schema="docs"><intro/><guide topic="parsing"/>Explain it.</user></prompt>'
+
+
+class Server:
+    """A uvicorn server for `app` on 127.0.0.1, on a thread; stopped by `stop()`."""
+
+    def __init__(self, app):
+        self.config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                     lifespan="on")
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, api_key: str = "none") -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, timeout=TIMEOUT,
+                             max_retries=0)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(7, VOCAB)
+
+
+def make_llm(model) -> LLM:
+    """An engine whose store has no disk tier: nothing from other runs is served."""
+    llm = LLM.from_model(model, WordTokenizer(VOCAB, bos=True),
+                         store=ModuleStore(disk_budget_bytes=0))
+    llm.add_schema(SCHEMA)
+    return llm
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    llm = make_llm(model)
+    server = Server(create_app(llm, model_name="tiny"))
+    yield server, llm
+    server.stop()
+
+
+def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+# --- the API -------------------------------------------------------------------------------
+
+def test_models_lists_the_one_model_served(served):
+    server, _ = served
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert server.client().models.retrieve("tiny").id == "tiny"
+
+
+def test_chat_completion_answers_with_usage_and_the_same_tokens_as_the_engine(served):
+    server, llm = served
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Say something about words."}]
+    reply = server.client().chat.completions.create(model="tiny", messages=messages,
+                                                    max_tokens=5, temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens <= 5 and reply.usage.prompt_tokens > 0
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    # the same request straight on the engine: the same text (greedy)
+    from promptlang.server.prompts import ChatSchemas, parse_messages
+
+    local = llm.generate(ChatSchemas(llm).prompt(parse_messages(messages)),
+                         max_new_tokens=5, temperature=0)
+    assert choice.message.content == local.text
+
+
+def test_a_later_turn_reuses_the_earlier_messages_as_cached_tokens(served):
+    server, _ = served
+    client = server.client()
+    history = [{"role": "system", "content": "You help with words."},
+               {"role": "user", "content": "Tell me about the first document."}]
+    first = client.chat.completions.create(model="tiny", messages=history, max_tokens=3,
+                                           temperature=0)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And the second one?"}]
+    second = client.chat.completions.create(model="tiny", messages=history, max_tokens=3,
+                                            temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_streamed_chat_sends_deltas_then_done_with_usage(served):
+    server, _ = served
+    stream = server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Stream some words."}],
+        max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in ("stop", "length") and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens <= 6
+    whole = server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Stream some words."}],
+        max_tokens=6, temperature=0)
+    assert text == whole.choices[0].message.content
+
+
+def test_completions_stream_and_not(served):
+    server, _ = served
+    client = server.client()
+    plain = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=4,
+                                      temperature=0)
+    assert plain.object == "text_completion" and plain.usage.completion_tokens <= 4
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=4, temperature=0, stream=True))
+    assert streamed == plain.choices[0].text
+
+
+def test_pml_in_the_extension_field_is_served_from_cached_modules(served):
+    server, llm = served
+
+    def ask():
+        return server.client().chat.completions.create(
+            model="tiny", messages=[], max_tokens=4, temperature=0,
+            extra_body={"promptlang": {"pml": PML}})
+    first = ask()          # a new combination: guide, which missed intro, is recomputed
+    local = llm.generate(PML, max_new_tokens=4, temperature=0)     # seen before: exact units
+    again = ask()
+    assert first.choices[0].message.content == again.choices[0].message.content == local.text
+    assert again.usage.prompt_tokens_details.cached_tokens == local.cached_tokens > \
+        first.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens == \
+        local.cached_tokens + local.prefill_tokens
+
+
+def test_a_prompt_function_is_called_by_name(model):
+    from promptlang import prompt, user
+
+    @prompt
+    def ask(topic: str):
+        """Asks about a topic."""
+        "Documents about many things.\n"
+        with user():
+            f"Tell me about {topic}."
+
+    llm = make_llm(model)
+    server = Server(create_app(llm, functions={"ask": ask}, model_name="tiny"))
+    try:
+        reply = server.client().chat.completions.create(
+            model="tiny", messages=[], max_tokens=3, temperature=0,
+            extra_body={"promptlang": {"function": "ask", "args": {"topic": "words"}}})
+        assert reply.choices[0].message.content == llm.generate(
+            ask(topic="words"), max_new_tokens=3, temperature=0).text
+        with pytest.raises(openai.BadRequestError, match="unknown @prompt function 'nope'"):
+            server.client().chat.completions.create(
+                model="tiny", messages=[], extra_body={"promptlang": {"function": "nope"}})
+    finally:
+        server.stop()
+
+
+# --- errors --------------------------------------------------------------------------------
+
+def test_malformed_json_is_a_400_with_an_openai_error_object(served):
+    server, _ = served
+    status, body = post(server.url + "/v1/chat/completions", b'{"model": "tiny", "messa')
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_pml_errors_are_400s_with_the_located_message(served):
+    server, _ = served
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=[], extra_body={
+            "promptlang": {"pml": '<prompt schema="docs"><nowhere/>Hi</user></prompt>'}})
+    assert "<request>:1:" in str(caught.value) and "nowhere" in str(caught.value)
+    with pytest.raises(openai.BadRequestError, match="schema"):
+        client.chat.completions.create(model="tiny", messages=[], extra_body={
+            "promptlang": {"pml": '<prompt schema="missing">Hi</prompt>'}})
+    with pytest.raises(openai.BadRequestError, match="exactly one of pml or function"):
+        client.chat.completions.create(model="tiny", messages=[],
+                                       extra_body={"promptlang": {}})
+
+
+def test_a_prompt_longer_than_the_context_is_a_400(served):
+    server, llm = served
+    words = " ".join(["word"] * (llm.max_positions + 10))
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model="tiny", prompt=words, max_tokens=2)
+
+
+def test_bad_fields_and_another_model_are_refused(served):
+    server, _ = served
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.chat.completions.create(model="tiny", n=2,
+                                       messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="tiny", temperature=-1,
+                                       messages=[{"role": "user", "content": "x"}])
+
+
+def test_an_api_key_is_required_when_set(model):
+    server = Server(create_app(make_llm(model), model_name="tiny", api_key="sekret"))
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            server.client("wrong").models.list()
+        assert [m.id for m in server.client("sekret").models.list().data] == ["tiny"]
+        with urllib.request.urlopen(server.url + "/health", timeout=TIMEOUT) as response:
+            assert json.loads(response.read()) == {"status": "ok"}
+    finally:
+        server.stop()
+
+
+class Gate:
+    """Holds the engine thread inside a request until released (bounded wait)."""
+
+    def __init__(self, llm):
+        self.entered, self.release = threading.Event(), threading.Event()
+        real = llm.generate
+
+        def held(*args, **kwargs):
+            self.entered.set()
+            self.release.wait(TIMEOUT)
+            return real(*args, **kwargs)
+        llm.generate = held
+
+
+def test_a_full_queue_answers_429(model):
+    llm = make_llm(model)
+    gate = Gate(llm)
+    server = Server(create_app(llm, model_name="tiny", max_queue=1))
+    body = json.dumps({"model": "tiny", "prompt": "one two", "max_tokens": 1}).encode()
+    results: list = []
+    try:
+        threads = [threading.Thread(target=lambda: results.append(
+            post(server.url + "/v1/completions", body))) for _ in range(2)]
+        threads[0].start()
+        assert gate.entered.wait(TIMEOUT)           # one running...
+        threads[1].start()
+        deadline = time.monotonic() + TIMEOUT       # ...and one waiting: the queue is full
+        while server.server.config.app.state.promptlang.worker.queue_length < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        status, error = post(server.url + "/v1/completions", body)
+        assert status == 429 and error["error"]["type"] == "rate_limit_error"
+        gate.release.set()
+        for thread in threads:
+            thread.join(TIMEOUT)
+        assert sorted(status for status, _ in results) == [200, 200]
+    finally:
+        gate.release.set()
+        server.stop()
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_buffer(model):
+    llm = make_llm(model)
+    server = Server(create_app(llm, model_name="tiny"))
+    try:
+        state = server.server.config.app.state.promptlang
+        stream = server.client().completions.create(model="tiny", prompt="go on and on",
+                                                    max_tokens=400, temperature=0,
+                                                    stream=True)
+        next(iter(stream))
+        stream.close()                                    # the client goes away
+        deadline = time.monotonic() + TIMEOUT
+        while state.worker.stats.cancelled < 1 or state.worker.busy:
+            assert time.monotonic() < deadline, "the engine kept decoding for nobody"
+            time.sleep(0.05)
+        assert llm.assembler.in_use_bytes == 0            # the buffer is back in the pool
+        reply = server.client().completions.create(model="tiny", prompt="again",
+                                                   max_tokens=2)
+        assert reply.usage.completion_tokens <= 2
+    finally:
+        server.stop()
+
+
+def test_metrics_count_requests_tokens_and_cache_hits(served):
+    server, _ = served
+    server.client().chat.completions.create(model="tiny", messages=[], max_tokens=2,
+                                            extra_body={"promptlang": {"pml": PML}})
+    with urllib.request.urlopen(server.url + "/metrics", timeout=TIMEOUT) as response:
+        text = response.read().decode()
+    assert 'promptlang_requests_total{endpoint="chat",status="200"}' in text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["promptlang_cached_tokens_total"] > 0
+    assert values["promptlang_queue_length"] == 0
+    assert sum(v for k, v in values.items() if k.startswith("promptlang_store_hits_total")) > 0
+
+
+def test_the_server_binds_loopback_by_default():
+    from promptlang.cli import build_parser
+    from promptlang.server.load import DEFAULT_HOST
+
+    args = build_parser().parse_args(["serve"])
+    assert args.host == DEFAULT_HOST == "127.0.0.1" and args.port == 8000
