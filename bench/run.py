@@ -139,6 +139,27 @@ def _accuracy_options(args):
         "resamples": "resamples"})
 
 
+def _serve_options(args):
+    from promptlang.bench.serve import ServeOptions
+
+    return _options(ServeOptions, args, {"clients": "clients", "requests": "requests",
+                                         "max_tokens": "max_tokens"})
+
+
+def _run_serve(run: _Run):
+    from promptlang.bench import serve
+    from promptlang.bench.report import render_markdown, render_text, write_csv, \
+        write_json
+
+    report = serve.run_serve(run.llm, _serve_options(run.args), model_name=run.model_name)
+    parts = serve.sections(report)
+    print(render_text(parts))
+    run.write("serve.csv", lambda p: write_csv(p, [level.row() for level in report.levels]))
+    run.write("serve.json", lambda p: write_json(p, serve.to_json(report)))
+    run.write("serve.md", lambda p: p.write_text(render_markdown(parts)))
+    return report, parts
+
+
 def _run_latency(run: _Run):
     from promptlang.bench import latency, rag
     from promptlang.bench.report import render_markdown, render_text, write_csv, \
@@ -286,7 +307,7 @@ def _done(run: _Run) -> None:
 
 
 COMMANDS = {"latency": _one(_run_latency), "memory": _one(_run_memory),
-            "accuracy": _one(_run_accuracy), "all": _all}    # name -> runner(args, command)
+            "accuracy": _one(_run_accuracy), "serve": _one(_run_serve), "all": _all}    # name -> runner(args, command)
 
 
 def _say(message: str) -> None:

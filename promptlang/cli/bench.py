@@ -10,7 +10,9 @@
                               [--no-scaffold] [--no-isolate] [--no-bf16] [--workers N]
                               [--cost-tokens N] [--cost-repeats R]
                               [--resamples B]
-    promptlang bench all      (the three, one model load, one folder, one report.md)
+    promptlang bench serve    [--clients 1,4,16,32] [--requests N] [--max-tokens N]
+    promptlang bench all      (latency, memory, accuracy: one model load, one folder,
+                              one report.md)
 
 Every command takes --quick (tiny sizes, for tests), --out DIR (default bench-out/),
 --model PATH_OR_ID (default: the embedded SmolLM2-135M) and --no-progress. Tables go
@@ -114,6 +116,14 @@ def register(subparsers: Any) -> None:
                           help="bootstrap resamples of the items for the paired intervals "
                                "(default 2000)")
 
+    serve = argparse.ArgumentParser(add_help=False)
+    serve.add_argument("--clients", type=_int_list, metavar="N,N,...",
+                       help="concurrent clients per level (default 1,4,16,32)")
+    serve.add_argument("--requests", type=_positive, metavar="N",
+                       help="requests per client per level (default 4)")
+    serve.add_argument("--max-tokens", type=_positive, metavar="N",
+                       help="new tokens per request (default 32)")
+
     for name, parents, func, short, text in (
             ("latency", [common, latency], _handler("latency"),
              "time to first token, baseline vs cached",
@@ -135,7 +145,13 @@ def register(subparsers: Any) -> None:
              "first-token KL from the baseline, each setting against the baseline with "
              "paired bootstrap intervals; the TTFT of "
              "every setting at ~6k tokens, accuracy.png and the issue-8 goal."),
-            ("all", [common, latency, accuracy], _handler("all"), "all three into one folder",
+            ("serve", [common, serve], _handler("serve"), "the OpenAI server under load",
+             "promptlang serve's API on 127.0.0.1 under 1, 4, 16 and 32 concurrent "
+             "`openai` clients (streaming; RAG through the promptlang field and plain "
+             "chat): TTFT p50/p99, time per token, aggregate tokens/s, requests lost, "
+             "answers equal to the request served alone, and the serving goals."),
+            ("all", [common, latency, accuracy], _handler("all"),
+             "latency, memory and accuracy into one folder",
              "memory, latency and accuracy in one run (about 20 minutes on 2 cores at the "
              "defaults), into one folder with a report.md of every table.")):
         command = commands.add_parser(name, parents=parents, help=short, description=text)

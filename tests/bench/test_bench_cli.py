@@ -226,3 +226,25 @@ def test_all_quick_runs_on_another_local_model(tmp_path, capsys, tiny_model_dir)
     assert any(row["model"].endswith("(this run)") for row in data["table"])
     assert len(read_csv(tmp_path / "run" / "latency.csv")) == 3
     assert set(goals(out)) == LATENCY_GOALS | {MEMORY_GOAL, ACCURACY_GOAL} | SEAM_GOALS
+
+
+SERVE_GOALS = {"tokens/s at 16 clients >= 5x one client's",
+               "TTFT p50 at 4 clients <= 2x one client's", "no request lost",
+               "every answer equals the request served alone (greedy)"}
+
+
+def test_serve_quick_loads_a_real_server_and_loses_nothing(tmp_path, capsys, tiny_model_dir):
+    out = bench(capsys, "serve", "--out", str(tmp_path), "--model", str(tiny_model_dir),
+                "--clients", "1,2")
+    rows = read_csv(tmp_path / "serve.csv")
+    assert [r["clients"] for r in rows] == ["1", "2"]
+    for row in rows:
+        assert row["lost"] == "0" and row["answered"] == row["sent"] == row["identical"]
+        assert float(row["tokens/s"]) > 0 and float(row["ttft p50 ms"]) > 0
+    verdicts = goals(out)
+    assert set(verdicts) == SERVE_GOALS
+    assert verdicts["no request lost"] == "PASS"
+    assert verdicts["every answer equals the request served alone (greedy)"] == "PASS"
+    assert verdicts["tokens/s at 16 clients >= 5x one client's"] == "N/A"    # no 16 here
+    data = json.loads((tmp_path / "serve.json").read_text())
+    assert [level["clients"] for level in data["levels"]] == [1, 2]

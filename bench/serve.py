@@ -1,0 +1,305 @@
+"""`promptlang bench serve`: the OpenAI server under load, measured with the `openai` client.
+
+The server (promptlang/server/) runs in this process on a thread, on 127.0.0.1 and a free
+port, over the already loaded model; the clients are threads, each with its own `openai`
+client, streaming. The workload mixes two kinds of request, in turns:
+
+  rag   k of N documents (bench/rag.py's generator) through the `promptlang` extension
+        field, then a question about one of them
+  chat  a plain chat request (system text and one user message)
+
+drawn from a fixed set of `distinct` requests. Before the timed levels every distinct
+request is served once alone (greedy): the reference answer, and its modules' KV (and exact
+entries, under the default recompute policy) are stored, so the levels measure serving.
+
+For each level of concurrency (1, 4, 16, 32 clients; 1 and 2 with --quick) every client
+sends `requests` requests one after another; a level stops early at `level_timeout`
+seconds (what was not sent counts as not sent, not as lost). Per level: requests answered
+and lost (an exception, or a stream without its end), TTFT p50 and p99 (to the first
+generated text), the time per output token after the first (median over requests),
+aggregate output tokens per second (all tokens over the level's wall time), and how many
+answers equal the reference. Goals (issue 18): aggregate tokens/s at 16 clients >= 5x one
+client's; TTFT p50 at 4 clients <= 2x one client's; no request lost; every answer equal to
+the request served alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from promptlang.bench import qa
+from promptlang.bench.rag import build_prompt, build_schema, plan_requests
+from promptlang.bench.report import Goal, Section
+
+THROUGHPUT_CLIENTS, THROUGHPUT_GOAL = 16, 5.0     # tokens/s at 16 clients >= 5x one client's
+TTFT_CLIENTS, TTFT_GOAL = 4, 2.0                  # TTFT p50 at 4 clients <= 2x one client's
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    clients: tuple[int, ...] = (1, 4, 16, 32)
+    requests: int = 4                # per client per level
+    distinct: int = 8                # distinct requests the clients draw from
+    docs: int = 8                    # RAG documents in the schema
+    k: int = 4                       # documents per RAG request
+    doc_tokens: int = 300
+    max_tokens: int = 32
+    level_timeout: float = 600.0     # seconds per level, at most
+    request_timeout: float = 300.0   # seconds per request, at most
+
+    @classmethod
+    def quick(cls) -> "ServeOptions":
+        return cls(clients=(1, 2), requests=2, distinct=3, docs=3, k=2, doc_tokens=24,
+                   max_tokens=4, level_timeout=120.0, request_timeout=60.0)
+
+
+@dataclass
+class Sample:
+    ttft: float | None
+    seconds: float
+    tokens: int
+    text: str
+    lost: str | None = None          # why it was lost (None: answered)
+
+
+@dataclass
+class Level:
+    clients: int
+    wall: float
+    samples: list[Sample] = field(default_factory=list)
+    sent: int = 0
+    identical: int = 0
+
+    def answered(self) -> list[Sample]:
+        return [s for s in self.samples if s.lost is None]
+
+    def tokens_per_s(self) -> float:
+        return sum(s.tokens for s in self.answered()) / self.wall if self.wall > 0 else 0.0
+
+    def ttft(self, q: float) -> float | None:
+        times = sorted(s.ttft for s in self.answered() if s.ttft is not None)
+        if not times:
+            return None
+        return times[min(len(times) - 1, int(q * len(times)))] if q < 1 else times[-1]
+
+    def per_token(self) -> float | None:
+        rates = [(s.seconds - s.ttft) / (s.tokens - 1) for s in self.answered()
+                 if s.ttft is not None and s.tokens > 1]
+        return statistics.median(rates) if rates else None
+
+    def row(self) -> dict[str, Any]:
+        answered = self.answered()
+        ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
+        return {"clients": self.clients, "sent": self.sent, "answered": len(answered),
+                "lost": len(self.samples) - len(answered), "ttft p50 ms": ms(self.ttft(0.5)),
+                "ttft p99 ms": ms(self.ttft(0.99)), "ms/token": ms(self.per_token()),
+                "tokens/s": round(self.tokens_per_s(), 2), "identical": self.identical,
+                "wall s": round(self.wall, 2)}
+
+
+@dataclass
+class ServeReport:
+    options: ServeOptions
+    model: str
+    levels: list[Level] = field(default_factory=list)
+    reference_seconds: float = 0.0
+    goals: list[Goal] = field(default_factory=list)
+
+
+def run_serve(llm, options: ServeOptions = ServeOptions(), *, model_name: str = "") -> ServeReport:
+    """Start the server on `llm`, serve the reference requests, then each level."""
+    import openai
+
+    from promptlang.server.app import create_app
+
+    report = ServeReport(options, model_name)
+    bodies = _workload(llm, options)
+    server = _Server(create_app(llm, model_name="bench", max_queue=max(options.clients) + 1))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none",
+                               timeout=options.request_timeout, max_retries=0)
+        began = time.perf_counter()
+        references = [_one(client, body).text for body in bodies]
+        report.reference_seconds = time.perf_counter() - began
+        for clients in options.clients:
+            report.levels.append(_level(server.url, bodies, references, clients, options))
+    finally:
+        server.stop()
+    report.goals = goals(report)
+    return report
+
+
+def _workload(llm, options: ServeOptions) -> list[dict]:
+    """The distinct request bodies (keyword arguments of chat.completions.create)."""
+    from promptlang.bench.latency.sweep import document
+
+    texts, questions = [], []
+    for i in range(options.docs):
+        text, item = document(llm.tokenizer, options.doc_tokens, seed=9000 + i)
+        texts.append(text)
+        questions.append(item.question)
+    schema = build_schema(texts, "serve-bench")
+    llm.add_schema(schema)
+    from promptlang.pml.writer import write
+
+    plan = plan_requests(options.docs, options.k, options.distinct, seed=1)
+    bodies = []
+    for j, request in enumerate(plan):
+        if j % 2 == 0:
+            pml = write(build_prompt(request.docs, questions[request.question_of],
+                                     "serve-bench"))
+            bodies.append({"messages": [], "extra_body": {"promptlang": {"pml": pml}}})
+        else:
+            bodies.append({"messages": [
+                {"role": "system", "content": qa.SYSTEM_PROMPT},
+                {"role": "user", "content": f"{texts[request.question_of]}\n\n"
+                                            f"Question: {questions[request.question_of]}"}]})
+    for body in bodies:
+        body.update(model="bench", max_tokens=options.max_tokens, temperature=0)
+    return bodies
+
+
+def _one(client, body: dict) -> Sample:
+    """One streamed request: its TTFT, total time, tokens and text (or why it was lost)."""
+    began = time.perf_counter()
+    ttft, parts, tokens, finished = None, [], 0, False
+    try:
+        stream = client.chat.completions.create(stream=True,
+                                                stream_options={"include_usage": True},
+                                                **body)
+        for chunk in stream:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    if ttft is None:
+                        ttft = time.perf_counter() - began
+                    parts.append(choice.delta.content)
+                if choice.finish_reason is not None:
+                    finished = True
+    except Exception as error:          # a lost request: counted, never raised
+        return Sample(ttft, time.perf_counter() - began, tokens, "".join(parts),
+                      f"{type(error).__name__}: {error}")
+    lost = None if finished else "the stream ended without a finish reason"
+    return Sample(ttft, time.perf_counter() - began, tokens, "".join(parts), lost)
+
+
+def _level(url: str, bodies: Sequence[dict], references: Sequence[str], clients: int,
+           options: ServeOptions) -> Level:
+    import openai
+
+    deadline = time.perf_counter() + options.level_timeout
+    lock = threading.Lock()
+    level = Level(clients, 0.0)
+
+    def client_loop(index: int) -> None:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none",
+                               timeout=options.request_timeout, max_retries=0)
+        for r in range(options.requests):
+            if time.perf_counter() > deadline:
+                return
+            which = (index * options.requests + r) % len(bodies)
+            with lock:
+                level.sent += 1
+            sample = _one(client, bodies[which])
+            with lock:
+                level.samples.append(sample)
+                level.identical += sample.lost is None and sample.text == references[which]
+
+    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True)
+               for i in range(clients)]
+    began = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.perf_counter()) + options.request_timeout)
+    level.wall = time.perf_counter() - began
+    return level
+
+
+def goals(report: ServeReport) -> list[Goal]:
+    by = {level.clients: level for level in report.levels}
+    out = []
+    one = by.get(1)
+    many = by.get(THROUGHPUT_CLIENTS)
+    if one is None or many is None or one.tokens_per_s() <= 0:
+        out.append(Goal(f"tokens/s at {THROUGHPUT_CLIENTS} clients >= {THROUGHPUT_GOAL:g}x one "
+                        "client's", None, f"needs levels 1 and {THROUGHPUT_CLIENTS}"))
+    else:
+        ratio = many.tokens_per_s() / one.tokens_per_s()
+        out.append(Goal(f"tokens/s at {THROUGHPUT_CLIENTS} clients >= {THROUGHPUT_GOAL:g}x one "
+                        "client's", ratio >= THROUGHPUT_GOAL,
+                        f"{many.tokens_per_s():.1f} vs {one.tokens_per_s():.1f} tokens/s = "
+                        f"{ratio:.2f}x"))
+    four = by.get(TTFT_CLIENTS)
+    if one is None or four is None or one.ttft(0.5) is None or four.ttft(0.5) is None:
+        out.append(Goal(f"TTFT p50 at {TTFT_CLIENTS} clients <= {TTFT_GOAL:g}x one client's",
+                        None, f"needs levels 1 and {TTFT_CLIENTS}"))
+    else:
+        ratio = four.ttft(0.5) / one.ttft(0.5)
+        out.append(Goal(f"TTFT p50 at {TTFT_CLIENTS} clients <= {TTFT_GOAL:g}x one client's",
+                        ratio <= TTFT_GOAL, f"{four.ttft(0.5) * 1e3:.1f} vs "
+                        f"{one.ttft(0.5) * 1e3:.1f} ms = {ratio:.2f}x"))
+    lost = sum(len(level.samples) - len(level.answered()) for level in report.levels)
+    sent = sum(level.sent for level in report.levels)
+    out.append(Goal("no request lost", lost == 0, f"{lost} of {sent} lost"))
+    answered = sum(len(level.answered()) for level in report.levels)
+    same = sum(level.identical for level in report.levels)
+    out.append(Goal("every answer equals the request served alone (greedy)",
+                    same == answered and answered > 0, f"{same} of {answered}"))
+    return out
+
+
+def sections(report: ServeReport) -> list[Section]:
+    o = report.options
+    lines = [f"the server in this process on 127.0.0.1 (uvicorn), the `openai` client in "
+             f"one thread per client, streaming; {o.distinct} distinct requests (RAG: "
+             f"{o.k} of {o.docs} documents of ~{o.doc_tokens} tokens through the promptlang "
+             f"field, alternating with plain chat), {o.max_tokens} new tokens, greedy; "
+             f"{o.requests} requests per client per level",
+             f"each distinct request was served once alone first (the reference; "
+             f"{report.reference_seconds:.1f} s), so its modules are stored",
+             "requests are served one at a time by the engine (no batching of decode steps "
+             "across requests yet): TTFT grows with the queue and tokens/s stays flat",
+             "lost: an error or a stream without its end; identical: equal to the reference"]
+    lost = [s.lost for level in report.levels for s in level.samples if s.lost]
+    if lost:
+        lines.append(f"first loss: {lost[0]}")
+    return [Section(f"Serving under load ({report.model})",
+                    [level.row() for level in report.levels], lines),
+            Section("Goals (issue 18)", (), [str(g) for g in report.goals])]
+
+
+def to_json(report: ServeReport) -> dict:
+    return {"model": report.model, "options": report.options.__dict__,
+            "levels": [level.row() for level in report.levels],
+            "reference_seconds": report.reference_seconds,
+            "goals": [{"name": g.name, "passed": g.passed, "detail": g.detail}
+                      for g in report.goals]}
+
+
+class _Server:
+    """uvicorn on 127.0.0.1 and a free port, on a thread."""
+
+    def __init__(self, app, start_timeout: float = 60.0):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + start_timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the benchmark's server did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
