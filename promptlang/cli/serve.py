@@ -58,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
     options = {} if args.recompute is None else {"recompute": args.recompute}
     llm = engine.load(args.model, **options)
     functions = load_schemas(llm, args.schemas)
-    name = args.model_name or _model_name(llm, args.model)
+    name = args.model_name or _model_name(args.model)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     print(f"promptlang serve: {name} on http://{args.host}:{args.port}/v1 "
           f"({len(functions)} @prompt functions)", file=sys.stderr)
@@ -67,7 +67,11 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_name(llm, model: str | None) -> str:
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+def _model_name(model: str | None) -> str:
+    """The id clients send: the model folder's name, or the default model's."""
     if model:
         return os.path.basename(os.path.normpath(str(model))) or str(model)
-    return getattr(llm.tokenizer, "name", None) or "smollm2-135m-instruct"
+    return DEFAULT_MODEL_NAME
