@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 from promptlang.compiler.markers import bad_token_count, token_count_problem
 from promptlang.compiler.trace import current_trace
@@ -45,6 +45,9 @@ class Gen:
     top_p: float
     top_k: int
     seed: int | None
+    regex: str | None = None           # structured output (runtime/constrain.py): at most one
+    json_schema: Any = None            # a dict, JSON text or a pydantic model class
+    grammar: str | None = None         # a Lark grammar
 
 
 @dataclass(frozen=True)
@@ -58,14 +61,18 @@ class Select:
 
 def gen(name: str | None = None, *, max_tokens: int = 256, stop: str | Sequence[str] | None = None,
         temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-        seed: int | None = None) -> str:
+        seed: int | None = None, regex: str | None = None, json_schema: Any = None,
+        grammar: str | None = None) -> str:
     """Generate text at this point of a @prompt function and return it.
 
     The text (without the stop string) is also stored under `name` in the run's
     results (`run["answer"]`) and becomes part of the conversation. Decoding stops at
     the model's end-of-sequence token, at the first `stop` string, or after
     `max_tokens` tokens. temperature 0 is greedy; above 0 samples (with top_p/top_k);
-    `seed` makes sampling reproducible (default: the run's seed).
+    `seed` makes sampling reproducible (default: the run's seed). `regex`, `json_schema`
+    (a dict, JSON text or a pydantic model class) or `grammar` (Lark) constrains the text
+    to that language; with `json_schema` the run holds the parsed value (`run["call"]` is a
+    dict) once the output is complete, the text otherwise.
     """
     if name is not None and (not isinstance(name, str) or not name):
         raise PromptLangError(f"gen() names its result with a non-empty string, not {name!r}")
@@ -78,8 +85,13 @@ def gen(name: str | None = None, *, max_tokens: int = 256, stop: str | Sequence[
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value):
             raise PromptLangError(f"gen({label}=...) must be a number, not {value!r}")
+    given = [n for n, v in (("regex", regex), ("json_schema", json_schema),
+                            ("grammar", grammar)) if v is not None]
+    if len(given) > 1:
+        raise PromptLangError(f"gen() takes at most one of regex, json_schema and grammar, "
+                              f"not {' and '.join(given)}")
     spec = Gen(name, max_tokens, stops, float(temperature), float(top_p),
-               operator.index(top_k), seed)
+               operator.index(top_k), seed, regex, json_schema, grammar)
     return _current_trace("gen").generation(spec)
 
 

@@ -20,6 +20,8 @@ is imported when a program opens its session.
 
 from __future__ import annotations
 
+import json
+
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -153,7 +155,9 @@ class _Live:
                 seed = self.seed + len(self.run.steps)
             turn = self.session.generate(spec.max_tokens, stop=spec.stop,
                                          temperature=spec.temperature, top_p=spec.top_p,
-                                         top_k=spec.top_k, seed=seed, name=spec.name)
+                                         top_k=spec.top_k, seed=seed, name=spec.name,
+                                         regex=spec.regex, json_schema=spec.json_schema,
+                                         grammar=spec.grammar)
         elif isinstance(spec, Select):
             self.session.select(spec.options, name=spec.name, normalise=spec.normalise)
             turn = self.session.turns[-1]
@@ -166,4 +170,6 @@ class _Live:
         self.run.steps.append(turn)
         if spec.name is not None:
             self.run.variables[spec.name] = turn.text
+            if isinstance(spec, Gen) and spec.json_schema is not None and turn.complete:
+                self.run.variables[spec.name] = json.loads(turn.text)   # run["call"]: a dict
         return turn.text

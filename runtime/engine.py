@@ -29,6 +29,7 @@ from promptlang.pml import nodes
 from promptlang.pml.binding import BoundPrompt, bind
 from promptlang.pml.layout import SchemaLayout, lay_out
 from promptlang.runtime.assembler import Assembler, KVBuffer, request_keys
+from promptlang.runtime.constrain import Constraint
 from promptlang.runtime.encoder import EncodeStats, UnitEncoder
 from promptlang.runtime.decode import Decoder
 from promptlang.runtime.model import ModelAdapter, adapt
@@ -172,15 +173,17 @@ class LLM:
         """Answer `prompt` (PML text, a nodes.PromptDoc, or an object with `.schema` and
         `.doc`). Returns a Result, or with stream=True a TextStream of text deltas.
         options: the fields of SamplingParams (max_new_tokens=256, temperature=0.0,
-        top_p=1.0, top_k=0, seed=None, stop=(), stop_token_ids=(), draft=0), applied on
-        top of `sampling` when given. recompute: a policy ("none", "first:K",
+        top_p=1.0, top_k=0, seed=None, stop=(), stop_token_ids=(), draft=0, and one of
+        regex=, json_schema=, grammar= for structured output: runtime/constrain.py), applied
+        on top of `sampling` when given. recompute: a policy ("none", "first:K",
         "deviation:F", "exact", "seams" or a Recompute; docs/RECOMPUTE.md); None: the schema's
         `recompute` attribute, else the LLM's."""
         started = time.perf_counter()
         params = options_to_params(sampling, **options)
+        constraint = Constraint.of(params, self.tokenizer)    # a bad one fails before the prefill
         opened, _ = self._open(prompt, schema, baseline, recompute, params.max_new_tokens,
                                True, False, started)
-        deltas = self._decode(opened, params)
+        deltas = self._decode(opened, params, constraint)
         if stream:
             return TextStream(deltas)
         while True:
@@ -303,14 +306,16 @@ class LLM:
             self.assembler.release(buffer)
             raise
 
-    def _decode(self, opened: Opened, params: SamplingParams) -> Generator[str, None, Result]:
+    def _decode(self, opened: Opened, params: SamplingParams,
+                constraint: Constraint | None = None) -> Generator[str, None, Result]:
         """Decode after an open request, yielding text deltas; returns the Result. The
         request's buffer goes back to the pool at the end, or when the caller stops."""
         decoding = Decoding(params, self.tokenizer)
         t, limit = opened.timings, self.max_positions
         # the last picked token is never computed: it may take the model's last position + 1
         decoder = Decoder(self.adapter, opened.buffer, decoding, opened.position,
-                          limit=None if limit is None else limit + 1, draft=params.draft)
+                          limit=None if limit is None else limit + 1, draft=params.draft,
+                          constrain=constraint)
         try:
             first = True
             for _, delta, finished in decoder.steps(opened.logits):
@@ -326,7 +331,8 @@ class LLM:
         t.total = time.perf_counter() - opened.started
         text, token_ids, reason = decoding.result()
         return Result(text, token_ids, reason, t, opened.prefill_tokens, opened.cached_tokens,
-                      opened.recomputed_tokens, len(opened.exact), opened.approximate_tokens)
+                      opened.recomputed_tokens, len(opened.exact), opened.approximate_tokens,
+                      None if constraint is None else constraint.complete)
 
     # --- helpers ------------------------------------------------------------------------------
 

@@ -59,6 +59,9 @@ class Result:
     # cached tokens served as encoded apart although they missed request tokens before them
     # (0: the prefill is the full prefill's, up to rounding; docs/RECOMPUTE.md)
     approximate_tokens: int = 0
+    # under regex=, json_schema= or grammar=: whether the text is a whole output of it
+    # (False: max_new_tokens or the context ended it first); None without a constraint
+    complete: bool | None = None
 
 
 @dataclass
@@ -157,3 +160,4 @@ class Turn:
     timings: Timings
     choice: Choice | None = None
     started_at: float = 0.0            # time.perf_counter() when the turn was called
+    complete: bool | None = None       # as Result.complete (regex=, json_schema=, grammar=)

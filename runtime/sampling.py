@@ -25,7 +25,7 @@ import math
 import operator
 import secrets
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Sequence
+from typing import Any, Literal, NamedTuple, Sequence
 
 import torch
 
@@ -83,6 +83,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     draft: int = 0
+    # structured generation (runtime/constrain.py): at most one of these
+    regex: str | None = None         # the output matches this regular expression
+    json_schema: Any = None          # a JSON Schema: a dict, its JSON text, or a pydantic model
+    grammar: str | None = None       # a Lark grammar (llguidance's dialect)
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -132,9 +136,45 @@ class SamplingParams:
             raise _fail(f"draft must be >= 0 (0 means no drafting), got {draft}")
         set_("draft", draft)
 
+        given = [n for n in ("regex", "json_schema", "grammar") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise _fail(f"give at most one of regex, json_schema and grammar, not "
+                        f"{' and '.join(given)}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _fail(f"{name} must be a non-empty string, got {value!r}")
+        if self.json_schema is not None:
+            set_("json_schema", schema_text(self.json_schema))
+
+    @property
+    def constrained(self) -> bool:
+        return any(getattr(self, n) is not None for n in ("regex", "json_schema", "grammar"))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def schema_text(schema: Any) -> str:
+    """A JSON Schema as canonical JSON text, from a dict, JSON text, or a pydantic model class
+    (its `model_json_schema()`)."""
+    import json
+
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+        schema = schema.model_json_schema()
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as error:
+            raise _fail(f"json_schema is not valid JSON: {error}") from None
+    if not isinstance(schema, dict):
+        raise _fail("json_schema must be a dict, JSON text of an object, or a pydantic model "
+                    f"class, got {type(schema).__name__}")
+    try:
+        return json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError) as error:
+        raise _fail(f"json_schema cannot be written as JSON: {error}") from None
 
 
 def options_to_params(params: SamplingParams | None = None, **options) -> SamplingParams:

@@ -44,6 +44,7 @@ import torch
 
 from promptlang.errors import ContextLengthError, PromptLangError, RoleError
 from promptlang.pml.nodes import ROLES
+from promptlang.runtime.constrain import Constraint
 from promptlang.runtime.decode import Decoder
 from promptlang.runtime.prefill import move_slots, prefill, truncate
 from promptlang.runtime.results import Choice, Opening, Timings, Turn
@@ -276,11 +277,12 @@ class Session:
         if max_new_tokens is not None:
             options["max_new_tokens"] = max_new_tokens
         params = options_to_params(sampling, **options)
+        constraint = Constraint.of(params, self.llm.tokenizer)   # regex=, json_schema=, grammar=
         started, prefill_seconds, prefill_tokens = self._start_turn()
         decoding = Decoding(params, self.llm.tokenizer)
         decoder = Decoder(self.llm.adapter, self.buffer, decoding, self.position,
                           limit=self.llm.max_positions, draft=params.draft, keep=_KEPT_LOGITS,
-                          materialize=False)
+                          materialize=False, constrain=constraint)
         first_token = None
         for token, _, _ in decoder.steps(self.logits):
             if first_token is None and token is not None:
@@ -292,7 +294,8 @@ class Session:
         turn = Turn("generate", name, text, tuple(kept), reason, prefill_tokens, len(kept),
                     prefill_tokens + decoder.computed + settled,
                     Timings(prefill=prefill_seconds, first_token=first_token or 0.0,
-                            total=time.perf_counter() - started), started_at=started)
+                            total=time.perf_counter() - started), started_at=started,
+                    complete=None if constraint is None else constraint.complete)
         self.turns.append(turn)
         return turn
 
