@@ -2,7 +2,7 @@
 
     promptlang run SCHEMA.pml PROMPT.pml [--model PATH] [--max-new-tokens N] [--baseline]
                    [--isolate] [--recompute POLICY] [--temperature T] [--seed S]
-                   [--stream]
+                   [--stream] [--regex PATTERN | --json-schema FILE | --grammar FILE]
 
 Prints the answer on stdout and the timing breakdown on stderr. The runtime (torch) is
 imported when the command runs, not when the parser is built.
@@ -40,11 +40,19 @@ def register(subparsers: Any) -> None:
                      help="0 (default) is greedy")
     run.add_argument("--seed", type=int, default=None, metavar="S")
     run.add_argument("--stream", action="store_true", help="print text as it is generated")
+    shape = run.add_mutually_exclusive_group()
+    shape.add_argument("--regex", metavar="PATTERN",
+                       help="the answer matches this regular expression")
+    shape.add_argument("--json-schema", metavar="FILE",
+                       help="the answer is JSON valid under the JSON Schema in FILE")
+    shape.add_argument("--grammar", metavar="FILE",
+                       help="the answer is in the language of the Lark grammar in FILE")
     run.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     from promptlang.errors import PromptLangError
+    from promptlang.inputs import read_text
     from promptlang.pml import nodes
     from promptlang.pml.parser import parse_file
     from promptlang.runtime import engine
@@ -62,6 +70,12 @@ def _run(args: argparse.Namespace) -> int:
     llm.add_schema(schema)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    seed=args.seed, baseline=args.baseline, recompute=args.recompute)
+    if args.regex is not None:
+        options["regex"] = args.regex
+    if args.json_schema is not None:
+        options["json_schema"] = read_text(args.json_schema)
+    if args.grammar is not None:
+        options["grammar"] = read_text(args.grammar)
     if args.stream:
         stream = llm.generate(prompt, stream=True, **options)
         for delta in stream:
@@ -78,5 +92,8 @@ def _run(args: argparse.Namespace) -> int:
           f"cached {result.cached_tokens} ({result.exact_units} units exact, "
           f"{result.approximate_tokens} tokens encoded apart from what precedes them); "
           f"model load {loaded:.1f} s", file=sys.stderr)
+    if result.complete is not None:
+        print(f"[{mode}] the answer is {'a whole' if result.complete else 'an INCOMPLETE'} "
+              f"output of the constraint", file=sys.stderr)
     print(f"[{mode}] {result.timings}", file=sys.stderr)
     return 0

@@ -191,7 +191,28 @@ def _sampling(body: dict, chat: bool) -> dict:
                "stop": () if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop))}
     if not isinstance(options["max_new_tokens"], int) or options["max_new_tokens"] < 1:
         raise HTTPError(400, "max_tokens must be a positive integer", param="max_tokens")
+    options.update(_response_format(body.get("response_format")))
     return options
+
+
+def _response_format(fmt: Any) -> dict:
+    """OpenAI's `response_format` -> a structured-output option of LLM.generate."""
+    if fmt is None:
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise HTTPError(400, "response_format.json_schema.schema must be a JSON Schema "
+                                 "object", param="response_format")
+        return {"json_schema": schema}
+    raise HTTPError(400, "response_format.type must be text, json_object or json_schema",
+                    param="response_format")
 
 
 async def _complete(state: ServerState, request: Request, chat: bool):
@@ -255,6 +276,9 @@ def _opener(state: ServerState, body: dict, chat: bool, options: dict):
             ext = body["promptlang"]
             prompt = extension_prompt(ext, state.functions)
             recompute = ext.get("recompute") if isinstance(ext, Mapping) else None
+            for name in ("regex", "grammar"):
+                if isinstance(ext, Mapping) and ext.get(name) is not None:
+                    options[name] = ext[name]
         elif chat:
             prompt = state.chats.prompt(parse_messages(body.get("messages")))
         else:

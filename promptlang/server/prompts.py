@@ -147,10 +147,10 @@ def extension_prompt(ext: Any, functions: Mapping[str, Any]):
     if not isinstance(ext, Mapping):
         raise RequestError("the promptlang field must be an object with pml, or function "
                            "and args")
-    unknown = set(ext) - {"pml", "function", "args", "recompute"}
+    unknown = set(ext) - {"pml", "function", "args", "recompute", "regex", "grammar"}
     if unknown:
         raise RequestError(f"unknown promptlang field(s) {sorted(unknown)}: expected pml, "
-                           "or function and args, and optionally recompute")
+                           "or function and args, and optionally recompute, regex or grammar")
     if ("pml" in ext) == ("function" in ext):
         raise RequestError("the promptlang field needs exactly one of pml or function")
     if "pml" in ext:

@@ -161,3 +161,27 @@ def test_gen_in_a_program_takes_a_json_schema_and_the_run_holds_the_dict(llm):
         assert [turn.complete for turn in run.steps] == [True, True]
     with pytest.raises(PromptLangError, match="at most one"):
         gen("x", regex="a", grammar='start: "a"')
+
+
+def test_promptlang_run_takes_regex_json_schema_and_grammar_files(llm, tmp_path, monkeypatch,
+                                                                  capsys):
+    from promptlang import cli
+    from promptlang.pml.writer import write
+    from promptlang.runtime import engine
+
+    monkeypatch.setattr(engine, "load", lambda name, isolate=False: llm)
+    (tmp_path / "c.pml").write_text(write(llm.layout("c").schema))
+    (tmp_path / "ask.pml").write_text(PROMPT)
+    (tmp_path / "person.json").write_text(json.dumps(PERSON))
+    (tmp_path / "yes.lark").write_text('start: "yes" | "no"')
+    files = [str(tmp_path / "c.pml"), str(tmp_path / "ask.pml"), "--max-new-tokens", "80"]
+    assert cli.main(["run", *files, "--json-schema", str(tmp_path / "person.json")]) == 0
+    out, err = capsys.readouterr()
+    jsonschema.validate(json.loads(out), PERSON)
+    assert "a whole output of the constraint" in err
+    assert cli.main(["run", *files, "--grammar", str(tmp_path / "yes.lark")]) == 0
+    assert capsys.readouterr().out.strip() in ("yes", "no")
+    assert cli.main(["run", *files, "--regex", "[0-9]{2}"]) == 0
+    assert re.fullmatch("[0-9]{2}", capsys.readouterr().out.strip())
+    assert cli.main(["run", *files, "--regex", "("]) == 1
+    assert "bad regex" in capsys.readouterr().err

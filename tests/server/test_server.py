@@ -346,3 +346,45 @@ def test_the_server_binds_loopback_by_default():
 
     args = build_parser().parse_args(["serve"])
     assert args.host == DEFAULT_HOST == "127.0.0.1" and args.port == 8000
+
+
+def test_response_format_and_the_extensions_regex_constrain_the_answer(tiny_model_dir):
+    pytest.importorskip("llguidance")
+    from promptlang.runtime import engine
+
+    llm = engine.load(str(tiny_model_dir), store=ModuleStore(disk_budget_bytes=0))
+    llm.add_schema('<schema name="codes"><system>You write codes.</system></schema>')
+    server = Server(create_app(llm, model_name="tiny"))
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    ask = [{"role": "user", "content": "Reply in the format asked."}]
+    try:
+        client = server.client()
+        reply = client.chat.completions.create(
+            model="tiny", messages=ask, max_tokens=40, temperature=0,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "answer", "schema": schema}})
+        value = json.loads(reply.choices[0].message.content)
+        assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 9
+        anything = client.chat.completions.create(model="tiny", messages=ask, max_tokens=60,
+                                                  temperature=0,
+                                                  response_format={"type": "json_object"})
+        text = anything.choices[0].message.content
+        assert text.startswith("{")                  # cut or not, an object is being written
+        if anything.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+        coded = client.completions.create(model="tiny", prompt="x", max_tokens=10,
+                                          temperature=0, extra_body={"promptlang": {
+                                              "pml": '<prompt schema="codes">Code:</prompt>',
+                                              "regex": "[A-Z]{3}"}})
+        assert len(coded.choices[0].text) == 3 and coded.choices[0].text.isupper()
+        with pytest.raises(openai.BadRequestError, match="bad regex"):
+            client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={
+                "promptlang": {"pml": '<prompt schema="codes">x</prompt>', "regex": "("}})
+        with pytest.raises(openai.BadRequestError, match="response_format"):
+            client.chat.completions.create(model="tiny", messages=ask,
+                                           response_format={"type": "yaml"})
+    finally:
+        server.stop()
