@@ -160,6 +160,24 @@ def _run_serve(run: _Run):
     return report, parts
 
 
+def _run_structured(run: _Run):
+    from promptlang.bench import structured
+    from promptlang.bench.report import render_markdown, render_text, write_json
+
+    options = structured.StructuredOptions.quick() if run.args.quick else \
+        structured.StructuredOptions()
+    report = structured.run_structured(run.llm, options, model_name=run.model_name)
+    parts = structured.sections(report)
+    print(render_text(parts))
+    run.write("structured.json", lambda p: write_json(p, {
+        "free_s_per_token": report.free, "constrained_s_per_token": report.constrained,
+        "mask_s": report.mask_seconds, "overhead": report.overhead(),
+        "goals": [{"name": g.name, "passed": g.passed, "detail": g.detail}
+                  for g in report.goals]}))
+    run.write("structured.md", lambda p: p.write_text(render_markdown(parts)))
+    return report, parts
+
+
 def _run_latency(run: _Run):
     from promptlang.bench import latency, rag
     from promptlang.bench.report import render_markdown, render_text, write_csv, \
@@ -307,7 +325,8 @@ def _done(run: _Run) -> None:
 
 
 COMMANDS = {"latency": _one(_run_latency), "memory": _one(_run_memory),
-            "accuracy": _one(_run_accuracy), "serve": _one(_run_serve), "all": _all}    # name -> runner(args, command)
+            "accuracy": _one(_run_accuracy), "serve": _one(_run_serve),
+            "structured": _one(_run_structured), "all": _all}    # name -> runner(args, command)
 
 
 def _say(message: str) -> None:

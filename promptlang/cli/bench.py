@@ -11,6 +11,7 @@
                               [--cost-tokens N] [--cost-repeats R]
                               [--resamples B]
     promptlang bench serve    [--clients 1,4,16,32] [--requests N] [--max-tokens N]
+    promptlang bench structured  (decode time with and without a JSON Schema constraint)
     promptlang bench all      (latency, memory, accuracy: one model load, one folder,
                               one report.md)
 
@@ -150,6 +151,11 @@ def register(subparsers: Any) -> None:
              "`openai` clients (streaming; RAG through the promptlang field and plain "
              "chat): TTFT p50/p99, time per token, aggregate tokens/s, requests lost, "
              "answers equal to the request served alone, and the serving goals."),
+            ("structured", [common], _handler("structured"),
+             "decode cost of a JSON Schema constraint",
+             "Greedy decoding of one prompt with and without a JSON Schema constraint "
+             "(llguidance's token masks), interleaved rounds: time per token, the overhead "
+             "and its goal (<= 10%), and the time of one mask."),
             ("all", [common, latency, accuracy], _handler("all"),
              "latency, memory and accuracy into one folder",
              "memory, latency and accuracy in one run (about 20 minutes on 2 cores at the "

@@ -248,3 +248,14 @@ def test_serve_quick_loads_a_real_server_and_loses_nothing(tmp_path, capsys, tin
     assert verdicts["tokens/s at 16 clients >= 5x one client's"] == "N/A"    # no 16 here
     data = json.loads((tmp_path / "serve.json").read_text())
     assert [level["clients"] for level in data["levels"]] == [1, 2]
+
+
+def test_structured_quick_measures_both_sides_and_prints_the_goal(tmp_path, capsys,
+                                                                 tiny_model_dir):
+    pytest.importorskip("llguidance")
+    out = bench(capsys, "structured", "--out", str(tmp_path), "--model", str(tiny_model_dir))
+    data = json.loads((tmp_path / "structured.json").read_text())
+    assert len(data["free_s_per_token"]) == len(data["constrained_s_per_token"]) == 2
+    assert all(s > 0 for s in data["free_s_per_token"] + data["constrained_s_per_token"])
+    assert data["mask_s"] > 0
+    assert set(goals(out)) == {"decode with a JSON Schema <= 10% slower per token"}
