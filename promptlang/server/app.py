@@ -336,11 +336,11 @@ async def _sse(state: ServerState, job: Job, ids: str, chat: bool,
                                         "param": None, "code": None}})
                 break
             elif event == "done":
+                usage = _usage(state, value)         # counted in /metrics either way
                 yield chunk(None if chat else "", _finish(value.finish_reason))
                 if include_usage:
                     yield _event({"id": ids, "object": kind, "created": created,
-                                  "model": state.model_name, "choices": [],
-                                  "usage": _usage(state, value)})
+                                  "model": state.model_name, "choices": [], "usage": usage})
                 break
         yield b"data: [DONE]\n\n"
     finally:
