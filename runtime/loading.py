@@ -9,13 +9,22 @@ to it and every later load reads that instead (seconds):
         config.json           without the GGUF quantization_config
         generation_config.json, tokenizer files
 
+Any other GGUF file (`load("model.gguf")`) is converted the same way, once, into
+`$PROMPTLANG_HOME/models/gguf/<name>-<sha256 of the file>/` (its tokenizer from the GGUF's
+own metadata); a changed file is a new copy.
+
 A GGUF-loaded model refuses `save_pretrained` ("quantized with gguf and is not
 serializable"), hence safetensors' `save_model` plus the config by hand.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import os
 import shutil
+import stat
 import sys
 import time
 from pathlib import Path
@@ -32,7 +41,12 @@ def load_hf_model(name_or_path: str | Path | None = None, *, device: str | torch
     """(model in eval mode, its HFTokenizer). None loads the default model
     (SmolLM2-135M-Instruct), converting its GGUF once; anything else is a
     transformers model id or folder, read from local files only."""
-    folder = _default_model_folder() if name_or_path is None else str(name_or_path)
+    if name_or_path is None:
+        folder = _default_model_folder()
+    elif str(name_or_path).endswith(".gguf"):
+        folder = _gguf_folder(Path(name_or_path))
+    else:
+        folder = str(name_or_path)
     model = _from_pretrained(folder, dtype)
     model.to(device)
     model.eval()
@@ -78,14 +92,23 @@ def _converted_ready(folder: Path) -> bool:
 
 
 def _convert_default_model(folder: Path, converted: Path) -> None:
+    from promptlang import default_model
+
+    _say("converting the default model from GGUF to float weights (once, ~40 s)...")
+    _convert_gguf(folder / default_model.GGUF_FILE, converted,
+                  folder / default_model.TOKENIZER_SUBDIR)
+
+
+def _convert_gguf(gguf: Path, converted: Path, tokenizer_dir: Path | None = None) -> None:
+    """Write the float copy of `gguf` to `converted` (through a private temporary folder
+    renamed at the end); the tokenizer's files from `tokenizer_dir`, else from the GGUF."""
     from safetensors.torch import save_model
 
     from promptlang import default_model
 
-    _say("converting the default model from GGUF to float weights (once, ~40 s)...")
     began = time.perf_counter()
-    model = _from_pretrained(str(folder), torch.float32, gguf_file=default_model.GGUF_FILE)
-    work = default_model.partial_path(folder, default_model.CONVERTED_SUBDIR)
+    model = _from_pretrained(str(gguf.parent), torch.float32, gguf_file=gguf.name)
+    work = default_model.partial_path(converted.parent, converted.name)
     try:
         # shared tensors (tied embeddings) are written once; from_pretrained re-ties them
         save_model(model, str(work / "model.safetensors"), metadata={"format": "pt"})
@@ -96,14 +119,60 @@ def _convert_default_model(folder: Path, converted: Path) -> None:
         config.save_pretrained(str(work))
         if model.generation_config is not None:
             model.generation_config.save_pretrained(str(work))
-        tokenizer_dir = folder / default_model.TOKENIZER_SUBDIR
-        for item in tokenizer_dir.iterdir():
-            if item.is_file() and item.name != "config.json":
-                shutil.copy2(item, work / item.name)
+        if tokenizer_dir is not None:
+            for item in tokenizer_dir.iterdir():
+                if item.is_file() and item.name != "config.json":
+                    shutil.copy2(item, work / item.name)
+        else:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                          local_files_only=True).save_pretrained(str(work))
         default_model.publish(work, converted)          # 0700/0600, replacing an incomplete copy
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _say(f"converted in {time.perf_counter() - began:.0f} s, saved to {converted}")
+
+
+def _gguf_folder(gguf: Path) -> str:
+    """The float copy of the GGUF file `gguf`, converted on first use (see the module doc)."""
+    from promptlang.home import models_dir, private_dir
+
+    try:
+        info = os.stat(gguf)
+    except OSError as err:
+        raise ModelError(f"cannot read the GGUF file {str(gguf)!r}: {err.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ModelError(f"{str(gguf)!r} is not a regular file")
+    root = private_dir(private_dir(models_dir()) / "gguf")
+    converted = root / f"{gguf.stem}-{_sha256(gguf)[:16]}"
+    if _converted_ready(converted):
+        return str(converted)
+    with _locked(root / ".lock"):
+        if not _converted_ready(converted):
+            _say(f"converting {gguf.name} to float weights (once)...")
+            _convert_gguf(gguf.resolve(), converted)
+    return str(converted)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on `path` across processes."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def _say(message: str) -> None:

@@ -1,0 +1,120 @@
+"""`promptlang.load("model.gguf")`: any GGUF file, converted once into PROMPTLANG_HOME.
+
+The test writes its own tiny GGUF with the `gguf` package: a 2-layer Llama of random float32
+weights, with the default model's tokenizer metadata (vocabulary, merges, chat template)
+copied from its GGUF. The loaded model must compute what the same weights compute in a
+plain transformers model, and the second load must read the converted copy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, CONTEXT = 32, 64, 2, 4, 2, 256
+
+
+def _strings(field) -> list[str]:
+    return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+
+
+def _scalar(field):
+    return field.parts[field.data[0]][0]
+
+
+def write_tiny_gguf(path, seed: int = 0) -> dict[str, np.ndarray]:
+    """A tiny Llama GGUF at `path`; returns its tensors by GGUF name."""
+    from promptlang import default_model
+
+    source = gguf.GGUFReader(str(default_model.default_gguf_path()))
+    f = source.fields
+    tokens = _strings(f["tokenizer.ggml.tokens"])
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(CONTEXT)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTER)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_file_type(0)                                   # all float32
+    writer.add_tokenizer_model(bytes(f["tokenizer.ggml.model"].parts[-1]).decode())
+    writer.add_tokenizer_pre(bytes(f["tokenizer.ggml.pre"].parts[-1]).decode())
+    writer.add_token_list(tokens)
+    writer.add_token_types([int(f["tokenizer.ggml.token_type"].parts[i][0])
+                            for i in f["tokenizer.ggml.token_type"].data])
+    writer.add_token_merges(_strings(f["tokenizer.ggml.merges"]))
+    writer.add_bos_token_id(int(_scalar(f["tokenizer.ggml.bos_token_id"])))
+    writer.add_eos_token_id(int(_scalar(f["tokenizer.ggml.eos_token_id"])))
+    writer.add_unk_token_id(int(_scalar(f["tokenizer.ggml.unknown_token_id"])))
+    writer.add_pad_token_id(int(_scalar(f["tokenizer.ggml.padding_token_id"])))
+    writer.add_chat_template(bytes(f["tokenizer.chat_template"].parts[-1]).decode())
+    kv = HIDDEN // HEADS * KV_HEADS
+    shapes = {"token_embd.weight": (len(tokens), HIDDEN), "output_norm.weight": (HIDDEN,)}
+    for i in range(LAYERS):
+        shapes |= {f"blk.{i}.attn_norm.weight": (HIDDEN,), f"blk.{i}.ffn_norm.weight": (HIDDEN,),
+                   f"blk.{i}.attn_q.weight": (HIDDEN, HIDDEN),
+                   f"blk.{i}.attn_k.weight": (kv, HIDDEN), f"blk.{i}.attn_v.weight": (kv, HIDDEN),
+                   f"blk.{i}.attn_output.weight": (HIDDEN, HIDDEN),
+                   f"blk.{i}.ffn_gate.weight": (INTER, HIDDEN),
+                   f"blk.{i}.ffn_up.weight": (INTER, HIDDEN),
+                   f"blk.{i}.ffn_down.weight": (HIDDEN, INTER)}
+    tensors = {}
+    for name, shape in shapes.items():
+        values = (1.0 + 0.1 * rng.standard_normal(shape) if name.endswith("norm.weight")
+                  else 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        tensors[name] = values
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tensors
+
+
+def test_a_gguf_file_loads_converted_once_and_computes_its_weights(tmp_path, monkeypatch):
+    from promptlang.runtime import engine, loading
+
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    path = tmp_path / "tiny.gguf"
+    tensors = write_tiny_gguf(path)
+    llm = engine.load(str(path), recompute="none")
+    model = llm.adapter.model
+    assert model.config.num_hidden_layers == LAYERS and model.config.hidden_size == HIDDEN
+    # the weights are the file's (q/k rows come back in transformers' order: compare v, norms)
+    layer = model.model.layers[1]
+    assert torch.equal(layer.self_attn.v_proj.weight, torch.from_numpy(tensors["blk.1.attn_v.weight"]))
+    assert torch.equal(layer.mlp.down_proj.weight, torch.from_numpy(tensors["blk.1.ffn_down.weight"]))
+    assert torch.equal(model.model.embed_tokens.weight,
+                       torch.from_numpy(tensors["token_embd.weight"]))
+    # the tokenizer is the GGUF's: the default model's vocabulary and chat template
+    from promptlang.runtime.loading import load_hf_model
+    _, default_tok = load_hf_model()
+    text = "Hello, GGUF world!"
+    assert llm.tokenizer.encode(text) == default_tok.encode(text)
+    assert llm.tokenizer.role_affix_ids("user") == default_tok.role_affix_ids("user")
+    result = llm.generate('<prompt schema="g"><user>Hi</user><assistant></prompt>',
+                          schema='<schema name="g"><system>Tiny.</system></schema>',
+                          max_new_tokens=3)
+    assert len(result.token_ids) <= 3
+    converted = list((tmp_path / "home" / "models" / "gguf").glob("tiny-*"))
+    assert len(converted) == 1 and (converted[0] / "model.safetensors").is_file()
+    assert (converted[0] / "model.safetensors").stat().st_mode & 0o077 == 0     # private
+    calls = []
+    monkeypatch.setattr(loading, "_convert_gguf", lambda *a, **k: calls.append(a))
+    engine.load(str(path))                                   # the copy, no conversion
+    assert calls == []
+
+
+def test_a_missing_gguf_file_is_a_model_error(tmp_path):
+    from promptlang.errors import ModelError
+    from promptlang.runtime import engine
+
+    with pytest.raises(ModelError, match="cannot read the GGUF file"):
+        engine.load(str(tmp_path / "nothing.gguf"))
