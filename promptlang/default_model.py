@@ -85,8 +85,14 @@ def default_converted_dir() -> Path:
 def model_lock() -> Iterator[None]:
     """Exclusive lock on the default model's folder, across processes (the folder and
     its parents up to the promptlang home are made private on the way)."""
-    fd = os.open(_private_folder() / ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW,
-                 FILE_MODE)
+    with file_lock(_private_folder() / ".lock"):
+        yield
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on the file `path` (created 0600), across processes."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
     with os.fdopen(fd, "w") as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:

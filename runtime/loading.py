@@ -19,8 +19,6 @@ serializable"), hence safetensors' `save_model` plus the config by hand.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
@@ -148,7 +146,9 @@ def _gguf_folder(gguf: Path) -> str:
     converted = root / f"{gguf.stem}-{_sha256(gguf)[:16]}"
     if _converted_ready(converted):
         return str(converted)
-    with _locked(root / ".lock"):
+    from promptlang.default_model import file_lock
+
+    with file_lock(root / ".lock"):
         if not _converted_ready(converted):
             _say(f"converting {gguf.name} to float weights (once)...")
             _convert_gguf(gguf.resolve(), converted)
@@ -162,17 +162,6 @@ def _sha256(path: Path) -> str:
             digest.update(block)
     return digest.hexdigest()
 
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive lock on `path` across processes."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def _say(message: str) -> None:
