@@ -5,8 +5,9 @@
 The agent (promptlang.runtime.agent) keeps its instructions and each tool's description
 in cached modules; the question is the only uncached text of the request. The loop runs
 on one session: Thought, Action, Observation, ... until a Final Answer or the step
-limit, each step computing only the text it adds. With the small default model the loop
-is guided: `select` keeps the format (Action or Final Answer, which tool) exact.
+limit, each step computing only the text it adds. Each action is a JSON object
+constrained to the offered tools (`json_actions=True`: structured generation through
+llguidance), so even the small default model always writes a call that parses.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def main(llm=None, fast: bool | None = None, question: str | None = None,
     if question is None:
         args = [a for a in sys.argv[1:] if a != "--fast"] if __name__ == "__main__" else []
         question = args[0] if args else "How tall is the Eiffel Tower in centimetres?"
-    agent = Agent(llm, TOOLS, max_tokens=4 if fast else 40)
+    agent = Agent(llm, TOOLS, json_actions=True, max_tokens=4 if fast else 40)
     llm.encode(agent.schema)
     max_steps = 2 if fast else 5
     with agent.run(question, max_steps=max_steps, first_action=first_action) as run:
@@ -91,7 +92,7 @@ def main(llm=None, fast: bool | None = None, question: str | None = None,
                        baseline=True) as baseline:
             print(f"Q: {question}")
             for step in run.steps:
-                print(f"  Thought: {step.thought}\n  Action: {step.tool}[{step.input}]\n"
+                print(f"  Thought: {step.thought}\n  Action: {step.tool}({step.input!r})\n"
                       f"  Observation: {step.observation}")
             print(f"A: {run.answer}  ({run.finish} after {len(run.steps)} tool calls)")
             report_ttft(run.ttft, baseline.ttft, opening=run.session.opening,

@@ -26,6 +26,10 @@ Two ways to run a step:
   decides between "Action:" and "Final Answer:" (exact log-probabilities, so even a
   tiny model keeps the format), a `select` over the tool names picks the tool, and the
   input is generated up to "]". A final answer is generated up to the end of the line.
+- json (`json_actions=True`): the loop writes "Thought:" and generates one line, then
+  "Action: " and a JSON object constrained (runtime/constrain.py) to
+  {"tool": one of the offered tools or "final_answer", "input": a string}: every action
+  parses, whatever the model; `final_answer`'s input is the answer.
 - free: the model writes the whole step up to "Observation:"; `parse_step` reads it.
   An "Action: name[input]" runs the tool; "Final Answer: ..." ends the run; text with
   neither is taken as the final answer (finish "no_action"), so a model that ignores
@@ -38,6 +42,7 @@ loop goes on; the run stops at a final answer or after `max_steps` steps (finish
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -61,6 +66,15 @@ FORMAT = ("\nUse exactly this format:\n"
           "(Thought, Action and Observation may repeat)\n"
           "Thought: I know the answer\n"
           "Final Answer: the answer to the question\n")
+JSON_FORMAT = ("\nUse exactly this format:\n"
+               "Thought: what to do next\n"
+               'Action: {"tool": "tool_name", "input": "the tool\'s input"}\n'
+               "Observation: the tool's result\n"
+               "(Thought, Action and Observation may repeat)\n"
+               "Thought: I know the answer\n"
+               'Action: {"tool": "final_answer", "input": "the answer to the question"}\n')
+FINAL_TOOL = "final_answer"          # the JSON action that ends the run
+MAX_INPUT_CHARS = 200                # a JSON action's input, at most
 
 
 @dataclass(frozen=True)
@@ -164,8 +178,9 @@ class Agent:
     """A ReAct agent: `llm`, its tools, and the loop described in the module doc."""
 
     def __init__(self, llm, tools: Iterable[Tool], *, name: str = "agent",
-                 instructions: str = INSTRUCTIONS, format: str = FORMAT,
-                 guided: bool = True, max_tokens: int = 48, max_observation_chars: int = 400):
+                 instructions: str = INSTRUCTIONS, format: str | None = None,
+                 guided: bool = True, json_actions: bool = False, max_tokens: int = 48,
+                 max_observation_chars: int = 400):
         self.llm = llm
         self.tools: dict[str, Tool] = {}
         for t in tools:
@@ -176,7 +191,13 @@ class Agent:
             self.tools[t.name] = t
         if not self.tools:
             raise PromptLangError("an agent needs at least one tool")
+        if FINAL_TOOL in self.tools and json_actions:
+            raise PromptLangError(f"{FINAL_TOOL!r} ends a JSON-action run: name the tool "
+                                  "otherwise")
         self.guided = guided
+        self.json_actions = json_actions
+        if format is None:
+            format = JSON_FORMAT if json_actions else FORMAT
         self.max_tokens = max_tokens
         self.max_observation_chars = max_observation_chars
         modules = tuple(nodes.Module(f"tool-{t.name}", (nodes.Text(
@@ -237,6 +258,8 @@ class Agent:
     def _step(self, session, offered: list[str], scripted) -> AgentStep | tuple[str, str]:
         """One step: the AgentStep of an action, or (finish, answer) at the end."""
         gen = dict(max_new_tokens=self.max_tokens)
+        if self.json_actions:
+            return self._json_step(session, offered, scripted)
         if scripted is not None or self.guided:
             session.append("Thought:")
             thought = session.generate(stop="\n", **gen).text.strip()
@@ -261,6 +284,28 @@ class Agent:
         if not written.endswith("\n"):
             session.append("\n")
         return self._act(session, parsed.thought, parsed.tool, parsed.input or "")
+
+    def _json_step(self, session, offered: list[str], scripted) -> AgentStep | tuple[str, str]:
+        """A step whose action is a JSON object constrained to the offered tools."""
+        session.append("Thought:")
+        thought = session.generate(stop="\n", max_new_tokens=self.max_tokens).text.strip()
+        session.append("\nAction: ")
+        if scripted is not None:
+            name, text = scripted
+            session.append(json.dumps({"tool": name, "input": text}) + "\n")
+            return self._act(session, thought, name, text)
+        schema = {"type": "object", "properties": {
+            "tool": {"enum": [*offered, FINAL_TOOL]},
+            "input": {"type": "string", "maxLength": MAX_INPUT_CHARS}},
+            "required": ["tool", "input"], "additionalProperties": False}
+        turn = session.generate(self.max_tokens + MAX_INPUT_CHARS, json_schema=schema)
+        if not turn.complete:                     # cut by the token budget: no action
+            return "no_action", turn.text.strip()
+        call = json.loads(turn.text)
+        session.append("\n")
+        if call["tool"] == FINAL_TOOL:
+            return "answer", call["input"].strip()
+        return self._act(session, thought, call["tool"], call["input"])
 
     def _act(self, session, thought: str, name: str, text: str) -> AgentStep:
         """Run the tool and append its observation; a failure is an observation too."""

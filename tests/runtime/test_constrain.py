@@ -185,3 +185,30 @@ def test_promptlang_run_takes_regex_json_schema_and_grammar_files(llm, tmp_path,
     assert re.fullmatch("[0-9]{2}", capsys.readouterr().out.strip())
     assert cli.main(["run", *files, "--regex", "("]) == 1
     assert "bad regex" in capsys.readouterr().err
+
+
+def test_a_json_action_agent_always_emits_a_parseable_call_of_an_offered_tool(llm):
+    from promptlang.runtime.agent import Agent, Tool
+
+    calls = []
+
+    def calculator(text):
+        calls.append(text)
+        return "42"
+
+    tools = [Tool("calculator", "Evaluates arithmetic.", calculator),
+             Tool("search", "Looks things up.", lambda text: "nothing found")]
+    agent = Agent(llm, tools, json_actions=True, max_tokens=8)
+    for seed_question in ("What is 6 times 7?", "Who wrote it?", "Find the year."):
+        run = agent.run(seed_question, max_steps=3, tools=["calculator"])
+        assert run.finish in ("answer", "max_steps"), run.finish
+        assert all(step.tool == "calculator" for step in run.steps)
+        assert run.finish != "answer" or isinstance(run.answer, str)
+        assert '"tool": ' in run.session.text or run.finish == "answer"
+        run.close()
+    scripted = agent.run("2+2?", max_steps=1, first_action=("calculator", "2+2"))
+    assert scripted.steps[0].observation == "42" and calls[-1] == "2+2"
+    assert 'Action: {"tool": "calculator", "input": "2+2"}' in scripted.session.text
+    scripted.close()
+    with pytest.raises(PromptLangError, match="final_answer"):
+        Agent(llm, [Tool("final_answer", "x", str)], json_actions=True)
