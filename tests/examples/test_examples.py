@@ -144,3 +144,15 @@ def test_an_example_runs_as_a_script_in_fast_mode():
                           capture_output=True, text=True, cwd=EXAMPLES.parent)
     assert done.returncode == 0, done.stderr
     assert "main.py:" in done.stdout and "time to first token: cached" in done.stdout
+
+
+def test_structured_extraction_fills_the_model_from_cached_profiles(llm, example):
+    module = example("structured_extraction")
+    out = module.main(llm, fast=True)
+    assert set(out["records"]) == {"tidewater", "bramble", "northwind"}
+    # 60 tokens hold these records: every one is complete and validates
+    assert all(isinstance(r, module.Company) for r in out["records"].values())
+    assert out["complete"] == [True]
+    assert out["cached_tokens"] > 10 * max(1, out["prefill_tokens"])
+    assert out["baseline_prefill_tokens"] == out["cached_tokens"] + out["prefill_tokens"]
+    assert_timed(out)
