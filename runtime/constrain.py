@@ -10,7 +10,10 @@ one cut by `max_new_tokens` first ends with reason "length" and `complete` False
 
 The picks stay the sampler's (greedy, temperature, top-p): constrained greedy decoding is
 deterministic. Drafted tokens (`draft=K`) are checked by the same hook, row by row, as the
-decode loop picks them.
+decode loop picks them. A constraint is also a drafter: it proposes the tokens the grammar
+forces next (llguidance's fast-forward tokens, e.g. `"name": "` in a JSON object), so the
+decode loop feeds a run of them in one pass; each is still picked from the model's masked
+logits, so the output is the one decoding without drafts gives.
 
     constraint = Constraint.of(params, tokenizer)     # None: no constraint
     Decoder(..., constrain=constraint)
@@ -79,6 +82,9 @@ def grammar_text(regex: str | None = None, json_schema: str | None = None,
     return None
 
 
+FORCED_DRAFT = 16        # forced tokens fed in one pass, at most (when no draft= is asked)
+
+
 class Constraint:
     """The decode loop's hook for one generation (see the module docstring)."""
 
@@ -106,11 +112,7 @@ class Constraint:
 
     def __call__(self, token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         # logits: [V]
-        for token in token_ids[self.consumed:]:
-            if not self.matcher.consume_token(int(token)):
-                raise ConstraintError(f"the constraint refused token {int(token)}: "
-                                      f"{self.matcher.get_error()}")
-        self.consumed = len(token_ids)
+        self._consume(token_ids)
         self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
         # bit j of word i allows token 32 * i + j
         allowed = ((self._bits[:, None] >> self._shifts) & 1).flatten().bool()
@@ -119,7 +121,30 @@ class Constraint:
             allowed = torch.cat([allowed, allowed.new_zeros(width - allowed.numel())])
         return logits.masked_fill(~allowed[:width].to(logits.device), float("-inf"))
 
+    def propose(self, generated: Sequence[int], count: int) -> list[int]:
+        """The decode loop's drafter: up to `count` tokens the grammar forces after
+        `generated` (every token picked so far)."""
+        self._consume(generated)
+        if self.matcher.is_stopped():
+            return []
+        return list(self.matcher.compute_ff_tokens())[:count]
+
+    def _consume(self, token_ids: Sequence[int]) -> None:
+        for token in token_ids[self.consumed:]:
+            if not self.matcher.consume_token(int(token)):
+                raise ConstraintError(f"the constraint refused token {int(token)}: "
+                                      f"{self.matcher.get_error()}")
+        self.consumed = len(token_ids)
+
     @property
     def complete(self) -> bool:
         """Whether what was picked so far is a whole output of the grammar."""
         return bool(self.matcher.is_accepting())
+
+
+def forced_drafts(params, constraint: Constraint | None) -> dict:
+    """The Decoder's draft arguments: `draft=` as asked; with a constraint and no `draft=`,
+    the constraint's forced tokens as drafts (FORCED_DRAFT at most per pass)."""
+    if constraint is not None and not params.draft:
+        return {"draft": FORCED_DRAFT, "drafter": constraint}
+    return {"draft": params.draft}

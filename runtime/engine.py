@@ -29,7 +29,7 @@ from promptlang.pml import nodes
 from promptlang.pml.binding import BoundPrompt, bind
 from promptlang.pml.layout import SchemaLayout, lay_out
 from promptlang.runtime.assembler import Assembler, KVBuffer, request_keys
-from promptlang.runtime.constrain import Constraint
+from promptlang.runtime.constrain import Constraint, forced_drafts
 from promptlang.runtime.encoder import EncodeStats, UnitEncoder
 from promptlang.runtime.decode import Decoder
 from promptlang.runtime.model import ModelAdapter, adapt
@@ -314,8 +314,8 @@ class LLM:
         t, limit = opened.timings, self.max_positions
         # the last picked token is never computed: it may take the model's last position + 1
         decoder = Decoder(self.adapter, opened.buffer, decoding, opened.position,
-                          limit=None if limit is None else limit + 1, draft=params.draft,
-                          constrain=constraint)
+                          limit=None if limit is None else limit + 1,
+                          constrain=constraint, **forced_drafts(params, constraint))
         try:
             first = True
             for _, delta, finished in decoder.steps(opened.logits):

@@ -44,7 +44,7 @@ import torch
 
 from promptlang.errors import ContextLengthError, PromptLangError, RoleError
 from promptlang.pml.nodes import ROLES
-from promptlang.runtime.constrain import Constraint
+from promptlang.runtime.constrain import Constraint, forced_drafts
 from promptlang.runtime.decode import Decoder
 from promptlang.runtime.prefill import move_slots, prefill, truncate
 from promptlang.runtime.results import Choice, Opening, Timings, Turn
@@ -281,8 +281,9 @@ class Session:
         started, prefill_seconds, prefill_tokens = self._start_turn()
         decoding = Decoding(params, self.llm.tokenizer)
         decoder = Decoder(self.llm.adapter, self.buffer, decoding, self.position,
-                          limit=self.llm.max_positions, draft=params.draft, keep=_KEPT_LOGITS,
-                          materialize=False, constrain=constraint)
+                          limit=self.llm.max_positions, keep=_KEPT_LOGITS,
+                          materialize=False, constrain=constraint,
+                          **forced_drafts(params, constraint))
         first_token = None
         for token, _, _ in decoder.steps(self.logits):
             if first_token is None and token is not None:
