@@ -30,6 +30,7 @@ from promptlang.pml.binding import BoundPrompt, bind
 from promptlang.pml.layout import SchemaLayout, lay_out
 from promptlang.runtime.assembler import Assembler, KVBuffer, request_keys
 from promptlang.runtime.constrain import Constraint, forced_drafts
+from promptlang.runtime.healing import Healing, heal_point
 from promptlang.runtime.encoder import EncodeStats, UnitEncoder
 from promptlang.runtime.decode import Decoder
 from promptlang.runtime.model import ModelAdapter, adapt
@@ -181,8 +182,9 @@ class LLM:
         started = time.perf_counter()
         params = options_to_params(sampling, **options)
         constraint = Constraint.of(params, self.tokenizer)    # a bad one fails before the prefill
+        heal = params.token_healing and constraint is None
         opened, _ = self._open(prompt, schema, baseline, recompute, params.max_new_tokens,
-                               True, False, started)
+                               True, False, started, heal=heal)
         deltas = self._decode(opened, params, constraint)
         if stream:
             return TextStream(deltas)
@@ -232,12 +234,17 @@ class LLM:
 
     def _open(self, prompt, schema, baseline: bool, recompute, room: int,
               add_generation_prompt: bool, all_logits: bool,
-              started: float) -> tuple[Opened, torch.Tensor]:
+              started: float, heal: bool = False) -> tuple[Opened, torch.Tensor]:
         """Bind, retrieve, assemble and prefill; returns the open request (the caller
         releases its buffer) and the prefill's logits ([Q, V] with all_logits, else [1, V]).
-        `room`: tokens to generate, the buffer's room after the prompt."""
+        `room`: tokens to generate, the buffer's room after the prompt. `heal`: take the
+        prompt's last token off where token healing applies (runtime/healing.py)."""
         policy = _policy(recompute) if recompute is not None else None
         bound = self.bind(prompt, schema=schema, add_generation_prompt=add_generation_prompt)
+        point = heal_point(bound, self.tokenizer) if heal else None
+        healed = ""
+        if point is not None:
+            bound, healed = point.bound, point.text
         policy = self._recompute_for(bound, policy)
         t = Timings(bind=time.perf_counter() - started)
         if self.max_positions is not None:
@@ -251,7 +258,7 @@ class LLM:
                 logits = baseline_prefill(self.adapter, buffer, ids, all_logits)
                 t.prefill = time.perf_counter() - mark
             return Opened(buffer, logits[-1], len(ids), bound, t, len(ids), 0, 0,
-                          started), logits
+                          started, healed=healed), logits
 
         mark = time.perf_counter()
         stats = EncodeStats()
@@ -296,7 +303,8 @@ class LLM:
                                exact.made_exact(bound, missed, plan.positions, list(served)),
                                bound.layout.schema.name)
         return Opened(buffer, logits[-1], bound.end, bound, t, len(ids), cached_length,
-                      len(plan), started, plan, tuple(served), approximate), logits
+                      len(plan), started, plan, tuple(served), approximate,
+                      healed=healed), logits
 
     @contextlib.contextmanager
     def _released_on_error(self, buffer: KVBuffer):
@@ -313,15 +321,22 @@ class LLM:
         decoding = Decoding(params, self.tokenizer)
         t, limit = opened.timings, self.max_positions
         # the last picked token is never computed: it may take the model's last position + 1
+        hook = constraint
+        if opened.healed:                       # the generation first spells the removed text
+            hook = Healing(opened.healed, self.tokenizer)
         decoder = Decoder(self.adapter, opened.buffer, decoding, opened.position,
                           limit=None if limit is None else limit + 1,
-                          constrain=constraint, **forced_drafts(params, constraint))
+                          constrain=hook, **forced_drafts(params, constraint))
+        skip = len(opened.healed)               # ... which the caller already has
         try:
             first = True
             for _, delta, finished in decoder.steps(opened.logits):
                 if first:
                     t.first_token = time.perf_counter() - opened.started
                     first = False
+                if skip and delta:
+                    cut = min(skip, len(delta))
+                    delta, skip = delta[cut:], skip - cut
                 if delta:
                     yield delta
                 if finished:
@@ -330,6 +345,8 @@ class LLM:
             self.assembler.release(opened.buffer)
         t.total = time.perf_counter() - opened.started
         text, token_ids, reason = decoding.result()
+        if opened.healed:            # the removed text is the caller's; a cut-short spelling too
+            text = "" if opened.healed.startswith(text) else text.removeprefix(opened.healed)
         return Result(text, token_ids, reason, t, opened.prefill_tokens, opened.cached_tokens,
                       opened.recomputed_tokens, len(opened.exact), opened.approximate_tokens,
                       None if constraint is None else constraint.complete)

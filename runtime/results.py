@@ -82,6 +82,7 @@ class Opened:
     recompute: RecomputePlan = NO_RECOMPUTE   # the cached tokens computed again
     exact: tuple[str, ...] = ()  # units served from exact entries (recompute/exact.py)
     approximate_tokens: int = 0  # as Result.approximate_tokens
+    healed: str = ""             # the prompt's last token's text, given back (healing.py)
 
 
 @dataclass

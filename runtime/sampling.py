@@ -87,6 +87,7 @@ class SamplingParams:
     regex: str | None = None         # the output matches this regular expression
     json_schema: Any = None          # a JSON Schema: a dict, its JSON text, or a pydantic model
     grammar: str | None = None       # a Lark grammar (llguidance's dialect)
+    token_healing: bool = True       # give a prompt ending mid-word its last token back
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731

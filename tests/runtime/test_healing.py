@@ -1,0 +1,71 @@
+"""Token healing (runtime/healing.py): a prompt that ends mid-word gives its last token back
+to the generation, which must spell it first; the answer is what follows it. On a tiny
+random Llama with the default model's tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from promptlang.pml import nodes
+from promptlang.runtime.healing import heal_point, token_texts
+
+SCHEMA = nodes.Schema("h", (nodes.Text("Links and words.\n"),
+                            nodes.Module("m", (nodes.Text("A module ends here"),))))
+MID_WORD = '<prompt schema="h">The secure address is http</prompt>'
+ROLE_END = '<prompt schema="h"><user>Give me the address.</user><assistant></prompt>'
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from tests.conftest import tiny_model_dir as make_dir
+    from promptlang.runtime import engine
+    from promptlang.runtime.store import ModuleStore
+
+    folder = make_dir.__wrapped__(tmp_path_factory.mktemp("healing"))
+    llm = engine.load(str(folder), store=ModuleStore(disk_budget_bytes=0))
+    llm.add_schema(SCHEMA)
+    return llm
+
+
+def test_a_prompt_ending_mid_word_gives_its_last_token_back(llm):
+    bound = llm.bind(MID_WORD)
+    point = heal_point(bound, llm.tokenizer)
+    assert point is not None
+    assert point.text == llm.tokenizer.decode([bound.token_ids()[-1]])
+    assert point.bound.end == bound.end - 1
+    assert point.bound.token_ids() == bound.token_ids()[:-1]
+    texts, _ = token_texts(llm.tokenizer)
+    assert any(t.startswith(point.text) and t != point.text for t in texts)
+
+
+def test_the_generation_spells_the_removed_text_then_answers_after_it(llm):
+    tok = llm.tokenizer
+    healed = heal_point(llm.bind(MID_WORD), tok).text
+    for seed in (None, 1, 2, 3):
+        options = {"temperature": 1.0, "seed": seed} if seed is not None else {}
+        result = llm.generate(MID_WORD, max_new_tokens=6, **options)
+        spelled = tok.decode(result.token_ids)
+        assert spelled.startswith(healed), (spelled, healed)
+        assert spelled == healed + result.text or result.finish_reason != "length" \
+            and spelled.startswith(healed + result.text)
+        plain = llm.generate(MID_WORD, max_new_tokens=6, token_healing=False, **options)
+        assert plain.prefill_tokens == result.prefill_tokens + 1
+
+
+def test_streamed_deltas_leave_out_the_removed_text_too(llm):
+    stream = llm.generate(MID_WORD, max_new_tokens=6, stream=True)
+    assert "".join(stream) == stream.result.text
+    healed = heal_point(llm.bind(MID_WORD), llm.tokenizer).text
+    one = llm.generate(MID_WORD, max_new_tokens=1)          # one token: the spelling itself
+    spelled = llm.tokenizer.decode(one.token_ids)
+    assert one.text == ("" if healed.startswith(spelled) else spelled[len(healed):])
+
+
+def test_nothing_is_healed_after_a_role_marker_a_cached_token_or_under_a_constraint(llm):
+    assert heal_point(llm.bind(ROLE_END), llm.tokenizer) is None
+    assert heal_point(llm.bind('<prompt schema="h"><m/></prompt>'), llm.tokenizer) is None
+    pytest.importorskip("llguidance")
+    constrained = llm.generate(MID_WORD, max_new_tokens=4, regex="s://[a-z]{1,3}")
+    unhealed = llm.generate(MID_WORD, max_new_tokens=4, token_healing=False)
+    assert constrained.prefill_tokens == unhealed.prefill_tokens       # not healed
+    assert constrained.text.startswith("s://")
