@@ -31,7 +31,7 @@ from promptlang.compiler.markers import bad_token_count, token_count_problem
 from promptlang.compiler.trace import current_trace
 from promptlang.errors import PromptLangError
 
-Normalise = Literal["sum", "mean"]
+Normalise = Literal["sum", "mean", "grammar"]
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,9 @@ def select(*args, name: str | None = None, options: Sequence[str] | None = None,
     given everything before (`normalise="sum"`, the default: the option's actual
     probability, so the choice is the most likely of the given continuations), or the
     per-token average (`normalise="mean"`: does not favour short options). Exact, not
-    sampled; ties go to the first option. The chosen option becomes part of the
+    sampled; ties go to the first option. `normalise="grammar"` instead decodes greedily
+    under a grammar of the options (Guidance's select, through llguidance): its cost grows
+    with the longest option, not with how many there are, so it suits long option lists. The chosen option becomes part of the
     conversation and is stored under `name` (`run["tool"]`; the scores are in
     `run.choices["tool"]`).
 
@@ -129,8 +131,9 @@ def select(*args, name: str | None = None, options: Sequence[str] | None = None,
     if name is not None and (not isinstance(name, str) or not name):
         raise PromptLangError(f"select() names its result with a non-empty string, "
                               f"not {name!r}")
-    if normalise not in ("sum", "mean"):
-        raise PromptLangError(f"select(normalise=...) is 'sum' or 'mean', not {normalise!r}")
+    if normalise not in ("sum", "mean", "grammar"):
+        raise PromptLangError(f"select(normalise=...) is 'sum', 'mean' or 'grammar', not "
+                              f"{normalise!r}")
     return _current_trace("select").generation(Select(name, options, normalise))
 
 

@@ -124,7 +124,8 @@ class Choice:
 
     `scores[i]` is the total log-probability of option i's tokens (a sum over its
     tokens); `mean_scores[i]` that sum divided by its token count. The winner maximises
-    the one named by `normalise`; ties go to the first option."""
+    the one named by `normalise`; ties go to the first option. With normalise "grammar"
+    the option was decoded greedily under a grammar of the options: no scores (empty)."""
 
     text: str
     index: int
@@ -132,7 +133,7 @@ class Choice:
     scores: tuple[float, ...]
     mean_scores: tuple[float, ...]
     token_counts: tuple[int, ...]
-    normalise: Literal["sum", "mean"]
+    normalise: Literal["sum", "mean", "grammar"]
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ engine's pool, as does garbage collection.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import weakref
 from dataclasses import dataclass
@@ -344,20 +346,24 @@ class Session:
 
     @torch.inference_mode()
     def select(self, options: Sequence[str], *, name: str | None = None,
-               normalise: Literal["sum", "mean"] = "sum") -> Choice:
+               normalise: Literal["sum", "mean", "grammar"] = "sum") -> Choice:
         """Append the option the model finds most likely (exact, not sampled).
 
         Scores: the total log-probability of each option's tokens (tokenized on their
         own) given the session so far, and the per-token average; `normalise` picks
         which one decides (default "sum": the option's probability). All options run in
-        one forward pass; the winner's KV is kept."""
+        one forward pass; the winner's KV is kept. normalise="grammar": greedy decoding
+        under a grammar of the options instead (llguidance; runtime/constrain.py), whose
+        cost grows with the longest option rather than with the number of options."""
         self._check_open()
         options = tuple(options)
         if not options or len(set(options)) != len(options) or \
                 any(not isinstance(o, str) or not o for o in options):
             raise PromptLangError(f"select needs distinct non-empty option strings: {options!r}")
-        if normalise not in ("sum", "mean"):
-            raise PromptLangError(f"normalise is 'sum' or 'mean', not {normalise!r}")
+        if normalise not in ("sum", "mean", "grammar"):
+            raise PromptLangError(f"normalise is 'sum', 'mean' or 'grammar', not {normalise!r}")
+        if normalise == "grammar":
+            return self._select_by_grammar(options, name)
         encoded = [self.llm.tokenizer.encode(o) for o in options]
         if any(not e for e in encoded):
             raise PromptLangError(f"an option of {options!r} has no tokens")
@@ -394,6 +400,22 @@ class Session:
                                Timings(prefill=prefill_seconds, first_token=decided,
                                        total=time.perf_counter() - started), choice,
                                started_at=started))
+        return choice
+
+    def _select_by_grammar(self, options: tuple[str, ...], name: str | None) -> Choice:
+        """select(normalise="grammar"): the options as Lark literals, decoded greedily."""
+        grammar = "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
+        # a token spells at least one character: the longest option fits, then the eos
+        turn = self.generate(max(len(o) for o in options) + 1, grammar=grammar, name=name,
+                             temperature=0.0)
+        if turn.text not in options:
+            raise PromptLangError(f"the grammar select ended on {turn.text!r}, not an option "
+                                  f"(finish: {turn.finish_reason})")
+        index = options.index(turn.text)
+        choice = Choice(turn.text, index, options, (), (),
+                        tuple(len(self.llm.tokenizer.encode(o)) for o in options), "grammar")
+        self.turns[-1] = dataclasses.replace(turn, kind="select", finish_reason=None,
+                                             choice=choice)
         return choice
 
     # --- branching --------------------------------------------------------------------------

@@ -233,3 +233,29 @@ def test_forced_tokens_are_fed_as_drafts_and_change_nothing(llm, monkeypatch):
     plain = llm.generate(PROMPT, json_schema=PERSON, max_new_tokens=80)
     assert decoders[-1].passes >= len(plain.token_ids) - 1        # one pass per token
     assert drafted.token_ids == plain.token_ids
+
+
+def test_select_by_grammar_picks_one_of_many_options_sharing_prefixes(llm):
+    options = [f"option {i:03d}" for i in range(300)] + ['say "yes"', "say no\\nnow"]
+    session = llm.session(PROMPT)
+    choice = session.select(options, normalise="grammar")
+    assert choice.text in options and choice.normalise == "grammar" and choice.scores == ()
+    turn = session.turns[-1]
+    assert turn.kind == "select" and turn.choice is choice
+    assert session.text.endswith(choice.text)            # the option, and nothing after it
+    with pytest.raises(PromptLangError, match="'sum', 'mean' or 'grammar'"):
+        session.select(["a", "b"], normalise="best")
+    session.close()
+    # in a program
+    from promptlang import assistant, prompt, select, user
+
+    @prompt
+    def pick(question: str):
+        """Picks a colour."""
+        with user():
+            question
+        with assistant():
+            select("colour", ["red", "green", "blue", "reddish"], normalise="grammar")
+
+    with pick.run(llm, "Which colour?") as run:
+        assert run["colour"] in ("red", "green", "blue", "reddish")
