@@ -388,3 +388,31 @@ def test_response_format_and_the_extensions_regex_constrain_the_answer(tiny_mode
                                            response_format={"type": "yaml"})
     finally:
         server.stop()
+
+
+def test_load_schemas_reads_pml_files_folders_and_prompt_functions(model, tmp_path):
+    from promptlang.errors import PromptLangError
+    from promptlang.server.load import load_schemas
+
+    folder = tmp_path / "schemas"
+    folder.mkdir()
+    (folder / "docs.pml").write_text(SCHEMA)
+    (folder / "other.pml").write_text('<schema name="other"><system>Other.</system></schema>')
+    app = tmp_path / "serve_app_mod.py"
+    app.write_text("from promptlang import prompt, user\n\n"
+                   "@prompt\n"
+                   "def ask(topic: str):\n"
+                   '    """Asks."""\n'
+                   '    "Notes about things.\\n"\n'
+                   "    with user():\n"
+                   "        topic\n")
+    llm = make_llm(model)
+    functions = load_schemas(llm, [folder, app])
+    assert set(functions) == {"ask"}
+    assert llm.layout("other").schema.name == "other" and llm.layout("docs")
+    (tmp_path / "prompt.pml").write_text(PML)
+    with pytest.raises(PromptLangError, match="holds a prompt, not a schema"):
+        load_schemas(llm, [tmp_path / "prompt.pml"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PromptLangError, match="no .pml files"):
+        load_schemas(llm, [tmp_path / "empty"])
