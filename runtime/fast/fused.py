@@ -21,6 +21,7 @@ Anything else takes the transformers path; both are held to the same oracle
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 from torch.nn.modules import module as nn_module
@@ -34,6 +35,19 @@ PIECE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Up to this many new tokens (as for fast/attention.py; beyond it MKL's GEMMs win).
 MAX_TOKENS = 64
+_SPAN = 1 << 40          # a batched request's range of visibility positions (forward_batch)
+
+
+class BatchRequest(NamedTuple):
+    """One request of `FusedDecoder.forward_batch`: as `forward`'s arguments."""
+
+    input_ids: torch.Tensor               # [Q_i]
+    positions: torch.Tensor               # [Q_i], its rotary positions
+    pieces: list                          # its past pieces, [L, H_kv, n, D] each
+    new_keys: torch.Tensor                # [L, H_kv, Q_i, D]: where its new keys go
+    new_values: torch.Tensor
+    rows: torch.Tensor                    # which of its Q_i tokens' logits are wanted
+    key_positions: torch.Tensor | None = None   # its past keys' positions (None: all seen)
 
 _WEIGHTS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
             "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -140,6 +154,63 @@ class FusedDecoder:
         native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
                        new_values, key_positions, None if key_positions is None else positions)
         return self.lm_head(self.norm(x[rows]))
+
+    def forward_batch(self, requests: list[BatchRequest]) -> list[torch.Tensor] | None:
+        """One pass over several requests' new tokens: the linear layers read each weight
+        once for all of them, and each token attends to its own request's past pieces and
+        new tokens only (pl_decoder's key_min/new_first). Returns each request's logits
+        [R_i, V] for its `rows`, its new keys/values written as `forward` writes them; None
+        (nothing written) where pl_decoder does not apply -- then run `forward` per request."""
+        pieces = [p for r in requests for p in r.pieces]
+        q = sum(int(r.input_ids.shape[0]) for r in requests)
+        if not requests or not 0 < q <= MAX_TOKENS or len(pieces) >= native.MAX_SEGMENTS:
+            return None
+        if (not _switch or not native.enabled() or not native.available() or self._hooked()
+                or not all(_readable(t, self.kv_heads, self.head_dim, PIECE_DTYPES)
+                           and p.keys.dtype == p.values.dtype for p in pieces for t in p)):
+            return None
+        table = self._weights()
+        if table is None:
+            return None
+        ids = torch.cat([r.input_ids for r in requests])
+        positions = torch.cat([r.positions for r in requests])
+        x = self.embed(ids).contiguous()                               # [Q, hidden]
+        if x.dtype != torch.float32:
+            return None
+        cos, sin = self.rotary(x[None], positions[None])               # [1, Q, D]
+        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        if cos.shape != (q, self.head_dim):
+            return None
+        # visibility positions: request i's in [i * SPAN, (i + 1) * SPAN)
+        kpos, qpos, kmin, first, at = [], [], [], [], 0
+        for i, r in enumerate(requests):
+            n, past = int(r.input_ids.shape[0]), sum(p.keys.shape[2] for p in r.pieces)
+            shift = i * _SPAN
+            known = r.key_positions if r.key_positions is not None else \
+                torch.zeros(past, dtype=torch.int64)
+            if known.shape[0] != past:
+                raise ValueError("key_positions must give every past key of the request")
+            kpos.append(known.to(torch.int64) + shift)
+            own = r.positions.to(torch.int64) if r.key_positions is not None else \
+                torch.arange(1, n + 1, dtype=torch.int64)          # after every past key
+            qpos.append(own + shift)
+            kmin.append(torch.full((n,), shift, dtype=torch.int64))
+            first.append(torch.full((n,), at, dtype=torch.int64))
+            at += n
+        layers, heads, d = len(self.layers), self.kv_heads, self.head_dim
+        new_keys = torch.empty(layers, heads, q, d)
+        new_values = torch.empty(layers, heads, q, d)
+        native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
+                       new_values, torch.cat(kpos), torch.cat(qpos), torch.cat(kmin),
+                       torch.cat(first))
+        out, at = [], 0
+        for r in requests:
+            n = int(r.input_ids.shape[0])
+            r.new_keys.copy_(new_keys[:, :, at:at + n])
+            r.new_values.copy_(new_values[:, :, at:at + n])
+            out.append(self.lm_head(self.norm(x[at:at + n][r.rows])))
+            at += n
+        return out
 
     def _weights(self) -> ctypes.Array | None:
         """The kernel's weight table ([layers][16] pointers), rebuilt and checked whenever a

@@ -325,11 +325,15 @@ static void widen16(const uint16_t* src, long n, int kind, float* dst) {
  * widened a block at a time, in cache). kpos (NULL: every key visible): the position of each
  * key of the non-causal segments, concatenated; row r then sees key j only where
  * kpos[j] <= qpos[r % qlen] (recomputed tokens among the new ones: they see the past before
- * them). Blocks and 16-key tiles that no row of theirs sees are skipped. */
+ * them), and with kmin (NULL: no lower bound) only where kmin[r % qlen] <= kpos[j] too; with
+ * nfirst (NULL: from the first), a causal segment's keys from nfirst[r % qlen] on (requests
+ * batched in one call: each row sees its own request's keys). Blocks and 16-key tiles that
+ * no row of theirs sees are skipped; a tile only some rows see is computed for those. */
 static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                         const char* const* keys, const char* const* values, const long* lens,
                         const int* causal, const int* half, const int64_t* kpos,
-                        const int64_t* qpos, long qlen, long a, long b, Partial* part) {
+                        const int64_t* qpos, const int64_t* kmin, const long* nfirst, long qlen,
+                        long a, long b, Partial* part) {
     float s[MAXR * BK] __attribute__((aligned(32)));
     float kt[MAXD * BK] __attribute__((aligned(32)));
     float wide[MAXD * BK] __attribute__((aligned(32)));
@@ -338,10 +342,13 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
     memset(acc, 0, sizeof(float) * nr * d);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     int64_t qp[MAXR], qmax = INT64_MIN;                      /* each row's query position */
+    int64_t ql[MAXR], qlmin = INT64_MAX;                     /* ... and lowest key it sees */
     if (kpos)
         for (long r = 0; r < nr; r++) {
             qp[r] = qpos[(r0 + r) % qlen];
             qmax = qp[r] > qmax ? qp[r] : qmax;
+            ql[r] = kmin ? kmin[(r0 + r) % qlen] : INT64_MIN;
+            qlmin = ql[r] < qlmin ? ql[r] : qlmin;
         }
     long base = 0;
     for (long g = 0; g < nseg; base += lens[g], g++) {
@@ -351,17 +358,20 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
         for (long j0 = lo; j0 < hi; j0 += BK) {
             long nk = hi - j0 < BK ? hi - j0 : BK;
             long nk16 = (nk + 15) & ~15L;
-            int64_t tmin[BK / 16];                           /* lowest key position per tile */
+            int64_t tmin[BK / 16], tmax[BK / 16];            /* key positions per tile */
             if (kp) {
-                int64_t bmin = INT64_MAX;
+                int64_t bmin = INT64_MAX, bmax = INT64_MIN;
                 for (long t = 0; t < nk16 / 16; t++) {
-                    int64_t lo16 = INT64_MAX;
-                    for (long j = t * 16; j < t * 16 + 16 && j < nk; j++)
+                    int64_t lo16 = INT64_MAX, hi16 = INT64_MIN;
+                    for (long j = t * 16; j < t * 16 + 16 && j < nk; j++) {
                         lo16 = kp[j0 + j] < lo16 ? kp[j0 + j] : lo16;
-                    tmin[t] = lo16;
+                        hi16 = kp[j0 + j] > hi16 ? kp[j0 + j] : hi16;
+                    }
+                    tmin[t] = lo16; tmax[t] = hi16;
                     bmin = lo16 < bmin ? lo16 : bmin;
+                    bmax = hi16 > bmax ? hi16 : bmax;
                 }
-                if (bmin > qmax) continue;                   /* no row sees this block */
+                if (bmin > qmax || bmax < qlmin) continue;   /* no row sees this block */
             }
             /* the next block's keys and values, pulled into the cache a slice per tile while
              * this block computes (hides the memory stream: 94 -> 85 ms at 6.4k keys) */
@@ -384,10 +394,19 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 long r = 0;
                 for (; r + 6 <= nr; r += 6) {
                     pull(&kahead);
-                    if (kp) {              /* the tile's latest query sees none of its keys */
-                        int64_t m6 = qp[r];
-                        for (int i = 1; i < 6; i++) m6 = qp[r + i] > m6 ? qp[r + i] : m6;
-                        if (tmin[jb / 16] > m6) continue;   /* scores masked below, never read */
+                    if (kp) {              /* rows that see none of the tile's keys: skipped */
+                        int sees[6], n = 0;
+                        for (int i = 0; i < 6; i++) {
+                            sees[i] = tmin[jb / 16] <= qp[r + i] && tmax[jb / 16] >= ql[r + i];
+                            n += sees[i];
+                        }
+                        if (n == 0) continue;               /* scores masked below, never read */
+                        if (n < 6 && kmin) {                /* batched requests: row by row */
+                            for (int i = 0; i < 6; i++)
+                                if (sees[i])
+                                    qk_tile(1, qs + (r + i) * d, d, kt + jb, s + (r + i) * BK + jb);
+                            continue;
+                        }
                     }
                     qk_tile(6, qs + r * d, d, kt + jb, s + r * BK + jb);
                 }
@@ -407,10 +426,15 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 if (causal[g]) {           /* new-token block: row sees keys j <= its token */
                     long t = (r0 + r) % qlen - j0;
                     vis = t + 1 < 0 ? 0 : (t + 1 < nk ? t + 1 : nk);
+                    if (nfirst) {          /* ... and from its request's first new token */
+                        long first = nfirst[(r0 + r) % qlen] - j0;
+                        if (first >= vis) vis = 0;
+                        for (long j = 0; j < first && j < vis; j++) sr[j] = -INFINITY;
+                    }
                 } else if (kp) {           /* keys positioned after the row's token */
                     long last = 0;
                     for (long j = 0; j < nk; j++) {
-                        if (kp[j0 + j] > qp[r]) sr[j] = -INFINITY;
+                        if (kp[j0 + j] > qp[r] || kp[j0 + j] < ql[r]) sr[j] = -INFINITY;
                         else last = j + 1;
                     }
                     vis = last;
@@ -447,6 +471,11 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                     pull(&vahead);
                     long n = visr[r] > visr[r + 1] ? visr[r] : visr[r + 1];
                     n = visr[r + 2] > n ? visr[r + 2] : n;
+                    if ((kmin || nfirst) && (!visr[r] || !visr[r + 1] || !visr[r + 2])) {
+                        for (long i = r; i < r + 3; i++)   /* batched: only rows that see */
+                            if (visr[i]) pv_tile(1, s + i * BK, visr[i], vb + c, d, acc + i * d + c);
+                        continue;
+                    }
                     if (n) pv_tile(3, s + r * BK, n, vb + c, d, acc + r * d + c);
                 }
                 if (nr - r == 2) {
@@ -502,7 +531,8 @@ static void attend_partials(const Plan* p, float* space, Partial* parts) {
 static void attend_tasks(const Plan* p, const float* qs, long nseg, const void* const* keys,
                          const long* kstride, const void* const* values, const long* vstride,
                          const long* lens, const int* causal, const int* half,
-                         const int64_t* kpos, const int64_t* qpos, Partial* parts) {
+                         const int64_t* kpos, const int64_t* qpos, const int64_t* kmin,
+                         const long* nfirst, Partial* parts) {
     #pragma omp for schedule(dynamic, 1)
     for (long t = 0; t < p->tasks; t++) {
         long u = t / p->splits, sp = t % p->splits, h = u / p->rblocks, rb = u % p->rblocks;
@@ -515,7 +545,7 @@ static void attend_tasks(const Plan* p, const float* qs, long nseg, const void* 
         }
         long a = sp * p->span, b = a + p->span < p->total ? a + p->span : p->total;
         attend_part(qs + (h * p->rows + r0) * p->d, r0, r1 - r0, p->d, nseg, kh, vh, lens, causal,
-                    half, kpos, qpos, p->qlen, a, b, parts + t);
+                    half, kpos, qpos, kmin, nfirst, p->qlen, a, b, parts + t);
     }
 }
 
@@ -577,7 +607,8 @@ int pl_attend(const float* q, long heads, long rows, long d, float scale, long n
     #pragma omp parallel num_threads(threads)
     {
         attend_tasks(&plan, qs, nseg, (const void* const*)keys, kstride,
-                     (const void* const*)values, vstride, lens, causal, NULL, NULL, NULL, parts);
+                     (const void* const*)values, vstride, lens, causal, NULL, NULL, NULL, NULL,
+                     NULL, parts);
         attend_merge(&plan, parts, out, rows * d, qlen * d, d, lse);
     }
     free(parts); free(space); free(qs);
@@ -646,13 +677,18 @@ static void linear_residual(const float* x, long m, long k, const float* w, cons
  * kpos (NULL: every past key visible to every token): the positions of the past keys, segments
  * concatenated; token t then sees past key j only where kpos[j] <= qpos[t] (qpos: [q],
  * increasing: causal in input order is causal by position).
+ * Batched requests (kmin and nfirst, NULL otherwise): token t also needs kmin[t] <= kpos[j],
+ * and sees the new keys nfirst[t] .. t only. Each request's past keys carry positions in a
+ * range of its own and its tokens are consecutive, so every token sees its own request's
+ * keys alone; qpos need not increase across requests (the rotary embedding reads cos/sin).
  * Returns 0, -1 for unsupported shapes, -2 when out of memory. */
 int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                const float* const* w, const float* cos, const float* sin,
                long nseg, const void* const* keys, const long* kstride,
                const void* const* values, const long* vstride, const long* lens, const int* half,
                float* const* newk, long nkstride, float* const* newv, long nvstride,
-               const int64_t* kpos, const int64_t* qpos, int threads) {
+               const int64_t* kpos, const int64_t* qpos, const int64_t* kmin,
+               const long* nfirst, int threads) {
     long hidden = shape[0], heads = shape[1], kvh = shape[2], d = shape[3], inter = shape[4],
          layers = shape[5];
     if (q <= 0 || d % 8 || d > MAXD || hidden % 8 || inter % 8 || (heads * d) % 8
@@ -715,7 +751,7 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
         for (long g = 0; g < nseg; g++) { kl[g] = keys[l * nseg + g]; vl[g] = values[l * nseg + g]; }
         kl[nseg] = newk[l]; vl[nseg] = newv[l];
         attend_tasks(&plan, qs, nseg + 1, kl, kstride1, vl, vstride1, lens1, causal, half1, kpos,
-                     qpos, parts);
+                     qpos, kmin, nfirst, parts);
         attend_merge(&plan, parts, att, groups * d, d, nq, NULL);
         #pragma omp for schedule(static)
         for (long b = 0; b < hblocks; b++) {

@@ -236,7 +236,8 @@ def _bind(library: Path) -> ctypes.CDLL:
                                   _L, _P, _P, ctypes.c_int]
         lib.pl_attend.restype = ctypes.c_int
         lib.pl_decoder.argtypes = [_P, _L, _P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _L,
-                                   _P, _P, _P, _P, _P, _P, _P, _L, _P, _L, _P, _P, ctypes.c_int]
+                                   _P, _P, _P, _P, _P, _P, _P, _L, _P, _L, _P, _P, _P, _P,
+                                   ctypes.c_int]
         lib.pl_decoder.restype = ctypes.c_int
     except AttributeError as exc:                 # "...: undefined symbol: pl_attend"
         raise _Unavailable(f"{library} lacks a kernel ({exc})") from None
@@ -334,7 +335,8 @@ _HALF_KINDS = {torch.bfloat16: 1, torch.float16: 2}     # kernels.c's HALF_BF16,
 def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torch.Tensor,
             sin: torch.Tensor, pieces, new_keys: torch.Tensor, new_values: torch.Tensor,
             key_positions: torch.Tensor | None = None,
-            query_positions: torch.Tensor | None = None) -> None:
+            query_positions: torch.Tensor | None = None, key_min: torch.Tensor | None = None,
+            new_first: torch.Tensor | None = None) -> None:
     """Every decoder layer of a Llama-family model over x ([Q, hidden], replaced by the last
     layer's output) by pl_decoder; see fast/fused.py, which checks what it passes.
 
@@ -344,7 +346,9 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     new_keys/new_values: [L, H_kv, Q, D] float32, where the new tokens' keys/values go.
     key_positions ([S] int64, the pieces' keys in order) and query_positions ([Q] int64,
     increasing): token t then sees a past key only at a position <= its own; None: every
-    past key is visible to every token.
+    past key is visible to every token. key_min ([Q] int64) and new_first ([Q] int64):
+    batched requests (fused.py, `forward_batch`): token t also needs a position >= key_min[t],
+    and sees the new keys new_first[t] .. t only.
     """
     layers, nseg = shape[5], len(pieces)
     if nseg + 1 > MAX_SEGMENTS:
@@ -371,9 +375,18 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
             raise ValueError("pl_decoder needs int64 positions of every past key and new token")
         key_positions, query_positions = key_positions.contiguous(), query_positions.contiguous()
         kpos, qpos = key_positions.data_ptr(), query_positions.data_ptr()
+    kmin = nfirst = None
+    if key_min is not None:
+        if kpos is None or new_first is None or key_min.dtype != torch.int64 \
+                or new_first.dtype != torch.int64 or key_min.shape[0] != x.shape[0] \
+                or new_first.shape[0] != x.shape[0]:
+            raise ValueError("batched pl_decoder needs positions and int64 key_min/new_first "
+                             "per token")
+        key_min, new_first = key_min.contiguous(), new_first.contiguous()
+        kmin, nfirst = key_min.data_ptr(), new_first.data_ptr()
     status = (_lib or _load()).pl_decoder(
         x.data_ptr(), x.shape[0], shape, eps, scale, weights, cos.data_ptr(), sin.data_ptr(),
         nseg, keys, kstride, values, vstride, lens, half, newk, new_keys.stride(1), newv,
-        new_values.stride(1), kpos, qpos, torch.get_num_threads())
+        new_values.stride(1), kpos, qpos, kmin, nfirst, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"pl_decoder failed ({status})")

@@ -1,0 +1,86 @@
+"""Several requests in one fused pass (fused.py `forward_batch`, pl_decoder's key_min and
+new_first): each request's logits and new keys/values equal those of its own pass, so the
+linear layers can read every weight once per step for a whole batch (issue 18's batching).
+
+The requests differ in past length and positions, one has several new tokens, two read
+the same unit's tensors, and the shorter pasts sit in key blocks next to the longer ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from promptlang.runtime.fast import native
+from promptlang.runtime.fast.fused import BatchRequest, FusedDecoder
+from promptlang.runtime.fast.pieces import Piece
+
+from .test_fused import TOL, VOCAB, tiny
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    if not native.available():
+        pytest.skip("CPU kernels unavailable here")
+    model = tiny("llama")
+    found = FusedDecoder.of(model, "Llama")
+    assert found is not None
+    return found
+
+
+def piece(layers, heads, n, d, seed) -> Piece:
+    g = torch.Generator().manual_seed(seed)
+    return Piece(torch.randn(layers, heads, n, d, generator=g),
+                 torch.randn(layers, heads, n, d, generator=g))
+
+
+def request(dec, pieces, tokens, start, seed, positioned=False):
+    layers, heads, d = len(dec.layers), dec.kv_heads, dec.head_dim
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (tokens,), generator=g)
+    positions = torch.arange(start, start + tokens)
+    past = sum(p.keys.shape[2] for p in pieces)
+    known = torch.arange(past, dtype=torch.int64) if positioned else None
+    return BatchRequest(ids, positions, pieces, torch.zeros(layers, heads, tokens, d),
+                        torch.zeros(layers, heads, tokens, d), torch.arange(tokens), known)
+
+
+def alone(dec, r: BatchRequest):
+    keys, values = torch.zeros_like(r.new_keys), torch.zeros_like(r.new_values)
+    logits = dec.forward(r.input_ids, r.positions, r.pieces, keys, values, r.rows,
+                         key_positions=r.key_positions)
+    assert logits is not None
+    return logits, keys, values
+
+
+@pytest.mark.parametrize("positioned", [False, True], ids=["all visible", "by position"])
+def test_each_request_of_a_batch_gets_its_own_pass(decoder, positioned):
+    layers, heads, d = len(decoder.layers), decoder.kv_heads, decoder.head_dim
+    shared = piece(layers, heads, 150, d, 1)               # one unit read by two requests
+    requests = [
+        request(decoder, [piece(layers, heads, 300, d, 2)], 1, 300, 10, positioned),
+        request(decoder, [shared, piece(layers, heads, 7, d, 3)], 1, 157, 11, positioned),
+        request(decoder, [piece(layers, heads, 5, d, 4)], 3, 5, 12, positioned),
+        request(decoder, [shared], 1, 150, 13, positioned),
+    ]
+    expected = [alone(decoder, r) for r in requests]
+    got = decoder.forward_batch(requests)
+    assert got is not None and len(got) == len(requests)
+    for r, logits, (want, keys, values) in zip(requests, got, expected):
+        assert logits.shape == want.shape
+        assert (logits - want).abs().max() < TOL
+        assert (r.new_keys - keys).abs().max() < TOL
+        assert (r.new_values - values).abs().max() < TOL
+
+
+def test_a_batch_that_leaves_out_a_request_changes_the_others_not_at_all(decoder):
+    """The test can fail: a token that saw another request's keys would differ."""
+    layers, heads, d = len(decoder.layers), decoder.kv_heads, decoder.head_dim
+    a = request(decoder, [piece(layers, heads, 40, d, 5)], 1, 40, 20)
+    b = request(decoder, [piece(layers, heads, 60, d, 6)], 1, 60, 21)
+    together = decoder.forward_batch([a, b])[0]
+    first = decoder.forward_batch([a])[0]
+    assert (together - first).abs().max() < TOL
+    wrong = decoder.forward(a.input_ids, a.positions, a.pieces + b.pieces,
+                            torch.zeros_like(a.new_keys), torch.zeros_like(a.new_values),
+                            a.rows)
+    assert (wrong - first).abs().max() > 1e-3           # seeing b's keys would show
