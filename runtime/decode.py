@@ -191,3 +191,69 @@ def _in_position_order(buffer: KVBuffer, length: int) -> list[int]:
     """The token ids of the buffer's first `length` slots, sorted by position."""
     order = torch.argsort(buffer.positions[:length], stable=True)
     return buffer.token_ids[:length][order].tolist()
+
+
+@torch.inference_mode()
+def steps_together(decoders: Sequence[Decoder], logits: Sequence[torch.Tensor]
+                   ) -> Iterator[tuple[int, int | None, str, bool]]:
+    """Decode several requests at once: every step feeds each unfinished decoder's picked
+    token in ONE forward pass (ModelAdapter.forward_batch: the linear layers read each
+    weight once for all of them), each token seeing its own request's KV only. Yields
+    (index of the decoder, token id, text delta, finished) as `Decoder.steps` would for each;
+    each decoder's output is the one it gives alone. Drafts are not used. Where the batch
+    cannot be fused the step runs request by request (the same results)."""
+    if not decoders:
+        return
+    adapter = decoders[0].adapter
+    if any(d.adapter is not adapter for d in decoders):
+        raise ValueError("decoders stepped together must share one model")
+    picked: dict[int, int] = {}
+    for i, (d, first) in enumerate(zip(decoders, logits)):
+        d.first_logits = first
+        if d.limit is not None and d.position >= d.limit:
+            yield i, None, d.decoding.finish("length"), True
+            continue
+        token, delta, finished = d._pick(first)
+        yield i, token, delta, finished
+        if not finished:
+            picked[i] = token
+    while picked:
+        live = []
+        for i, token in list(picked.items()):
+            d = decoders[i]
+            if d.limit is not None and d.position + 1 >= d.limit:   # no position to pick at
+                del picked[i]
+                yield i, None, d.decoding.finish("length"), True
+                continue
+            if d.materialize:
+                d.buffer.materialize()
+            if d.buffer.length + 1 > d.buffer.capacity:
+                d.buffer.reserve(int(d.buffer.capacity * 1.5) + 1)
+            live.append(i)
+        if not live:
+            return
+        device = adapter.device
+        items = [(torch.tensor([picked[i]], device=device),
+                  torch.tensor([decoders[i].position], device=device),
+                  decoders[i].buffer.past()) for i in live]
+        steps = adapter.forward_batch(items)
+        if steps is None:                        # one by one, as each would alone
+            rows = [extend(adapter, decoders[i].buffer, [picked[i]], [decoders[i].position],
+                           False, None, True)[-1] for i in live]
+        else:
+            rows = []
+            for (ids, pos, _), i, step in zip(items, live, steps):
+                decoders[i].buffer.append(ids, pos)
+                rows.append(step.logits[-1])
+        for i, row in zip(live, rows):
+            d = decoders[i]
+            d.passes += 1
+            d.computed += 1
+            d._keep(1, 1, row[None])
+            token, delta, finished = d._pick(row)
+            yield i, token, delta, finished
+            if finished:
+                del picked[i]
+            else:
+                picked[i] = token
+

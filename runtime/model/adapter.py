@@ -25,7 +25,7 @@ import torch
 
 from promptlang.errors import ModelError
 from promptlang.runtime.fast import FastPaths, accelerate
-from promptlang.runtime.fast.fused import MAX_TOKENS
+from promptlang.runtime.fast.fused import MAX_TOKENS, BatchRequest
 from promptlang.runtime.fast.native import MAX_SEGMENTS
 from promptlang.runtime.fast.pieces import past_pieces
 from promptlang.runtime.model.families import FAMILIES, Family
@@ -144,6 +144,38 @@ class ModelAdapter:
         return keys, values
 
     # --- the forward pass -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward_batch(self, items: list[tuple[torch.Tensor, torch.Tensor, Past]]
+                      ) -> list[Step] | None:
+        """Several requests' new tokens in ONE pass, each (input_ids [Q_i], positions [Q_i],
+        past) seeing its own past (every key of it) and its own new tokens only; the
+        logits of each request's last token. None (nothing written) where the fused layers
+        cannot take the batch: the caller then runs `forward` per request."""
+        decoder = self.fast.decoder
+        if decoder is None or self.sliding_window is not None:
+            return None
+        requests, slots = [], []
+        for input_ids, positions, past in items:
+            s, q = int(past.positions.shape[0]), int(input_ids.shape[0])
+            if s + q > past.keys.shape[2] or (past.shared and not self.reads_shared):
+                return None
+            requests.append(BatchRequest(
+                input_ids, positions, past_pieces(past.keys, past.values, past.shared, s),
+                past.keys[:, :, s:s + q], past.values[:, :, s:s + q],
+                torch.tensor([q - 1], device=positions.device)))
+            slots.append((past, s, q))
+        with self.lock:
+            state = self.state
+            before, state.in_runtime_pass = state.in_runtime_pass, True
+            try:
+                out = decoder.forward_batch(requests)
+            finally:
+                state.in_runtime_pass = before
+        if out is None:
+            return None
+        return [Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
+                for logits, (past, s, q) in zip(out, slots)]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, past: Past | None,
