@@ -193,67 +193,89 @@ def _in_position_order(buffer: KVBuffer, length: int) -> list[int]:
     return buffer.token_ids[:length][order].tolist()
 
 
-@torch.inference_mode()
-def steps_together(decoders: Sequence[Decoder], logits: Sequence[torch.Tensor]
-                   ) -> Iterator[tuple[int, int | None, str, bool]]:
-    """Decode several requests at once: every step feeds each unfinished decoder's picked
-    token in ONE forward pass (ModelAdapter.forward_batch: the linear layers read each
-    weight once for all of them), each token seeing its own request's KV only. Yields
-    (index of the decoder, token id, text delta, finished) as `Decoder.steps` would for each;
-    each decoder's output is the one it gives alone. Drafts are not used. Where the batch
-    cannot be fused the step runs request by request (the same results)."""
-    if not decoders:
-        return
-    adapter = decoders[0].adapter
-    if any(d.adapter is not adapter for d in decoders):
-        raise ValueError("decoders stepped together must share one model")
-    picked: dict[int, int] = {}
-    for i, (d, first) in enumerate(zip(decoders, logits)):
-        d.first_logits = first
-        if d.limit is not None and d.position >= d.limit:
-            yield i, None, d.decoding.finish("length"), True
-            continue
-        token, delta, finished = d._pick(first)
-        yield i, token, delta, finished
+class BatchStepper:
+    """Decoders stepped together: every `step()` feeds each live decoder's picked token in
+    ONE forward pass (ModelAdapter.forward_batch: the linear layers read each weight once
+    for all of them), each token seeing its own request's KV only; decoders join (`add`)
+    and leave (finishing, or `remove`) between steps. Each decoder's output is the one it
+    gives alone (`Decoder.steps`); drafts are not used. Where the batch cannot be fused the
+    step runs request by request (the same results)."""
+
+    def __init__(self, adapter: ModelAdapter):
+        self.adapter = adapter
+        self.picked: dict[object, tuple[Decoder, int]] = {}    # key -> (decoder, next token)
+        self.batched = 0                                       # fused passes of 2+ requests
+
+    def __len__(self) -> int:
+        return len(self.picked)
+
+    @torch.inference_mode()
+    def add(self, key, decoder: Decoder, logits: torch.Tensor) -> tuple[int | None, str, bool]:
+        """Start `decoder` from `logits` ([V], for its position): its first pick, as
+        (token id, text delta, finished); it joins the next steps unless finished."""
+        if decoder.adapter is not self.adapter:
+            raise ValueError("decoders stepped together must share one model")
+        decoder.first_logits = logits
+        if decoder.limit is not None and decoder.position >= decoder.limit:
+            return None, decoder.decoding.finish("length"), True
+        token, delta, finished = decoder._pick(logits)
         if not finished:
-            picked[i] = token
-    while picked:
-        live = []
-        for i, token in list(picked.items()):
-            d = decoders[i]
+            self.picked[key] = (decoder, token)
+        return token, delta, finished
+
+    def remove(self, key) -> None:
+        self.picked.pop(key, None)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[object, int | None, str, bool]]:
+        """One pass for every live decoder: (key, token id, text delta, finished) each."""
+        events, live = [], []
+        for key, (d, token) in list(self.picked.items()):
             if d.limit is not None and d.position + 1 >= d.limit:   # no position to pick at
-                del picked[i]
-                yield i, None, d.decoding.finish("length"), True
+                del self.picked[key]
+                events.append((key, None, d.decoding.finish("length"), True))
                 continue
             if d.materialize:
                 d.buffer.materialize()
             if d.buffer.length + 1 > d.buffer.capacity:
                 d.buffer.reserve(int(d.buffer.capacity * 1.5) + 1)
-            live.append(i)
+            live.append((key, d, token))
         if not live:
-            return
-        device = adapter.device
-        items = [(torch.tensor([picked[i]], device=device),
-                  torch.tensor([decoders[i].position], device=device),
-                  decoders[i].buffer.past()) for i in live]
-        steps = adapter.forward_batch(items)
+            return events
+        device = self.adapter.device
+        items = [(torch.tensor([token], device=device), torch.tensor([d.position], device=device),
+                  d.buffer.past()) for _, d, token in live]
+        steps = self.adapter.forward_batch(items) if len(live) > 1 else None
         if steps is None:                        # one by one, as each would alone
-            rows = [extend(adapter, decoders[i].buffer, [picked[i]], [decoders[i].position],
-                           False, None, True)[-1] for i in live]
+            rows = [extend(self.adapter, d.buffer, [token], [d.position], False, None, True)[-1]
+                    for _, d, token in live]
         else:
+            self.batched += 1
             rows = []
-            for (ids, pos, _), i, step in zip(items, live, steps):
-                decoders[i].buffer.append(ids, pos)
+            for (ids, pos, _), (_, d, _), step in zip(items, live, steps):
+                d.buffer.append(ids, pos)
                 rows.append(step.logits[-1])
-        for i, row in zip(live, rows):
-            d = decoders[i]
+        for (key, d, _), row in zip(live, rows):
             d.passes += 1
             d.computed += 1
             d._keep(1, 1, row[None])
             token, delta, finished = d._pick(row)
-            yield i, token, delta, finished
+            events.append((key, token, delta, finished))
             if finished:
-                del picked[i]
+                del self.picked[key]
             else:
-                picked[i] = token
+                self.picked[key] = (d, token)
+        return events
 
+
+def steps_together(decoders: Sequence[Decoder], logits: Sequence[torch.Tensor]
+                   ) -> Iterator[tuple[int, int | None, str, bool]]:
+    """Decode `decoders` together to the end (BatchStepper): yields (index of the decoder,
+    token id, text delta, finished) as `Decoder.steps` would for each."""
+    if not decoders:
+        return
+    stepper = BatchStepper(decoders[0].adapter)
+    for i, (d, first) in enumerate(zip(decoders, logits)):
+        yield (i, *stepper.add(i, d, first))
+    while len(stepper):
+        yield from stepper.step()

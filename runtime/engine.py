@@ -29,17 +29,17 @@ from promptlang.pml import nodes
 from promptlang.pml.binding import BoundPrompt, bind
 from promptlang.pml.layout import SchemaLayout, lay_out
 from promptlang.runtime.assembler import Assembler, KVBuffer, request_keys
-from promptlang.runtime.constrain import Constraint, forced_drafts
-from promptlang.runtime.healing import Healing, heal_point
+from promptlang.runtime.constrain import Constraint
+from promptlang.runtime.generation import Generation
+from promptlang.runtime.healing import heal_point
 from promptlang.runtime.encoder import EncodeStats, UnitEncoder
-from promptlang.runtime.decode import Decoder
 from promptlang.runtime.model import ModelAdapter, adapt
 from promptlang.runtime.recompute import (DEFAULT_POLICY, NO_RECOMPUTE, Recompute,
                                           RecomputePlan, candidates, choose_positions, exact,
                                           schema_policy)
 from promptlang.runtime.prefill import baseline_prefill, prefill, take_last, uncached_tokens
 from promptlang.runtime.results import Opened, Prefilled, Result, Timings
-from promptlang.runtime.sampling import Decoding, SamplingParams, options_to_params
+from promptlang.runtime.sampling import SamplingParams, options_to_params
 
 
 class TextStream:
@@ -318,38 +318,31 @@ class LLM:
                 constraint: Constraint | None = None) -> Generator[str, None, Result]:
         """Decode after an open request, yielding text deltas; returns the Result. The
         request's buffer goes back to the pool at the end, or when the caller stops."""
-        decoding = Decoding(params, self.tokenizer)
-        t, limit = opened.timings, self.max_positions
-        # the last picked token is never computed: it may take the model's last position + 1
-        hook = constraint
-        if opened.healed:                       # the generation first spells the removed text
-            hook = Healing(opened.healed, self.tokenizer)
-        decoder = Decoder(self.adapter, opened.buffer, decoding, opened.position,
-                          limit=None if limit is None else limit + 1,
-                          constrain=hook, **forced_drafts(params, constraint))
-        skip = len(opened.healed)               # ... which the caller already has
+        generation = Generation(self, opened, params, constraint)
         try:
-            first = True
-            for _, delta, finished in decoder.steps(opened.logits):
-                if first:
-                    t.first_token = time.perf_counter() - opened.started
-                    first = False
-                if skip and delta:
-                    cut = min(skip, len(delta))
-                    delta, skip = delta[cut:], skip - cut
+            for _, delta, finished in generation.decoder.steps(opened.logits):
+                delta = generation.delta(delta)
                 if delta:
                     yield delta
                 if finished:
                     break
         finally:
-            self.assembler.release(opened.buffer)
-        t.total = time.perf_counter() - opened.started
-        text, token_ids, reason = decoding.result()
-        if opened.healed:            # the removed text is the caller's; a cut-short spelling too
-            text = "" if opened.healed.startswith(text) else text.removeprefix(opened.healed)
-        return Result(text, token_ids, reason, t, opened.prefill_tokens, opened.cached_tokens,
-                      opened.recomputed_tokens, len(opened.exact), opened.approximate_tokens,
-                      None if constraint is None else constraint.complete)
+            generation.release()
+        return generation.result()
+
+    def start(self, prompt, *, schema=None, baseline: bool = False, recompute=None,
+              sampling: SamplingParams | None = None, **options) -> Generation:
+        """Open a request for a caller that drives its decoding itself (the server's batch
+        scheduler): bind, retrieve, assemble, prefill as `generate` does; the Generation's
+        decoder then starts from `generation.opened.logits`. The caller calls `result()` at
+        the end, or `release()` to stop early."""
+        started = time.perf_counter()
+        params = options_to_params(sampling, **options)
+        constraint = Constraint.of(params, self.tokenizer)
+        heal = params.token_healing and constraint is None
+        opened, _ = self._open(prompt, schema, baseline, recompute, params.max_new_tokens,
+                               True, False, started, heal=heal)
+        return Generation(self, opened, params, constraint)
 
     # --- helpers ------------------------------------------------------------------------------
 

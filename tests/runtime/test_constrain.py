@@ -217,7 +217,7 @@ def test_a_json_action_agent_always_emits_a_parseable_call_of_an_offered_tool(ll
 def test_forced_tokens_are_fed_as_drafts_and_change_nothing(llm, monkeypatch):
     """A JSON object's keys are forced by the grammar: the constraint drafts them, so the
     decode takes fewer passes than tokens, and the output is the one without drafts."""
-    from promptlang.runtime import decode, engine
+    from promptlang.runtime import decode, generation
 
     decoders = []
     real = decode.Decoder.__init__
@@ -229,7 +229,7 @@ def test_forced_tokens_are_fed_as_drafts_and_change_nothing(llm, monkeypatch):
     drafted = llm.generate(PROMPT, json_schema=PERSON, max_new_tokens=80)
     tokens = len(drafted.token_ids)
     assert decoders[-1].passes < tokens - 5                # runs of forced tokens, one pass each
-    monkeypatch.setattr(engine, "forced_drafts", lambda params, c: {"draft": 0})
+    monkeypatch.setattr(generation, "forced_drafts", lambda params, c: {"draft": 0})
     plain = llm.generate(PROMPT, json_schema=PERSON, max_new_tokens=80)
     assert decoders[-1].passes >= len(plain.token_ids) - 1        # one pass per token
     assert drafted.token_ids == plain.token_ids
