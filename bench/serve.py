@@ -263,8 +263,8 @@ def sections(report: ServeReport) -> list[Section]:
              f"{o.requests} requests per client per level",
              f"each distinct request was served once alone first (the reference; "
              f"{report.reference_seconds:.1f} s), so its modules are stored",
-             "requests are served one at a time by the engine (no batching of decode steps "
-             "across requests yet): TTFT grows with the queue and tokens/s stays flat",
+             "concurrent requests decode together (continuous batching, up to 16 per step); "
+             "each prefill runs alone between steps",
              "lost: an error or a stream without its end; identical: equal to the reference"]
     lost = [s.lost for level in report.levels for s in level.samples if s.lost]
     if lost:

@@ -1,7 +1,7 @@
 """`promptlang serve`: the OpenAI HTTP API over one engine (promptlang/server/).
 
     promptlang serve [--model PATH] [--host 127.0.0.1] [--port 8000]
-                     [--schemas DIR_OR_FILE ...] [--api-key KEY] [--max-queue N]
+                     [--schemas DIR_OR_FILE ...] [--api-key KEY] [--max-queue N] [--max-batch N]
                      [--recompute POLICY] [--model-name NAME]
 
 Loads the model once, registers the schemas and @prompt functions named, and serves until
@@ -37,6 +37,8 @@ def register(subparsers: Any) -> None:
                        help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
     serve.add_argument("--max-queue", type=int, default=64, metavar="N",
                        help="requests that may wait for the engine; more get 429 (default 64)")
+    serve.add_argument("--max-batch", type=int, default=16, metavar="N",
+                       help="requests decoded together, one pass per step (default 16)")
     serve.add_argument("--recompute", metavar="POLICY", default=None,
                        help="the default recompute policy (default seams; docs/RECOMPUTE.md)")
     serve.add_argument("--model-name", metavar="NAME", default=None,
@@ -52,8 +54,9 @@ def _serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         print(f"promptlang serve: --port must be 1-65535, not {args.port}", file=sys.stderr)
         return 2
-    if args.max_queue < 1:
-        print("promptlang serve: --max-queue must be at least 1", file=sys.stderr)
+    if args.max_queue < 1 or args.max_batch < 1:
+        print("promptlang serve: --max-queue and --max-batch must be at least 1",
+              file=sys.stderr)
         return 2
     options = {} if args.recompute is None else {"recompute": args.recompute}
     llm = engine.load(args.model, **options)
@@ -63,7 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"promptlang serve: {name} on http://{args.host}:{args.port}/v1 "
           f"({len(functions)} @prompt functions)", file=sys.stderr)
     serve(llm, functions=functions, host=args.host, port=args.port, api_key=api_key,
-          model_name=name, max_queue=args.max_queue)
+          model_name=name, max_queue=args.max_queue, max_batch=args.max_batch)
     return 0
 
 

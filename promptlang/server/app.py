@@ -8,8 +8,9 @@
 
 A request becomes a prompt in prompts.py (chat messages, completion text, or PML through the
 `promptlang` extension field) and runs on the engine's thread (worker.py). Usage reports
-`prompt_tokens_details.cached_tokens`: the prompt tokens served from cached modules. Every
-failure is an OpenAI error object: 400 for a bad request (a PML error keeps its located
+`prompt_tokens_details.cached_tokens`: the prompt tokens served from cached modules.
+Concurrent requests decode together (continuous batching: worker.py). Every failure is an
+OpenAI error object: 400 for a bad request (a PML error keeps its located
 message, `<request>:1:20: ...`), 401 for a missing or wrong `--api-key`, 404 for another
 model's name, 429 when the queue is full, 500 for a fault of the server's own.
 """
@@ -82,11 +83,11 @@ class ServerState:
 
 def create_app(llm, *, functions: Mapping[str, Any] | None = None,
                model_name: str = "promptlang", api_key: str | None = None,
-               max_queue: int = 64) -> FastAPI:
+               max_queue: int = 64, max_batch: int = 16) -> FastAPI:
     """The ASGI app serving `llm` (a runtime LLM, schemas registered); `functions`: @prompt
-    functions by name. The engine thread starts now and stops at the app's shutdown, after
-    the requests already queued."""
-    worker = EngineWorker(max_queue)
+    functions by name. The engine thread starts now (decoding up to `max_batch` requests
+    together) and stops at the app's shutdown, after the requests already queued."""
+    worker = EngineWorker(max_queue=max_queue, max_batch=max_batch)
     state = ServerState(llm, worker, ChatSchemas(llm), dict(functions or {}), model_name,
                         api_key)
     @contextlib.asynccontextmanager
@@ -268,8 +269,8 @@ async def _complete(state: ServerState, request: Request, chat: bool):
 
 
 def _opener(state: ServerState, body: dict, chat: bool, options: dict):
-    """The job's thunk (run on the engine thread): the request's prompt, then
-    llm.generate(stream=True) -- bind, retrieve, assemble, prefill -- or an error."""
+    """The job's thunk (run on the engine thread): the request's prompt, then LLM.start --
+    bind, retrieve, assemble, prefill -- or an error."""
     def open_request():
         recompute = None
         if "promptlang" in body:
@@ -283,7 +284,7 @@ def _opener(state: ServerState, body: dict, chat: bool, options: dict):
             prompt = state.chats.prompt(parse_messages(body.get("messages")))
         else:
             prompt = completion_prompt(state.llm, body.get("prompt"))
-        return state.llm.generate(prompt, stream=True, recompute=recompute, **options)
+        return state.llm.start(prompt, recompute=recompute, **options)
     return open_request
 
 
@@ -403,7 +404,11 @@ def _prometheus(state: ServerState) -> str:
               "# TYPE promptlang_queue_length gauge", f"promptlang_queue_length {w.queue_length}",
               "# HELP promptlang_requests_running Requests the engine is serving.",
               "# TYPE promptlang_requests_running gauge",
-              f"promptlang_requests_running {int(w.busy)}"]
+              f"promptlang_requests_running {w.running}",
+              "# HELP promptlang_batched_steps_total Decode steps run as one pass over "
+              "several requests.",
+              "# TYPE promptlang_batched_steps_total counter",
+              f"promptlang_batched_steps_total {w.stats.batched_steps}"]
     stats = state.llm.store.stats
     lines += ["# HELP promptlang_store_hits_total Module KV found in the store, by tier.",
               "# TYPE promptlang_store_hits_total counter"]

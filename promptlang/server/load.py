@@ -65,14 +65,14 @@ def _functions(llm, path: Path) -> dict[str, Any]:
 
 def serve(llm, *, functions=None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
           api_key: str | None = None, model_name: str = "promptlang", max_queue: int = 64,
-          log_level: str = "info") -> None:
+          max_batch: int = 16, log_level: str = "info") -> None:
     """Serve `llm` over HTTP until SIGINT/SIGTERM (in-flight requests finish first)."""
     import uvicorn
 
     from promptlang.server.app import create_app
 
     app = create_app(llm, functions=functions, model_name=model_name, api_key=api_key,
-                     max_queue=max_queue)
+                     max_queue=max_queue, max_batch=max_batch)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"promptlang serve: listening on {host} with no --api-key: anyone who can "
               "reach it can use the model", file=sys.stderr)

@@ -1,22 +1,24 @@
-"""The engine's one thread: a bounded queue of generation jobs, served in arrival order.
+"""The engine's one thread: a bounded queue of generation jobs, decoded together.
 
 The HTTP side (app.py) runs on asyncio; the model runs here, on one thread that owns the
-`LLM`, so no forward pass ever waits on the event loop and no two run at once. A job
-carries a thunk that opens the request (bind, retrieve, assemble, prefill: errors come out
-before any text) and an asyncio queue its events go to:
+`LLM`, so no forward pass ever waits on the event loop. A job carries a thunk that opens its
+request (bind, retrieve, assemble, prefill: `LLM.start`, errors before any text) and an
+asyncio queue its events go to:
 
     ("opened", None)     the request is prefilled; deltas follow
     ("delta", text)      generated text
     ("done", Result)     the end, with the runtime's Result (usage, timings)
     ("error", exc)       the request failed (a PromptLangError is the client's fault)
 
-`Job.cancel()` (a client that went away) stops the job between two decode steps; its
-request buffer goes back to the pool then (TextStream.close). A full queue refuses new
-jobs at once (`QueueFull`: the server answers 429). `close(drain=True)` serves what was
-queued, then stops the thread.
+Continuous batching: the open requests decode together, one forward pass per step for all
+of them (runtime/decode.py `BatchStepper`: the linear layers read each weight once per step
+for the whole batch, each token sees its own request's KV only, and each request's output is
+the one it gets alone). Between two steps the thread admits waiting jobs -- each one's
+prefill runs then, alone -- up to `max_batch` requests decoding at once.
 
-Requests are served one at a time: continuous batching of decode steps across requests
-is not built yet (docs/SERVING.md says so).
+`Job.cancel()` (a client that went away) takes the job out before the next step; its
+request buffer goes back to the pool then. A full queue refuses new jobs at once
+(`QueueFull`: the server answers 429). `close()` serves what was queued, then stops.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ class QueueFull(Exception):
     """The job queue holds `max_queue` jobs: the request is refused (HTTP 429)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
-    open: Callable[[], Any]          # -> a TextStream (runtime/engine.py), or raises
+    open: Callable[[], Any]          # -> a runtime Generation (LLM.start), or raises
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -57,33 +59,40 @@ class WorkerStats:
     served: int = 0                  # jobs that ran to the end
     failed: int = 0                  # jobs whose request raised
     cancelled: int = 0               # jobs stopped because their client went away
+    steps: int = 0                   # decode steps run
+    batched_steps: int = 0           # ... of which fused passes over 2+ requests
     busy_seconds: float = 0.0
 
 
 class EngineWorker:
-    """Runs jobs on one thread, at most `max_queue` waiting (see the module docstring)."""
+    """Runs jobs on one thread, decoding up to `max_batch` together, at most `max_queue`
+    waiting (see the module docstring)."""
 
-    def __init__(self, max_queue: int = 64):
-        if max_queue < 1:
-            raise ValueError("max_queue must be at least 1")
-        self.max_queue = max_queue
+    def __init__(self, max_queue: int = 64, max_batch: int = 16):
+        if max_queue < 1 or max_batch < 1:
+            raise ValueError("max_queue and max_batch must be at least 1")
+        self.max_queue, self.max_batch = max_queue, max_batch
         self.stats = WorkerStats()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._waiting = 0
         self._lock = threading.Lock()
-        self._running: Job | None = None
+        self._active: dict[Job, Any] = {}        # job -> its Generation
         self._thread = threading.Thread(target=self._serve, name="promptlang-engine",
                                         daemon=True)
         self._thread.start()
 
     @property
     def queue_length(self) -> int:
-        """Jobs waiting, not counting the one running."""
+        """Jobs waiting, not counting the ones decoding."""
         return self._waiting
 
     @property
     def busy(self) -> bool:
-        return self._running is not None
+        return bool(self._active)
+
+    @property
+    def running(self) -> int:
+        return len(self._active)
 
     def submit(self, job: Job) -> None:
         """Queue `job`; QueueFull if `max_queue` jobs are already waiting."""
@@ -99,49 +108,83 @@ class EngineWorker:
         self._jobs.put(None)
         self._thread.join(timeout)
 
-    def _serve(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            with self._lock:
-                self._waiting -= 1
-            if job.cancelled.is_set():
-                self.stats.cancelled += 1
-                continue
-            self._running = job
-            started = time.perf_counter()
-            try:
-                self._run(job)
-            finally:
-                self._running = None
-                self.stats.busy_seconds += time.perf_counter() - started
+    # --- the thread -----------------------------------------------------------------------
 
-    def _run(self, job: Job) -> None:
+    def _serve(self) -> None:
+        from promptlang.runtime.decode import BatchStepper
+
+        stepper: BatchStepper | None = None
+        closing = False
+        while True:
+            while not closing and len(self._active) < self.max_batch:
+                try:
+                    job = self._jobs.get(block=not self._active)
+                except queue.Empty:
+                    break
+                if job is None:
+                    closing = True
+                    break
+                with self._lock:
+                    self._waiting -= 1
+                if job.cancelled.is_set():
+                    self.stats.cancelled += 1
+                    continue
+                generation = self._open(job)
+                if generation is None:
+                    continue
+                if stepper is None:
+                    stepper = BatchStepper(generation.decoder.adapter)
+                self._active[job] = generation
+                self._handle(stepper, job, *stepper.add(job, generation.decoder,
+                                                        generation.opened.logits))
+            for job in [j for j in self._active if j.cancelled.is_set()]:
+                stepper.remove(job)
+                self._active.pop(job).release()       # the buffer goes back now
+                self.stats.cancelled += 1
+            if not self._active:
+                if closing:
+                    return
+                continue
+            began = time.perf_counter()
+            try:
+                before = stepper.batched
+                events = stepper.step()
+                self.stats.steps += 1
+                self.stats.batched_steps += stepper.batched - before
+            except Exception as error:                # a fault of the engine: fail them all
+                for job, generation in list(self._active.items()):
+                    stepper.remove(job)
+                    generation.release()
+                    self.stats.failed += 1
+                    job.emit("error", error)
+                self._active.clear()
+                continue
+            finally:
+                self.stats.busy_seconds += time.perf_counter() - began
+            for job, token, delta, finished in events:
+                self._handle(stepper, job, token, delta, finished)
+
+    def _open(self, job: Job):
+        began = time.perf_counter()
         try:
-            stream = job.open()
+            generation = job.open()
         except BaseException as error:          # the client's request, or a fault here
             self.stats.failed += 1
             job.emit("error", error)
             if not isinstance(error, Exception):
                 raise
-            return
-        job.emit("opened")
-        try:
-            for delta in stream:
-                if job.cancelled.is_set():
-                    break
-                if delta:
-                    job.emit("delta", delta)
-        except Exception as error:
-            self.stats.failed += 1
-            job.emit("error", error)
-            return
+            return None
         finally:
-            if job.cancelled.is_set():
-                stream.close()                  # the buffer goes back to the pool now
-        if job.cancelled.is_set():
-            self.stats.cancelled += 1
-            return
-        self.stats.served += 1
-        job.emit("done", stream.result)
+            self.stats.busy_seconds += time.perf_counter() - began
+        job.emit("opened")
+        return generation
+
+    def _handle(self, stepper, job: Job, token, delta: str, finished: bool) -> None:
+        generation = self._active[job]
+        text = generation.delta(delta)
+        if text:
+            job.emit("delta", text)
+        if finished:
+            del self._active[job]
+            self.stats.served += 1
+            job.emit("done", generation.result())

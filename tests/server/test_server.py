@@ -268,13 +268,13 @@ class Gate:
 
     def __init__(self, llm):
         self.entered, self.release = threading.Event(), threading.Event()
-        real = llm.generate
+        real = llm.start
 
         def held(*args, **kwargs):
             self.entered.set()
             self.release.wait(TIMEOUT)
             return real(*args, **kwargs)
-        llm.generate = held
+        llm.start = held
 
 
 def test_a_full_queue_answers_429(model):
@@ -416,3 +416,42 @@ def test_load_schemas_reads_pml_files_folders_and_prompt_functions(model, tmp_pa
     (tmp_path / "empty").mkdir()
     with pytest.raises(PromptLangError, match="no .pml files"):
         load_schemas(llm, [tmp_path / "empty"])
+
+
+def test_concurrent_requests_decode_together_and_answer_as_alone(model):
+    """Continuous batching: requests that overlap share decode steps (one pass for all),
+    and each answer is the one the request gets alone (greedy)."""
+    from promptlang.runtime.fast import native
+
+    if not native.available():
+        pytest.skip("CPU kernels unavailable here: no fused batch")
+    llm = make_llm(model)
+    gate = Gate(llm)                     # hold the first request until all are queued
+    server = Server(create_app(llm, model_name="tiny"))
+    state = server.server.config.app.state.promptlang
+    questions = [f"Question number {i} about the words here?" for i in range(4)]
+
+    def ask(question):
+        return server.client().chat.completions.create(
+            model="tiny", max_tokens=16, temperature=0,
+            messages=[{"role": "user", "content": question}]).choices[0].message.content
+    try:
+        answers: dict[int, str] = {}
+        threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, ask(questions[i])))
+                   for i in range(4)]
+        for thread in threads:
+            thread.start()
+        assert gate.entered.wait(TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while state.worker.queue_length < 3:               # the other three are waiting
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        gate.release.set()
+        for thread in threads:
+            thread.join(TIMEOUT)
+        assert state.worker.stats.batched_steps > 0
+        alone = {i: ask(q) for i, q in enumerate(questions)}   # one at a time now
+        assert answers == alone
+    finally:
+        gate.release.set()
+        server.stop()
