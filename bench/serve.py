@@ -6,7 +6,8 @@ client, streaming. The workload mixes two kinds of request, in turns:
 
   rag   k of N documents (bench/rag.py's generator) through the `promptlang` extension
         field, then a question about one of them
-  chat  a plain chat request (system text and one user message)
+  chat  a plain chat request (system text and a one-line question; documents travel as
+        cached modules in the rag requests, not as new text)
 
 drawn from a fixed set of `distinct` requests. Before the timed levels every distinct
 request is served once alone (greedy): the reference answer, and its modules' KV (and exact
@@ -154,10 +155,9 @@ def _workload(llm, options: ServeOptions) -> list[dict]:
                                      "serve-bench"))
             bodies.append({"messages": [], "extra_body": {"promptlang": {"pml": pml}}})
         else:
-            bodies.append({"messages": [
+            bodies.append({"messages": [                    # a short chat turn
                 {"role": "system", "content": qa.SYSTEM_PROMPT},
-                {"role": "user", "content": f"{texts[request.question_of]}\n\n"
-                                            f"Question: {questions[request.question_of]}"}]})
+                {"role": "user", "content": f"Question: {questions[request.question_of]}"}]})
     for body in bodies:
         body.update(model="bench", max_tokens=options.max_tokens, temperature=0)
     return bodies
