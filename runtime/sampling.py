@@ -158,8 +158,8 @@ class SamplingParams:
 
 
 def schema_text(schema: Any) -> str:
-    """A JSON Schema as canonical JSON text, from a dict, JSON text, or a pydantic model class
-    (its `model_json_schema()`)."""
+    """A JSON Schema as JSON text, from a dict, JSON text, or a pydantic model class (its
+    `model_json_schema()`); key order is kept (an object's properties come out in it)."""
     import json
 
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
@@ -173,7 +173,7 @@ def schema_text(schema: Any) -> str:
         raise _fail("json_schema must be a dict, JSON text of an object, or a pydantic model "
                     f"class, got {type(schema).__name__}")
     try:
-        return json.dumps(schema, sort_keys=True)
+        return json.dumps(schema)            # key order kept: properties come out in it
     except (TypeError, ValueError) as error:
         raise _fail(f"json_schema cannot be written as JSON: {error}") from None
 

@@ -259,3 +259,11 @@ def test_select_by_grammar_picks_one_of_many_options_sharing_prefixes(llm):
 
     with pick.run(llm, "Which colour?") as run:
         assert run["colour"] in ("red", "green", "blue", "reddish")
+
+
+def test_properties_come_out_in_the_schemas_order(llm):
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer"},
+                                               "alpha": {"type": "boolean"}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    text = llm.generate(PROMPT, json_schema=schema, max_new_tokens=30).text
+    assert list(json.loads(text)) == ["zeta", "alpha"]
