@@ -73,8 +73,7 @@ def heal_point(bound: BoundPrompt, tokenizer) -> HealPoint | None:
     if not text or "\ufffd" in text:
         return None
     texts, ids = token_texts(tokenizer)
-    if not any(texts[i] != text for i in range(bisect.bisect_left(texts, text),
-                                                 bisect.bisect_left(texts, text + "\U0010ffff"))):
+    if len(_starting_with(text, texts, ids)) <= len(_exact(text, texts, ids)):
         return None                                 # no longer token starts with it
     shorter = replace(last, token_ids=last.token_ids[:-1], text=last.text[:-len(text)]
                       if last.text.endswith(text) else last.text)

@@ -133,24 +133,13 @@ class FusedDecoder:
         pieces' keys in order; positions then increasing): each token sees only the past keys
         at positions <= its own (recomputed tokens); None: every past key. None (nothing
         written) where pl_decoder does not apply."""
-        q = int(input_ids.shape[0])
-        if (not _switch or not 0 < q <= MAX_TOKENS or len(pieces) >= native.MAX_SEGMENTS
-                or not native.enabled() or not native.available() or self._hooked()
-                or not all(_readable(t, self.kv_heads, self.head_dim, PIECE_DTYPES)
-                           and p.keys.dtype == p.values.dtype for p in pieces for t in p)
-                or not all(_readable(t, self.kv_heads, self.head_dim, (torch.float32,))
-                           for t in (new_keys, new_values))):
+        if not all(_readable(t, self.kv_heads, self.head_dim, (torch.float32,))
+                   for t in (new_keys, new_values)):
             return None
-        table = self._weights()
-        if table is None:
+        prepared = self._prepare(input_ids, positions, pieces)
+        if prepared is None:
             return None
-        x = self.embed(input_ids).contiguous()                         # [Q, hidden]
-        if x.dtype != torch.float32:
-            return None
-        cos, sin = self.rotary(x[None], positions[None])               # [1, Q, D]
-        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
-        if cos.shape != (q, self.head_dim):
-            return None                   # partial rotary: not this kernel's layout
+        table, x, cos, sin = prepared
         native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
                        new_values, key_positions, None if key_positions is None else positions)
         return self.lm_head(self.norm(x[rows]))
@@ -161,26 +150,15 @@ class FusedDecoder:
         new tokens only (pl_decoder's key_min/new_first). Returns each request's logits
         [R_i, V] for its `rows`, its new keys/values written as `forward` writes them; None
         (nothing written) where pl_decoder does not apply -- then run `forward` per request."""
+        if not requests:
+            return None
         pieces = [p for r in requests for p in r.pieces]
         q = sum(int(r.input_ids.shape[0]) for r in requests)
-        if not requests or not 0 < q <= MAX_TOKENS or len(pieces) >= native.MAX_SEGMENTS:
+        prepared = self._prepare(torch.cat([r.input_ids for r in requests]),
+                                 torch.cat([r.positions for r in requests]), pieces)
+        if prepared is None:
             return None
-        if (not _switch or not native.enabled() or not native.available() or self._hooked()
-                or not all(_readable(t, self.kv_heads, self.head_dim, PIECE_DTYPES)
-                           and p.keys.dtype == p.values.dtype for p in pieces for t in p)):
-            return None
-        table = self._weights()
-        if table is None:
-            return None
-        ids = torch.cat([r.input_ids for r in requests])
-        positions = torch.cat([r.positions for r in requests])
-        x = self.embed(ids).contiguous()                               # [Q, hidden]
-        if x.dtype != torch.float32:
-            return None
-        cos, sin = self.rotary(x[None], positions[None])               # [1, Q, D]
-        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
-        if cos.shape != (q, self.head_dim):
-            return None
+        table, x, cos, sin = prepared
         # visibility positions: request i's in [i * SPAN, (i + 1) * SPAN)
         kpos, qpos, kmin, first, at = [], [], [], [], 0
         for i, r in enumerate(requests):
@@ -211,6 +189,28 @@ class FusedDecoder:
             out.append(self.lm_head(self.norm(x[at:at + n][r.rows])))
             at += n
         return out
+
+    def _prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, pieces: list[Piece]):
+        """(weight table, embedded x [Q, hidden], cos, sin [Q, D]) for a pass of pl_decoder,
+        or None where it does not apply (switched off, hooks, too many tokens or pieces,
+        pieces it cannot read, weights or rotary tables not in its layout)."""
+        q = int(input_ids.shape[0])
+        if (not _switch or not 0 < q <= MAX_TOKENS or len(pieces) >= native.MAX_SEGMENTS
+                or not native.enabled() or not native.available() or self._hooked()
+                or not all(_readable(t, self.kv_heads, self.head_dim, PIECE_DTYPES)
+                           and p.keys.dtype == p.values.dtype for p in pieces for t in p)):
+            return None
+        table = self._weights()
+        if table is None:
+            return None
+        x = self.embed(input_ids).contiguous()                         # [Q, hidden]
+        if x.dtype != torch.float32:
+            return None
+        cos, sin = self.rotary(x[None], positions[None])               # [1, Q, D]
+        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        if cos.shape != (q, self.head_dim):
+            return None                   # partial rotary: not this kernel's layout
+        return table, x, cos, sin
 
     def _weights(self) -> ctypes.Array | None:
         """The kernel's weight table ([layers][16] pointers), rebuilt and checked whenever a
