@@ -235,8 +235,6 @@ class BatchStepper:
                 del self.picked[key]
                 events.append((key, None, d.decoding.finish("length"), True))
                 continue
-            if d.materialize:
-                d.buffer.materialize()
             if d.buffer.length + 1 > d.buffer.capacity:
                 d.buffer.reserve(int(d.buffer.capacity * 1.5) + 1)
             live.append((key, d, token))

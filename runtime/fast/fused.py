@@ -35,7 +35,6 @@ PIECE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Up to this many new tokens (as for fast/attention.py; beyond it MKL's GEMMs win).
 MAX_TOKENS = 64
-_SPAN = 1 << 40          # a batched request's range of visibility positions (forward_batch)
 
 
 class BatchRequest(NamedTuple):
@@ -133,8 +132,9 @@ class FusedDecoder:
         pieces' keys in order; positions then increasing): each token sees only the past keys
         at positions <= its own (recomputed tokens); None: every past key. None (nothing
         written) where pl_decoder does not apply."""
-        if not all(_readable(t, self.kv_heads, self.head_dim, (torch.float32,))
-                   for t in (new_keys, new_values)):
+        if len(pieces) >= native.MAX_SEGMENTS or not all(
+                _readable(t, self.kv_heads, self.head_dim, (torch.float32,))
+                for t in (new_keys, new_values)):
             return None
         prepared = self._prepare(input_ids, positions, pieces)
         if prepared is None:
@@ -147,10 +147,11 @@ class FusedDecoder:
     def forward_batch(self, requests: list[BatchRequest]) -> list[torch.Tensor] | None:
         """One pass over several requests' new tokens: the linear layers read each weight
         once for all of them, and each token attends to its own request's past pieces and
-        new tokens only (pl_decoder's key_min/new_first). Returns each request's logits
+        new tokens only (pl_decoder's requests: tasks of its own per request, so pieces
+        several requests share are read in place by each). Returns each request's logits
         [R_i, V] for its `rows`, its new keys/values written as `forward` writes them; None
         (nothing written) where pl_decoder does not apply -- then run `forward` per request."""
-        if not requests:
+        if not requests or any(len(r.pieces) >= native.MAX_SEGMENTS for r in requests):
             return None
         pieces = [p for r in requests for p in r.pieces]
         q = sum(int(r.input_ids.shape[0]) for r in requests)
@@ -159,44 +160,36 @@ class FusedDecoder:
         if prepared is None:
             return None
         table, x, cos, sin = prepared
-        # visibility positions: request i's in [i * SPAN, (i + 1) * SPAN)
-        kpos, qpos, kmin, first, at = [], [], [], [], 0
-        for i, r in enumerate(requests):
-            n, past = int(r.input_ids.shape[0]), sum(p.keys.shape[2] for p in r.pieces)
-            shift = i * _SPAN
-            known = r.key_positions if r.key_positions is not None else \
-                torch.zeros(past, dtype=torch.int64)
-            if known.shape[0] != past:
+        spans = [(int(r.input_ids.shape[0]), len(r.pieces)) for r in requests]
+        kpos = qpos = None
+        if any(r.key_positions is not None for r in requests):
+            # a request without key positions sees every past key: position 0 each
+            kpos = torch.cat([r.key_positions.to(torch.int64) if r.key_positions is not None
+                              else torch.zeros(sum(p.keys.shape[2] for p in r.pieces),
+                                               dtype=torch.int64) for r in requests])
+            qpos = torch.cat([r.positions.to(torch.int64) for r in requests])
+            if kpos.shape[0] != sum(p.keys.shape[2] for p in pieces):
                 raise ValueError("key_positions must give every past key of the request")
-            kpos.append(known.to(torch.int64) + shift)
-            own = r.positions.to(torch.int64) if r.key_positions is not None else \
-                torch.arange(1, n + 1, dtype=torch.int64)          # after every past key
-            qpos.append(own + shift)
-            kmin.append(torch.full((n,), shift, dtype=torch.int64))
-            first.append(torch.full((n,), at, dtype=torch.int64))
-            at += n
         layers, heads, d = len(self.layers), self.kv_heads, self.head_dim
         new_keys = torch.empty(layers, heads, q, d)
         new_values = torch.empty(layers, heads, q, d)
         native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
-                       new_values, torch.cat(kpos), torch.cat(qpos), torch.cat(kmin),
-                       torch.cat(first))
-        out, at = [], 0
-        for r in requests:
-            n = int(r.input_ids.shape[0])
+                       new_values, kpos, qpos, requests=spans)
+        rows, at = [], 0
+        for r, (n, _) in zip(requests, spans):
             r.new_keys.copy_(new_keys[:, :, at:at + n])
             r.new_values.copy_(new_values[:, :, at:at + n])
-            out.append(self.lm_head(self.norm(x[at:at + n][r.rows])))
+            rows.append(r.rows.to(torch.int64) + at)
             at += n
-        return out
+        logits = self.lm_head(self.norm(x[torch.cat(rows)]))   # one LM head for the batch
+        return list(logits.split([int(r.shape[0]) for r in rows]))
 
     def _prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, pieces: list[Piece]):
         """(weight table, embedded x [Q, hidden], cos, sin [Q, D]) for a pass of pl_decoder,
-        or None where it does not apply (switched off, hooks, too many tokens or pieces,
+        or None where it does not apply (switched off, hooks, too many tokens,
         pieces it cannot read, weights or rotary tables not in its layout)."""
         q = int(input_ids.shape[0])
-        if (not _switch or not 0 < q <= MAX_TOKENS or len(pieces) >= native.MAX_SEGMENTS
-                or not native.enabled() or not native.available() or self._hooked()
+        if (not _switch or not 0 < q <= MAX_TOKENS or not native.enabled() or not native.available() or self._hooked()
                 or not all(_readable(t, self.kv_heads, self.head_dim, PIECE_DTYPES)
                            and p.keys.dtype == p.values.dtype for p in pieces for t in p)):
             return None

@@ -325,15 +325,12 @@ static void widen16(const uint16_t* src, long n, int kind, float* dst) {
  * widened a block at a time, in cache). kpos (NULL: every key visible): the position of each
  * key of the non-causal segments, concatenated; row r then sees key j only where
  * kpos[j] <= qpos[r % qlen] (recomputed tokens among the new ones: they see the past before
- * them), and with kmin (NULL: no lower bound) only where kmin[r % qlen] <= kpos[j] too; with
- * nfirst (NULL: from the first), a causal segment's keys from nfirst[r % qlen] on (requests
- * batched in one call: each row sees its own request's keys). Blocks and 16-key tiles that
- * no row of theirs sees are skipped; a tile only some rows see is computed for those. */
+ * them). A causal segment holds the qlen new tokens: row r sees its keys j <= r % qlen.
+ * Blocks and 16-key tiles that no row of theirs sees are skipped. */
 static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                         const char* const* keys, const char* const* values, const long* lens,
                         const int* causal, const int* half, const int64_t* kpos,
-                        const int64_t* qpos, const int64_t* kmin, const long* nfirst, long qlen,
-                        long a, long b, Partial* part) {
+                        const int64_t* qpos, long qlen, long a, long b, Partial* part) {
     float s[MAXR * BK] __attribute__((aligned(32)));
     float kt[MAXD * BK] __attribute__((aligned(32)));
     float wide[MAXD * BK] __attribute__((aligned(32)));
@@ -342,13 +339,10 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
     memset(acc, 0, sizeof(float) * nr * d);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     int64_t qp[MAXR], qmax = INT64_MIN;                      /* each row's query position */
-    int64_t ql[MAXR], qlmin = INT64_MAX;                     /* ... and lowest key it sees */
     if (kpos)
         for (long r = 0; r < nr; r++) {
             qp[r] = qpos[(r0 + r) % qlen];
             qmax = qp[r] > qmax ? qp[r] : qmax;
-            ql[r] = kmin ? kmin[(r0 + r) % qlen] : INT64_MIN;
-            qlmin = ql[r] < qlmin ? ql[r] : qlmin;
         }
     long base = 0;
     for (long g = 0; g < nseg; base += lens[g], g++) {
@@ -358,20 +352,17 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
         for (long j0 = lo; j0 < hi; j0 += BK) {
             long nk = hi - j0 < BK ? hi - j0 : BK;
             long nk16 = (nk + 15) & ~15L;
-            int64_t tmin[BK / 16], tmax[BK / 16];            /* key positions per tile */
+            int64_t tmin[BK / 16];                           /* lowest key position per tile */
             if (kp) {
-                int64_t bmin = INT64_MAX, bmax = INT64_MIN;
+                int64_t bmin = INT64_MAX;
                 for (long t = 0; t < nk16 / 16; t++) {
-                    int64_t lo16 = INT64_MAX, hi16 = INT64_MIN;
-                    for (long j = t * 16; j < t * 16 + 16 && j < nk; j++) {
+                    int64_t lo16 = INT64_MAX;
+                    for (long j = t * 16; j < t * 16 + 16 && j < nk; j++)
                         lo16 = kp[j0 + j] < lo16 ? kp[j0 + j] : lo16;
-                        hi16 = kp[j0 + j] > hi16 ? kp[j0 + j] : hi16;
-                    }
-                    tmin[t] = lo16; tmax[t] = hi16;
+                    tmin[t] = lo16;
                     bmin = lo16 < bmin ? lo16 : bmin;
-                    bmax = hi16 > bmax ? hi16 : bmax;
                 }
-                if (bmin > qmax || bmax < qlmin) continue;   /* no row sees this block */
+                if (bmin > qmax) continue;                   /* no row sees this block */
             }
             /* the next block's keys and values, pulled into the cache a slice per tile while
              * this block computes (hides the memory stream: 94 -> 85 ms at 6.4k keys) */
@@ -395,18 +386,9 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 for (; r + 6 <= nr; r += 6) {
                     pull(&kahead);
                     if (kp) {              /* rows that see none of the tile's keys: skipped */
-                        int sees[6], n = 0;
-                        for (int i = 0; i < 6; i++) {
-                            sees[i] = tmin[jb / 16] <= qp[r + i] && tmax[jb / 16] >= ql[r + i];
-                            n += sees[i];
-                        }
+                        int n = 0;
+                        for (int i = 0; i < 6; i++) n += tmin[jb / 16] <= qp[r + i];
                         if (n == 0) continue;               /* scores masked below, never read */
-                        if (n < 6 && kmin) {                /* batched requests: row by row */
-                            for (int i = 0; i < 6; i++)
-                                if (sees[i])
-                                    qk_tile(1, qs + (r + i) * d, d, kt + jb, s + (r + i) * BK + jb);
-                            continue;
-                        }
                     }
                     qk_tile(6, qs + r * d, d, kt + jb, s + r * BK + jb);
                 }
@@ -426,15 +408,10 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 if (causal[g]) {           /* new-token block: row sees keys j <= its token */
                     long t = (r0 + r) % qlen - j0;
                     vis = t + 1 < 0 ? 0 : (t + 1 < nk ? t + 1 : nk);
-                    if (nfirst) {          /* ... and from its request's first new token */
-                        long first = nfirst[(r0 + r) % qlen] - j0;
-                        if (first >= vis) vis = 0;
-                        for (long j = 0; j < first && j < vis; j++) sr[j] = -INFINITY;
-                    }
                 } else if (kp) {           /* keys positioned after the row's token */
                     long last = 0;
                     for (long j = 0; j < nk; j++) {
-                        if (kp[j0 + j] > qp[r] || kp[j0 + j] < ql[r]) sr[j] = -INFINITY;
+                        if (kp[j0 + j] > qp[r]) sr[j] = -INFINITY;
                         else last = j + 1;
                     }
                     vis = last;
@@ -471,11 +448,6 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                     pull(&vahead);
                     long n = visr[r] > visr[r + 1] ? visr[r] : visr[r + 1];
                     n = visr[r + 2] > n ? visr[r + 2] : n;
-                    if ((kmin || nfirst) && (!visr[r] || !visr[r + 1] || !visr[r + 2])) {
-                        for (long i = r; i < r + 3; i++)   /* batched: only rows that see */
-                            if (visr[i]) pv_tile(1, s + i * BK, visr[i], vb + c, d, acc + i * d + c);
-                        continue;
-                    }
                     if (n) pv_tile(3, s + r * BK, n, vb + c, d, acc + r * d + c);
                 }
                 if (nr - r == 2) {
@@ -492,29 +464,70 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
     }
 }
 
-typedef struct {           /* how the attention of one layer is cut into tasks */
-    long heads, rows, d, qlen, total, rblocks, per_rows, units, splits, span, tasks;
+/* How the attention of one layer is cut into tasks. The query rows of a KV head are grouped by
+ * request: request i has the tokens tok[i] .. tok[i+1] (n_i of them) and groups * n_i rows,
+ * head-major (its local row r is query head r / n_i of the group at token tok[i] + r % n_i),
+ * and sees its own past segments seg[i] .. seg[i+1] and its own new tokens only. A unit is
+ * (KV head, request, block of at most MAXR of its rows); a task is a unit over a range of
+ * whole key blocks of its request's keys, enough tasks for every thread to have two. So a
+ * request's keys are read once per KV head for all of its rows, and a batch of requests
+ * never computes a score that is masked out. */
+typedef struct {
+    long heads, groups, rows, d, nreq, units, tasks, per_rows;
+    const long *tok, *seg;
+    long *u_head, *u_req, *u_r0, *u_r1, *u_task;     /* per unit; u_task: its first task */
+    long *t_unit, *t_a, *t_b;                        /* per task: unit, key range */
+    long *koff;                                      /* per request: past keys before its own */
+    long *mem;
 } Plan;
 
-/* Tasks of (KV head, block of at most MAXR rows, range of whole key blocks): enough for every
- * thread to have two. Returns the floats a task's Partial needs times the task count. */
-static long attend_plan(Plan* p, long heads, long rows, long d, long total, long qlen,
-                        int threads) {
-    p->heads = heads; p->rows = rows; p->d = d; p->qlen = qlen; p->total = total;
-    p->rblocks = (rows + MAXR - 1) / MAXR;
-    p->per_rows = (rows + p->rblocks - 1) / p->rblocks;
-    p->units = heads * p->rblocks;
-    long splits = (2 * threads + p->units - 1) / p->units;
+static void plan_free(Plan* p) { free(p->mem); p->mem = NULL; }
+
+/* Returns the floats the tasks' Partials need (0 when out of memory: p->mem is NULL). */
+static long attend_plan(Plan* p, long heads, long groups, long d, long nreq, const long* tok,
+                        const long* seg, const long* lens, long causal_new, int threads) {
+    p->heads = heads; p->groups = groups; p->d = d; p->nreq = nreq; p->tok = tok; p->seg = seg;
+    p->rows = groups * tok[nreq];
+    p->units = p->tasks = 0; p->per_rows = 1;
+    long units = 0, per_rows = 1;
+    for (long i = 0; i < nreq; i++) {
+        long rows = groups * (tok[i + 1] - tok[i]), blocks = (rows + MAXR - 1) / MAXR;
+        long per = (rows + blocks - 1) / blocks;
+        units += heads * blocks;
+        per_rows = per > per_rows ? per : per_rows;
+    }
+    long splits = (2 * threads + units - 1) / units;
     if (splits < 1) splits = 1;
     if (splits > 64) splits = 64;
-    long span = (total + splits - 1) / splits;
-    span = (span + BK - 1) / BK * BK;
-    if (span < BK) span = BK;
-    splits = (total + span - 1) / span;
-    p->splits = splits < 1 ? 1 : splits;
-    p->span = span;
-    p->tasks = p->units * p->splits;
-    return p->tasks * p->per_rows * (d + 2);
+    p->mem = (long*)malloc(sizeof(long) * (nreq + 5 * units + 3 * units * splits + 1));
+    if (!p->mem) return 0;
+    p->koff = p->mem; p->u_head = p->koff + nreq; p->u_req = p->u_head + units;
+    p->u_r0 = p->u_req + units; p->u_r1 = p->u_r0 + units; p->u_task = p->u_r1 + units;
+    p->t_unit = p->u_task + units; p->t_a = p->t_unit + units * splits;
+    p->t_b = p->t_a + units * splits;
+    long u = 0, t = 0, koff = 0;
+    for (long i = 0; i < nreq; i++) {
+        long n = tok[i + 1] - tok[i], rows = groups * n, blocks = (rows + MAXR - 1) / MAXR;
+        long per = (rows + blocks - 1) / blocks, total = causal_new ? n : 0;
+        p->koff[i] = koff;
+        for (long g = seg[i]; g < seg[i + 1]; g++) total += lens[g];
+        koff += total - (causal_new ? n : 0);
+        long span = (total + splits - 1) / splits;
+        span = (span + BK - 1) / BK * BK;
+        if (span < BK) span = BK;
+        for (long h = 0; h < heads; h++)
+            for (long r0 = 0; r0 < rows; r0 += per, u++) {
+                p->u_head[u] = h; p->u_req[u] = i; p->u_r0[u] = r0;
+                p->u_r1[u] = r0 + per < rows ? r0 + per : rows;
+                p->u_task[u] = t;
+                for (long a = 0; a < total || a == 0; a += span, t++) {
+                    p->t_unit[t] = u; p->t_a[t] = a;
+                    p->t_b[t] = a + span < total ? a + span : total;
+                }
+            }
+    }
+    p->units = units; p->tasks = t; p->per_rows = per_rows;
+    return t * per_rows * (d + 2);
 }
 
 static void attend_partials(const Plan* p, float* space, Partial* parts) {
@@ -525,61 +538,77 @@ static void attend_partials(const Plan* p, float* space, Partial* parts) {
 }
 
 /* Every task of the plan (a worksharing loop: call from every thread of a parallel region, or
- * from outside one). qs: [heads][rows][d] pre-scaled rows; segment g of head h starts at
- * keys[g] + h * kstride[g] elements, float32 or, where half && half[g], 16-bit. Ends with a
- * barrier. */
-static void attend_tasks(const Plan* p, const float* qs, long nseg, const void* const* keys,
+ * from outside one). qs: [heads][rows][d] pre-scaled rows, grouped by request as the plan says;
+ * past segment g of head h starts at keys[g] + h * kstride[g] elements, float32 or, where
+ * half && half[g], 16-bit; causal (NULL: none) marks segments that hold a request's new
+ * tokens. newk/newv (NULL: none): every request's new keys/values (head h, token t at
+ * + h * nstride + t * d floats), seen causally by that request's rows after its past. kpos
+ * (NULL: every past key visible): the positions of the past keys, segments concatenated;
+ * qpos: each token's. Ends with a barrier. */
+static void attend_tasks(const Plan* p, const float* qs, const void* const* keys,
                          const long* kstride, const void* const* values, const long* vstride,
-                         const long* lens, const int* causal, const int* half,
-                         const int64_t* kpos, const int64_t* qpos, const int64_t* kmin,
-                         const long* nfirst, Partial* parts) {
+                         const long* lens, const int* causal, const int* half, const float* newk,
+                         const float* newv, long nkstride, long nvstride, const int64_t* kpos,
+                         const int64_t* qpos, Partial* parts) {
+    long d = p->d;
     #pragma omp for schedule(dynamic, 1)
     for (long t = 0; t < p->tasks; t++) {
-        long u = t / p->splits, sp = t % p->splits, h = u / p->rblocks, rb = u % p->rblocks;
-        long r0 = rb * p->per_rows, r1 = r0 + p->per_rows < p->rows ? r0 + p->per_rows : p->rows;
+        long u = p->t_unit[t], i = p->u_req[u], h = p->u_head[u];
+        long t0 = p->tok[i], n = p->tok[i + 1] - t0, g0 = p->seg[i], ns = p->seg[i + 1] - g0;
         const char* kh[64]; const char* vh[64];
-        for (long g = 0; g < nseg; g++) {
-            long es = half && half[g] ? 2 : 4;
-            kh[g] = (const char*)keys[g] + h * kstride[g] * es;
-            vh[g] = (const char*)values[g] + h * vstride[g] * es;
+        long ln[64]; int cz[64], hf[64];
+        for (long k = 0; k < ns; k++) {
+            long g = g0 + k, es = half && half[g] ? 2 : 4;
+            kh[k] = (const char*)keys[g] + h * kstride[g] * es;
+            vh[k] = (const char*)values[g] + h * vstride[g] * es;
+            ln[k] = lens[g]; cz[k] = causal ? causal[g] : 0; hf[k] = half ? half[g] : 0;
         }
-        long a = sp * p->span, b = a + p->span < p->total ? a + p->span : p->total;
-        attend_part(qs + (h * p->rows + r0) * p->d, r0, r1 - r0, p->d, nseg, kh, vh, lens, causal,
-                    half, kpos, qpos, kmin, nfirst, p->qlen, a, b, parts + t);
+        if (newk) {
+            kh[ns] = (const char*)(newk + h * nkstride + t0 * d);
+            vh[ns] = (const char*)(newv + h * nvstride + t0 * d);
+            ln[ns] = n; cz[ns] = 1; hf[ns] = 0; ns++;
+        }
+        long r0 = p->u_r0[u];
+        attend_part(qs + (h * p->rows + p->groups * t0 + r0) * d, r0, p->u_r1[u] - r0, d, ns,
+                    kh, vh, ln, cz, hf, kpos ? kpos + p->koff[i] : NULL,
+                    qpos ? qpos + t0 : NULL, n, p->t_a[t], p->t_b[t], parts + t);
     }
 }
 
-/* Merge each row's key ranges (a worksharing loop, ends with a barrier). Row r of KV head h,
- * i.e. query head h * G + r / qlen and token r % qlen, goes to
- * out + h * hstride + (r / qlen) * gstride + (r % qlen) * tstride. lse: NULL or [heads][rows]. */
+/* Merge each row's key ranges (a worksharing loop, ends with a barrier). Local row r of a
+ * request's unit on KV head h -- query head h * G + r / n, token tok + r % n -- goes to
+ * out + h * hstride + (r / n) * gstride + (tok + r % n) * tstride. lse: NULL or [heads][rows]
+ * (one request: row g * n + t). */
 static void attend_merge(const Plan* p, const Partial* parts, float* out, long hstride,
                          long gstride, long tstride, float* lse) {
-    long d = p->d, splits = p->splits;
+    long d = p->d;
     #pragma omp for schedule(static)
     for (long u = 0; u < p->units; u++) {
-        long h = u / p->rblocks, rb = u % p->rblocks;
-        long r0 = rb * p->per_rows, r1 = r0 + p->per_rows < p->rows ? r0 + p->per_rows : p->rows;
+        long h = p->u_head[u], i = p->u_req[u], r0 = p->u_r0[u], r1 = p->u_r1[u];
+        long t0 = p->tok[i], n = p->tok[i + 1] - t0, first = p->u_task[u];
+        long splits = (u + 1 < p->units ? p->u_task[u + 1] : p->tasks) - first;
+        const Partial* pu = parts + first;
         for (long r = 0; r < r1 - r0; r++) {
             float mx = -INFINITY;
             for (long sp = 0; sp < splits; sp++) {
-                float mm = parts[u * splits + sp].m[r];
+                float mm = pu[sp].m[r];
                 mx = mm > mx ? mm : mx;
             }
             float lsum = 0.f, w[64];          /* splits <= 64 */
             for (long sp = 0; sp < splits; sp++) {
-                const Partial* q = parts + u * splits + sp;
-                w[sp] = q->l[r] > 0.f ? exp2f(q->m[r] - mx) : 0.f;
-                lsum += q->l[r] * w[sp];
+                w[sp] = pu[sp].l[r] > 0.f ? exp2f(pu[sp].m[r] - mx) : 0.f;
+                lsum += pu[sp].l[r] * w[sp];
             }
             long row = r0 + r;
-            float* o = out + h * hstride + (row / p->qlen) * gstride + (row % p->qlen) * tstride;
+            float* o = out + h * hstride + (row / n) * gstride + (t0 + row % n) * tstride;
             float inv = lsum > 0.f ? 1.f / lsum : 0.f;
             for (long c = 0; c < d; c++) {
                 float v = 0.f;
-                for (long sp = 0; sp < splits; sp++) v += parts[u * splits + sp].acc[r * d + c] * w[sp];
+                for (long sp = 0; sp < splits; sp++) v += pu[sp].acc[r * d + c] * w[sp];
                 o[c] = v * inv;
             }
-            if (lse) lse[h * p->rows + row] = lsum > 0.f ? (mx + log2f(lsum)) * LN2 : -INFINITY;
+            if (lse) lse[h * p->rows + p->groups * t0 + row] =
+                lsum > 0.f ? (mx + log2f(lsum)) * LN2 : -INFINITY;
         }
     }
 }
@@ -593,24 +622,28 @@ int pl_attend(const float* q, long heads, long rows, long d, float scale, long n
               const float* const* keys, const long* kstride, const float* const* values,
               const long* vstride, const long* lens, const int* causal, long qlen,
               float* out, float* lse, int threads) {
-    if (d % 8 || d > MAXD || nseg > 64 || heads <= 0 || rows <= 0) return -1;
-    long total = 0;
-    for (long g = 0; g < nseg; g++) total += lens[g];
+    if (d % 8 || d > MAXD || nseg > 64 || heads <= 0 || rows <= 0 || qlen <= 0
+            || rows % qlen)
+        return -1;
+    long tok[2] = {0, qlen}, seg[2] = {0, nseg};
     Plan plan;
-    long floats = attend_plan(&plan, heads, rows, d, total, qlen, threads);
+    long floats = attend_plan(&plan, heads, rows / qlen, d, 1, tok, seg, lens, 0, threads);
     Partial* parts = (Partial*)malloc(sizeof(Partial) * plan.tasks);
-    float* space = (float*)malloc(sizeof(float) * floats);
+    float* space = (float*)malloc(sizeof(float) * (floats ? floats : 1));
     float* qs = (float*)malloc(sizeof(float) * heads * rows * d);
-    if (!parts || !space || !qs) { free(parts); free(space); free(qs); return -2; }
+    if (!plan.mem || !parts || !space || !qs) {
+        plan_free(&plan); free(parts); free(space); free(qs);
+        return -2;
+    }
     attend_partials(&plan, space, parts);
     for (long i = 0; i < heads * rows * d; i++) qs[i] = q[i] * (scale * LOG2E);
     #pragma omp parallel num_threads(threads)
     {
-        attend_tasks(&plan, qs, nseg, (const void* const*)keys, kstride,
-                     (const void* const*)values, vstride, lens, causal, NULL, NULL, NULL, NULL,
-                     NULL, parts);
+        attend_tasks(&plan, qs, (const void* const*)keys, kstride, (const void* const*)values,
+                     vstride, lens, causal, NULL, NULL, NULL, 0, 0, NULL, NULL, parts);
         attend_merge(&plan, parts, out, rows * d, qlen * d, d, lse);
     }
+    plan_free(&plan);
     free(parts); free(space); free(qs);
     return 0;
 }
@@ -677,28 +710,34 @@ static void linear_residual(const float* x, long m, long k, const float* w, cons
  * kpos (NULL: every past key visible to every token): the positions of the past keys, segments
  * concatenated; token t then sees past key j only where kpos[j] <= qpos[t] (qpos: [q],
  * increasing: causal in input order is causal by position).
- * Batched requests (kmin and nfirst, NULL otherwise): token t also needs kmin[t] <= kpos[j],
- * and sees the new keys nfirst[t] .. t only. Each request's past keys carry positions in a
- * range of its own and its tokens are consecutive, so every token sees its own request's
- * keys alone; qpos need not increase across requests (the rotary embedding reads cos/sin).
+ * Batched requests (nreq > 0; nreq 0 is one request): request i has the tokens tok[i] ..
+ * tok[i+1] (tok[0] = 0, tok[nreq] = q) and the past segments seg[i] .. seg[i+1] (seg[0] = 0,
+ * seg[nreq] = nseg; at most 63 each); its tokens see its own past and new keys only, and
+ * qpos increases within a request only (the rotary embedding reads cos/sin). Requests may
+ * name the same memory as a segment (a stored unit several of them read in place).
  * Returns 0, -1 for unsupported shapes, -2 when out of memory. */
 int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                const float* const* w, const float* cos, const float* sin,
                long nseg, const void* const* keys, const long* kstride,
                const void* const* values, const long* vstride, const long* lens, const int* half,
                float* const* newk, long nkstride, float* const* newv, long nvstride,
-               const int64_t* kpos, const int64_t* qpos, const int64_t* kmin,
-               const long* nfirst, int threads) {
+               const int64_t* kpos, const int64_t* qpos, long nreq, const long* tok,
+               const long* seg, int threads) {
     long hidden = shape[0], heads = shape[1], kvh = shape[2], d = shape[3], inter = shape[4],
          layers = shape[5];
+    long tok1[2] = {0, q}, seg1[2] = {0, nseg};
+    if (nreq <= 0) { nreq = 1; tok = tok1; seg = seg1; }
     if (q <= 0 || d % 8 || d > MAXD || hidden % 8 || inter % 8 || (heads * d) % 8
-            || kvh <= 0 || heads % kvh || nseg + 1 > 64)
+            || kvh <= 0 || heads % kvh || tok[0] != 0 || tok[nreq] != q || seg[0] != 0
+            || seg[nreq] != nseg)
         return -1;
+    for (long i = 0; i < nreq; i++)
+        if (tok[i + 1] <= tok[i] || seg[i + 1] < seg[i] || seg[i + 1] - seg[i] + 1 > 64)
+            return -1;
     long groups = heads / kvh, nq = heads * d, nkv = kvh * d, nqkv = nq + 2 * nkv;
-    long total = q, widest = hidden > inter ? hidden : inter;
-    for (long g = 0; g < nseg; g++) total += lens[g];
+    long widest = hidden > inter ? hidden : inter;
     Plan plan;
-    long pfloats = attend_plan(&plan, kvh, groups * q, d, total, q, threads);
+    long pfloats = attend_plan(&plan, kvh, groups, d, nreq, tok, seg, lens, 1, threads);
     long floats = q * hidden            /* normed input */
                 + q * nqkv              /* q, k, v */
                 + q * nq                /* rotated, scaled query rows, packed per KV head */
@@ -708,19 +747,19 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                 + pfloats;
     float* space = (float*)aligned_alloc(32, sizeof(float) * ((floats + 7) & ~7L));
     Partial* parts = (Partial*)malloc(sizeof(Partial) * plan.tasks);
-    if (!space || !parts) { free(space); free(parts); return -2; }
+    long* treq = (long*)malloc(sizeof(long) * q);               /* each token's request */
+    if (!plan.mem || !space || !parts || !treq) {
+        plan_free(&plan); free(space); free(parts); free(treq);
+        return -2;
+    }
+    for (long i = 0; i < nreq; i++)
+        for (long t = tok[i]; t < tok[i + 1]; t++) treq[t] = i;
     float *h = space, *qkv = h + q * hidden, *qs = qkv + q * nqkv, *att = qs + q * nq,
           *gate = att + q * nq, *up = gate + q * inter, *tmp = up + q * inter,
           *pspace = tmp + q * widest;
     attend_partials(&plan, pspace, parts);
     long qblocks = (nq + LIN_BLOCK - 1) / LIN_BLOCK, kvblocks = (nkv + LIN_BLOCK - 1) / LIN_BLOCK;
     long hblocks = (hidden + LIN_BLOCK - 1) / LIN_BLOCK, iblocks = (inter + LIN_BLOCK - 1) / LIN_BLOCK;
-    int causal[64] = {0}, half1[64] = {0};
-    causal[nseg] = 1;
-    for (long g = 0; g < nseg; g++) half1[g] = half ? half[g] : 0;
-    long lens1[64], kstride1[64], vstride1[64];
-    for (long g = 0; g < nseg; g++) { lens1[g] = lens[g]; kstride1[g] = kstride[g]; vstride1[g] = vstride[g]; }
-    lens1[nseg] = q; kstride1[nseg] = nkstride; vstride1[nseg] = nvstride;
 
     #pragma omp parallel num_threads(threads)
     for (long l = 0; l < layers; l++) {
@@ -739,19 +778,18 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
         #pragma omp for schedule(static)
         for (long t = 0; t < q; t++) {         /* rotate; queries to packed rows, keys/values out */
             const float *row = qkv + t * nqkv, *c = cos + t * d, *s = sin + t * d;
+            long t0 = tok[treq[t]], n = tok[treq[t] + 1] - t0;   /* rows grouped by request */
             for (long hq = 0; hq < heads; hq++)
                 rope(row + hq * d, c, s, d, scale * LOG2E,
-                     qs + ((hq / groups) * groups * q + (hq % groups) * q + t) * d);
+                     qs + ((hq / groups) * groups * q + groups * t0 + (hq % groups) * n
+                           + t - t0) * d);
             for (long hk = 0; hk < kvh; hk++) {
                 rope(row + nq + hk * d, c, s, d, 1.f, newk[l] + hk * nkstride + t * d);
                 memcpy(newv[l] + hk * nvstride + t * d, row + nq + nkv + hk * d, sizeof(float) * d);
             }
         }
-        const void* kl[64]; const void* vl[64];
-        for (long g = 0; g < nseg; g++) { kl[g] = keys[l * nseg + g]; vl[g] = values[l * nseg + g]; }
-        kl[nseg] = newk[l]; vl[nseg] = newv[l];
-        attend_tasks(&plan, qs, nseg + 1, kl, kstride1, vl, vstride1, lens1, causal, half1, kpos,
-                     qpos, kmin, nfirst, parts);
+        attend_tasks(&plan, qs, keys + l * nseg, kstride, values + l * nseg, vstride, lens, NULL,
+                     half, newk[l], newv[l], nkstride, nvstride, kpos, qpos, parts);
         attend_merge(&plan, parts, att, groups * d, d, nq, NULL);
         #pragma omp for schedule(static)
         for (long b = 0; b < hblocks; b++) {
@@ -780,6 +818,6 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
             linear_residual(gate, q, inter, lw[W_DOWN], lw[B_DOWN], j0, j1, tmp, x, hidden);
         }
     }
-    free(space); free(parts);
+    plan_free(&plan); free(space); free(parts); free(treq);
     return 0;
 }

@@ -45,7 +45,7 @@ from promptlang.home import native_dir, private_dir, untrusted_reason, write_pri
 _SOURCE = Path(__file__).with_name("kernels.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
 MAX_HEAD_DIM = 256     # kernels.c MAXD
-MAX_SEGMENTS = 64      # pl_attend's segment count limit
+MAX_SEGMENTS = 64      # pl_attend's segment count limit (pl_decoder's per request)
 REQUIRE_ENV = "PROMPTLANG_REQUIRE_NATIVE"
 _TRUE = ("1", "true", "yes", "on")
 
@@ -236,8 +236,8 @@ def _bind(library: Path) -> ctypes.CDLL:
                                   _L, _P, _P, ctypes.c_int]
         lib.pl_attend.restype = ctypes.c_int
         lib.pl_decoder.argtypes = [_P, _L, _P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _L,
-                                   _P, _P, _P, _P, _P, _P, _P, _L, _P, _L, _P, _P, _P, _P,
-                                   ctypes.c_int]
+                                   _P, _P, _P, _P, _P, _P, _P, _L, _P, _L, _P, _P, _L, _P,
+                                   _P, ctypes.c_int]
         lib.pl_decoder.restype = ctypes.c_int
     except AttributeError as exc:                 # "...: undefined symbol: pl_attend"
         raise _Unavailable(f"{library} lacks a kernel ({exc})") from None
@@ -335,8 +335,8 @@ _HALF_KINDS = {torch.bfloat16: 1, torch.float16: 2}     # kernels.c's HALF_BF16,
 def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torch.Tensor,
             sin: torch.Tensor, pieces, new_keys: torch.Tensor, new_values: torch.Tensor,
             key_positions: torch.Tensor | None = None,
-            query_positions: torch.Tensor | None = None, key_min: torch.Tensor | None = None,
-            new_first: torch.Tensor | None = None) -> None:
+            query_positions: torch.Tensor | None = None,
+            requests: list[tuple[int, int]] | None = None) -> None:
     """Every decoder layer of a Llama-family model over x ([Q, hidden], replaced by the last
     layer's output) by pl_decoder; see fast/fused.py, which checks what it passes.
 
@@ -346,13 +346,17 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     new_keys/new_values: [L, H_kv, Q, D] float32, where the new tokens' keys/values go.
     key_positions ([S] int64, the pieces' keys in order) and query_positions ([Q] int64,
     increasing): token t then sees a past key only at a position <= its own; None: every
-    past key is visible to every token. key_min ([Q] int64) and new_first ([Q] int64):
-    batched requests (fused.py, `forward_batch`): token t also needs a position >= key_min[t],
-    and sees the new keys new_first[t] .. t only.
+    past key is visible to every token.
+    requests: batched requests (fused.py, `forward_batch`), (new tokens, past pieces) each,
+    in order, summing to Q and len(pieces): each request's tokens see its own pieces and
+    new tokens only, and query_positions increase within a request only. None: one request.
     """
     layers, nseg = shape[5], len(pieces)
-    if nseg + 1 > MAX_SEGMENTS:
-        raise ValueError(f"pl_decoder takes at most {MAX_SEGMENTS - 1} past pieces")
+    spans = requests if requests is not None else [(int(x.shape[0]), nseg)]
+    if (any(n < 1 or p < 0 or p + 1 > MAX_SEGMENTS for n, p in spans)
+            or sum(n for n, _ in spans) != x.shape[0] or sum(p for _, p in spans) != nseg):
+        raise ValueError(f"pl_decoder takes requests of 1+ tokens and at most "
+                         f"{MAX_SEGMENTS - 1} past pieces each, covering every token and piece")
 
     def per_layer(tensors):                       # [layer][tensor] pointers
         return (ctypes.c_void_p * (layers * len(tensors)))(*[
@@ -375,18 +379,15 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
             raise ValueError("pl_decoder needs int64 positions of every past key and new token")
         key_positions, query_positions = key_positions.contiguous(), query_positions.contiguous()
         kpos, qpos = key_positions.data_ptr(), query_positions.data_ptr()
-    kmin = nfirst = None
-    if key_min is not None:
-        if kpos is None or new_first is None or key_min.dtype != torch.int64 \
-                or new_first.dtype != torch.int64 or key_min.shape[0] != x.shape[0] \
-                or new_first.shape[0] != x.shape[0]:
-            raise ValueError("batched pl_decoder needs positions and int64 key_min/new_first "
-                             "per token")
-        key_min, new_first = key_min.contiguous(), new_first.contiguous()
-        kmin, nfirst = key_min.data_ptr(), new_first.data_ptr()
+    tok, seg = [0], [0]
+    for n, p in spans:
+        tok.append(tok[-1] + n)
+        seg.append(seg[-1] + p)
+    nreq = len(spans)
     status = (_lib or _load()).pl_decoder(
         x.data_ptr(), x.shape[0], shape, eps, scale, weights, cos.data_ptr(), sin.data_ptr(),
         nseg, keys, kstride, values, vstride, lens, half, newk, new_keys.stride(1), newv,
-        new_values.stride(1), kpos, qpos, kmin, nfirst, torch.get_num_threads())
+        new_values.stride(1), kpos, qpos, nreq, (ctypes.c_long * (nreq + 1))(*tok),
+        (ctypes.c_long * (nreq + 1))(*seg), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"pl_decoder failed ({status})")

@@ -1,6 +1,6 @@
-"""Several requests in one fused pass (fused.py `forward_batch`, pl_decoder's key_min and
-new_first): each request's logits and new keys/values equal those of its own pass, so the
-linear layers can read every weight once per step for a whole batch (issue 18's batching).
+"""Several requests in one fused pass (fused.py `forward_batch`, pl_decoder's requests): each
+request's logits and new keys/values equal those of its own pass, so the linear layers can
+read every weight once per step for a whole batch (issue 18's batching).
 
 The requests differ in past length and positions, one has several new tokens, two read
 the same unit's tensors, and the shorter pasts sit in key blocks next to the longer ones."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from promptlang.runtime.fast import native
-from promptlang.runtime.fast.fused import BatchRequest, FusedDecoder
+from promptlang.runtime.fast.fused import MAX_TOKENS, BatchRequest, FusedDecoder
 from promptlang.runtime.fast.pieces import Piece
 
 from .test_fused import TOL, VOCAB, tiny
@@ -84,3 +84,36 @@ def test_a_batch_that_leaves_out_a_request_changes_the_others_not_at_all(decoder
                             torch.zeros_like(a.new_keys), torch.zeros_like(a.new_values),
                             a.rows)
     assert (wrong - first).abs().max() > 1e-3           # seeing b's keys would show
+
+
+def test_many_requests_with_more_pieces_than_one_pass_takes_and_mixed_visibility(decoder):
+    """More pieces in all than one request may have (each request has its own tasks), rows
+    of one request over several row blocks, and requests that mix the positional rule
+    (recomputed tokens: past keys after them stay unseen) with plain decode steps."""
+    layers, heads, d = len(decoder.layers), decoder.kv_heads, decoder.head_dim
+    shared = piece(layers, heads, 33, d, 40)
+    requests = []
+    for i in range(17):
+        pieces = [shared] + [piece(layers, heads, 3 + i % 5, d, 100 + 4 * i + k)
+                             for k in range(3)]
+        past = sum(p.keys.shape[2] for p in pieces)
+        tokens = 34 if i == 5 else 1 + i % 2     # 34 tokens: 68 rows per KV head
+        requests.append(request(decoder, pieces, tokens, past, 200 + i, positioned=i % 2 == 0))
+    # recomputed tokens: positions 10..14, while the past holds keys at 0..9 and 20..29
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (5,), generator=g)
+    known = torch.cat([torch.arange(10), torch.arange(20, 30)])
+    requests.append(BatchRequest(ids, torch.arange(10, 15), [piece(layers, heads, 20, d, 8)],
+                                 torch.zeros(layers, heads, 5, d), torch.zeros(layers, heads, 5, d),
+                                 torch.arange(5), known))
+    assert sum(len(r.pieces) for r in requests) >= native.MAX_SEGMENTS
+    assert sum(int(r.input_ids.shape[0]) for r in requests) <= MAX_TOKENS
+    expected = [alone(decoder, r) for r in requests]
+    got = decoder.forward_batch(requests)
+    assert got is not None
+    for r, logits, (want, keys, values) in zip(requests, got, expected):
+        assert (logits - want).abs().max() < TOL
+        assert (r.new_keys - keys).abs().max() < TOL
+        assert (r.new_values - values).abs().max() < TOL
+    seen = alone(decoder, requests[-1]._replace(key_positions=None))[0]
+    assert (seen - expected[-1][0]).abs().max() > 1e-3   # the later keys would show
