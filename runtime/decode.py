@@ -199,15 +199,30 @@ class BatchStepper:
     for all of them), each token seeing its own request's KV only; decoders join (`add`)
     and leave (finishing, or `remove`) between steps. Each decoder's output is the one it
     gives alone (`Decoder.steps`); drafts are not used. Where the batch cannot be fused the
-    step runs request by request (the same results)."""
+    step runs request by request (the same results).
+
+    A request whose prefill is still to run (`join`: a few tokens, e.g. a question after
+    cached modules) has it run inside the next step with the decoders' tokens, as many as
+    fit `adapter.max_batch_tokens`, instead of alone between steps: the step reads the
+    weights once for both, and the decoders do not wait for it. Stored units are read in
+    place by every request that holds them, never copied per request."""
 
     def __init__(self, adapter: ModelAdapter):
         self.adapter = adapter
         self.picked: dict[object, tuple[Decoder, int]] = {}    # key -> (decoder, next token)
+        self.joining: dict[object, tuple[Decoder, object]] = {}   # key -> (decoder, pending)
         self.batched = 0                                       # fused passes of 2+ requests
 
     def __len__(self) -> int:
-        return len(self.picked)
+        return len(self.picked) + len(self.joining)
+
+    def join(self, key, decoder: Decoder, pending) -> None:
+        """Queue a request whose prefill is `pending` (results.PendingPrefill: its tokens,
+        positions, and `finish(logits)`): the prefill runs in a coming step, and that step's
+        events include the decoder's first pick."""
+        if decoder.adapter is not self.adapter:
+            raise ValueError("decoders stepped together must share one model")
+        self.joining[key] = (decoder, pending)
 
     @torch.inference_mode()
     def add(self, key, decoder: Decoder, logits: torch.Tensor) -> tuple[int | None, str, bool]:
@@ -225,35 +240,49 @@ class BatchStepper:
 
     def remove(self, key) -> None:
         self.picked.pop(key, None)
+        self.joining.pop(key, None)
 
     @torch.inference_mode()
     def step(self) -> list[tuple[object, int | None, str, bool]]:
-        """One pass for every live decoder: (key, token id, text delta, finished) each."""
+        """One pass for every live decoder and the joining prefills that fit: (key, token
+        id, text delta, finished) each."""
         events, live = [], []
         for key, (d, token) in list(self.picked.items()):
             if d.limit is not None and d.position + 1 >= d.limit:   # no position to pick at
                 del self.picked[key]
                 events.append((key, None, d.decoding.finish("length"), True))
                 continue
-            if d.buffer.length + 1 > d.buffer.capacity:
-                d.buffer.reserve(int(d.buffer.capacity * 1.5) + 1)
-            live.append((key, d, token))
+            live.append((key, d, [token], [d.position], None))
+        budget = self.adapter.max_batch_tokens - len(live)
+        for key, (d, pending) in list(self.joining.items()):
+            if live and len(pending.token_ids) > budget:
+                continue                         # the next step takes it
+            del self.joining[key]
+            budget -= len(pending.token_ids)
+            live.append((key, d, list(pending.token_ids), list(pending.positions), pending))
         if not live:
             return events
+        for _, d, ids, _, _ in live:
+            if d.buffer.length + len(ids) > d.buffer.capacity:
+                d.buffer.reserve(max(d.buffer.length + len(ids), int(d.buffer.capacity * 1.5) + 1))
         device = self.adapter.device
-        items = [(torch.tensor([token], device=device), torch.tensor([d.position], device=device),
-                  d.buffer.past()) for _, d, token in live]
+        items = [(torch.tensor(ids, device=device), torch.tensor(pos, device=device),
+                  d.buffer.past(), pending is not None) for _, d, ids, pos, pending in live]
         steps = self.adapter.forward_batch(items) if len(live) > 1 else None
         if steps is None:                        # one by one, as each would alone
-            rows = [extend(self.adapter, d.buffer, [token], [d.position], False, None, True)[-1]
-                    for _, d, token in live]
+            rows = [extend(self.adapter, d.buffer, ids, pos, False, None, pending is None)[-1]
+                    for _, d, ids, pos, pending in live]
         else:
             self.batched += 1
             rows = []
-            for (ids, pos, _), (_, d, _), step in zip(items, live, steps):
+            for (ids, pos, _, _), (_, d, *_), step in zip(items, live, steps):
                 d.buffer.append(ids, pos)
                 rows.append(step.logits[-1])
-        for (key, d, _), row in zip(live, rows):
+        for (key, d, _, _, pending), row in zip(live, rows):
+            if pending is not None:              # a prefill: the decoder starts here
+                pending.finish(row)
+                events.append((key, *self.add(key, d, row)))
+                continue
             d.passes += 1
             d.computed += 1
             d._keep(1, 1, row[None])

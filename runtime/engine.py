@@ -38,7 +38,7 @@ from promptlang.runtime.recompute import (DEFAULT_POLICY, NO_RECOMPUTE, Recomput
                                           RecomputePlan, candidates, choose_positions, exact,
                                           schema_policy)
 from promptlang.runtime.prefill import baseline_prefill, prefill, take_last, uncached_tokens
-from promptlang.runtime.results import Opened, Prefilled, Result, Timings
+from promptlang.runtime.results import Opened, PendingPrefill, Prefilled, Result, Timings
 from promptlang.runtime.sampling import SamplingParams, options_to_params
 
 
@@ -234,11 +234,14 @@ class LLM:
 
     def _open(self, prompt, schema, baseline: bool, recompute, room: int,
               add_generation_prompt: bool, all_logits: bool,
-              started: float, heal: bool = False) -> tuple[Opened, torch.Tensor]:
+              started: float, heal: bool = False,
+              defer: int = 0) -> tuple[Opened, torch.Tensor | None]:
         """Bind, retrieve, assemble and prefill; returns the open request (the caller
         releases its buffer) and the prefill's logits ([Q, V] with all_logits, else [1, V]).
         `room`: tokens to generate, the buffer's room after the prompt. `heal`: take the
-        prompt's last token off where token healing applies (runtime/healing.py)."""
+        prompt's last token off where token healing applies (runtime/healing.py). `defer`:
+        a prefill of at most this many tokens is not run but left in `Opened.pending`
+        (logits None) for the caller to run in a batch."""
         policy = _policy(recompute) if recompute is not None else None
         bound = self.bind(prompt, schema=schema, add_generation_prompt=add_generation_prompt)
         point = heal_point(bound, self.tokenizer) if heal else None
@@ -294,17 +297,24 @@ class LLM:
                 at = sum(p < position for p in positions)
                 ids, positions = ids[:at] + [token], positions[:at] + [position]
             t.assemble = time.perf_counter() - mark
-            cached_length = buffer.length
+            opened = Opened(buffer, None, bound.end, bound, t, len(ids), buffer.length,
+                            len(plan), started, plan, tuple(served), approximate,
+                            healed=healed)
+
+            def finish(last: torch.Tensor) -> None:        # the prefill's KV is in the buffer
+                opened.logits = last
+                if plan and self.exact_reuse:
+                    exact.remember(self.store, bound, buffer, keys,
+                                   exact.made_exact(bound, missed, plan.positions, list(served)),
+                                   bound.layout.schema.name)
+            if len(ids) <= defer and not all_logits:
+                opened.pending = PendingPrefill(ids, positions, finish)
+                return opened, None
             mark = time.perf_counter()
             logits = prefill(self.adapter, buffer, ids, positions, all_logits)
             t.prefill = time.perf_counter() - mark
-            if plan and self.exact_reuse:
-                exact.remember(self.store, bound, buffer, keys,
-                               exact.made_exact(bound, missed, plan.positions, list(served)),
-                               bound.layout.schema.name)
-        return Opened(buffer, logits[-1], bound.end, bound, t, len(ids), cached_length,
-                      len(plan), started, plan, tuple(served), approximate,
-                      healed=healed), logits
+            finish(logits[-1])
+        return opened, logits
 
     @contextlib.contextmanager
     def _released_on_error(self, buffer: KVBuffer):
@@ -331,17 +341,20 @@ class LLM:
         return generation.result()
 
     def start(self, prompt, *, schema=None, baseline: bool = False, recompute=None,
-              sampling: SamplingParams | None = None, **options) -> Generation:
+              sampling: SamplingParams | None = None, defer: int = 0,
+              **options) -> Generation:
         """Open a request for a caller that drives its decoding itself (the server's batch
         scheduler): bind, retrieve, assemble, prefill as `generate` does; the Generation's
         decoder then starts from `generation.opened.logits`. The caller calls `result()` at
-        the end, or `release()` to stop early."""
+        the end, or `release()` to stop early. `defer`: a prefill of at most this many
+        tokens is left to the caller (`generation.opened.pending`: decode.BatchStepper.join
+        runs it inside a decode step)."""
         started = time.perf_counter()
         params = options_to_params(sampling, **options)
         constraint = Constraint.of(params, self.tokenizer)
         heal = params.token_healing and constraint is None
         opened, _ = self._open(prompt, schema, baseline, recompute, params.max_new_tokens,
-                               True, False, started, heal=heal)
+                               True, False, started, heal=heal, defer=defer)
         return Generation(self, opened, params, constraint)
 
     # --- helpers ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ lets each import the other's types without importing the other module.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
@@ -71,7 +71,7 @@ class Opened:
     `llm.assembler.release(opened.buffer)`."""
 
     buffer: KVBuffer
-    logits: torch.Tensor         # [V]: the prediction for position `position`
+    logits: torch.Tensor | None  # [V]: the prediction for `position` (None while pending)
     position: int                # the first position after the request
     bound: BoundPrompt           # what was bound
     timings: Timings
@@ -83,6 +83,19 @@ class Opened:
     exact: tuple[str, ...] = ()  # units served from exact entries (recompute/exact.py)
     approximate_tokens: int = 0  # as Result.approximate_tokens
     healed: str = ""             # the prompt's last token's text, given back (healing.py)
+    pending: PendingPrefill | None = None     # a prefill left to the caller (logits None)
+
+
+@dataclass
+class PendingPrefill:
+    """An open request's prefill pass, left to run inside a batch (`LLM.start(defer=...)`):
+    the tokens to compute at their positions against the request buffer (positions increase;
+    each token sees the buffer's keys at positions <= its own and the tokens before it), and
+    `finish(logits)` to call with the last token's logits [V] once their KV is appended."""
+
+    token_ids: list[int]
+    positions: list[int]
+    finish: Callable[[torch.Tensor], None]
 
 
 @dataclass

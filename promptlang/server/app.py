@@ -270,7 +270,8 @@ async def _complete(state: ServerState, request: Request, chat: bool):
 
 def _opener(state: ServerState, body: dict, chat: bool, options: dict):
     """The job's thunk (run on the engine thread): the request's prompt, then LLM.start --
-    bind, retrieve, assemble, prefill -- or an error."""
+    bind, retrieve, assemble, prefill (a short one is left to the next decode step) -- or
+    an error."""
     def open_request():
         recompute = None
         if "promptlang" in body:
@@ -284,7 +285,8 @@ def _opener(state: ServerState, body: dict, chat: bool, options: dict):
             prompt = state.chats.prompt(parse_messages(body.get("messages")))
         else:
             prompt = completion_prompt(state.llm, body.get("prompt"))
-        return state.llm.start(prompt, recompute=recompute, **options)
+        return state.llm.start(prompt, recompute=recompute,
+                               defer=state.worker.prefill_in_step, **options)
     return open_request
 
 

@@ -13,8 +13,10 @@ asyncio queue its events go to:
 Continuous batching: the open requests decode together, one forward pass per step for all
 of them (runtime/decode.py `BatchStepper`: the linear layers read each weight once per step
 for the whole batch, each token sees its own request's KV only, and each request's output is
-the one it gets alone). Between two steps the thread admits waiting jobs -- each one's
-prefill runs then, alone -- up to `max_batch` requests decoding at once.
+the one it gets alone). Between two steps the thread admits waiting jobs, up to `max_batch`
+requests at once: each is bound and assembled then, and a prefill of at most
+`prefill_in_step` tokens (a question after cached modules) runs inside the next step with
+the decoders' tokens; a longer one (new text, recomputed seams) runs alone, there and then.
 
 `Job.cancel()` (a client that went away) takes the job out before the next step; its
 request buffer goes back to the pool then. A full queue refuses new jobs at once
@@ -68,10 +70,12 @@ class EngineWorker:
     """Runs jobs on one thread, decoding up to `max_batch` together, at most `max_queue`
     waiting (see the module docstring)."""
 
-    def __init__(self, max_queue: int = 64, max_batch: int = 16):
-        if max_queue < 1 or max_batch < 1:
-            raise ValueError("max_queue and max_batch must be at least 1")
+    def __init__(self, max_queue: int = 64, max_batch: int = 16, prefill_in_step: int = 48):
+        if max_queue < 1 or max_batch < 1 or prefill_in_step < 0:
+            raise ValueError("max_queue and max_batch must be at least 1, prefill_in_step "
+                             "at least 0")
         self.max_queue, self.max_batch = max_queue, max_batch
+        self.prefill_in_step = prefill_in_step
         self.stats = WorkerStats()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._waiting = 0
@@ -135,8 +139,12 @@ class EngineWorker:
                 if stepper is None:
                     stepper = BatchStepper(generation.decoder.adapter)
                 self._active[job] = generation
-                self._handle(stepper, job, *stepper.add(job, generation.decoder,
-                                                        generation.opened.logits))
+                pending = generation.opened.pending
+                if pending is not None:                   # its prefill runs in the next step
+                    stepper.join(job, generation.decoder, pending)
+                else:
+                    self._handle(stepper, job, *stepper.add(job, generation.decoder,
+                                                            generation.opened.logits))
             for job in [j for j in self._active if j.cancelled.is_set()]:
                 stepper.remove(job)
                 self._active.pop(job).release()       # the buffer goes back now

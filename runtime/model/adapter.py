@@ -87,6 +87,7 @@ class ModelAdapter:
 
     scheme: str = ""
     chunk_size: int = 512     # longer inputs run as chunks (see _forward_chunked)
+    max_batch_tokens: int = MAX_TOKENS    # the most tokens `forward_batch` fuses in one pass
 
     def __init__(self, hf_model: torch.nn.Module):
         self.model = hf_model.eval()
@@ -146,24 +147,28 @@ class ModelAdapter:
     # --- the forward pass -----------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward_batch(self, items: list[tuple[torch.Tensor, torch.Tensor, Past]]
+    def forward_batch(self, items: list[tuple[torch.Tensor, torch.Tensor, Past, bool]]
                       ) -> list[Step] | None:
         """Several requests' new tokens in ONE pass, each (input_ids [Q_i], positions [Q_i],
-        past) seeing its own past (every key of it) and its own new tokens only; the
-        logits of each request's last token. None (nothing written) where the fused layers
-        cannot take the batch: the caller then runs `forward` per request."""
+        past, by_position) seeing its own past and its own new tokens only, causally in
+        input order: every past key, or with by_position (positions increase) the past keys
+        at positions <= the token's own (a prefill with recomputed tokens); the logits of
+        each request's last token. None (nothing written) where the fused layers cannot take
+        the batch (more than `max_batch_tokens` tokens, ...): the caller then runs
+        `forward` per request."""
         decoder = self.fast.decoder
         if decoder is None or self.sliding_window is not None:
             return None
         requests, slots = [], []
-        for input_ids, positions, past in items:
+        for input_ids, positions, past, by_position in items:
             s, q = int(past.positions.shape[0]), int(input_ids.shape[0])
             if s + q > past.keys.shape[2] or (past.shared and not self.reads_shared):
                 return None
             requests.append(BatchRequest(
                 input_ids, positions, past_pieces(past.keys, past.values, past.shared, s),
                 past.keys[:, :, s:s + q], past.values[:, :, s:s + q],
-                torch.tensor([q - 1], device=positions.device)))
+                torch.tensor([q - 1], device=positions.device),
+                past.positions if by_position else None))
             slots.append((past, s, q))
         with self.lock:
             state = self.state

@@ -87,3 +87,44 @@ def test_units_read_in_place_and_an_early_finish(llm):
               SamplingParams(max_new_tokens=10)]
     alone = [llm.generate(p, sampling=s).token_ids for p, s in zip(PROMPTS, params)]
     assert together(llm, PROMPTS, params, share_min_tokens=1) == alone
+
+
+@pytest.mark.parametrize("recompute", ["none", "seams"])
+def test_prefills_that_join_a_step_decode_as_alone(llm, monkeypatch, recompute):
+    """Requests whose prefill runs inside a decode step (BatchStepper.join: LLM.start with
+    `defer`), one joining while the others are already decoding; under `seams` a new
+    combination's prefill recomputes the second module's tokens below the question (the
+    positional rule inside the batch)."""
+    if not native.available():
+        pytest.skip("CPU kernels unavailable here")
+    params = [SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=6),
+              SamplingParams(max_new_tokens=7, temperature=0.8, seed=3)]
+    alone = [llm.generate(p, sampling=s, recompute=recompute).token_ids
+             for p, s in zip(PROMPTS, params)]
+    llm.store.clear()                  # the combination is new again: seams recompute
+    generations = [llm.start(p, sampling=s, recompute=recompute, defer=64)
+                   for p, s in zip(PROMPTS, params)]
+    assert all(g.opened.pending is not None and g.opened.logits is None for g in generations)
+    if recompute == "seams":
+        assert generations[2].opened.recomputed_tokens > 0
+    calls = []
+    real = llm.adapter.forward_batch
+
+    def counted(items):
+        calls.append([by_position for *_, by_position in items])
+        return real(items)
+    monkeypatch.setattr(llm.adapter, "forward_batch", counted)
+    stepper = decode.BatchStepper(llm.adapter)
+    try:
+        for g in generations[:2]:
+            stepper.join(g, g.decoder, g.opened.pending)
+        stepper.step()                                    # two prefills in one pass
+        stepper.join(generations[2], generations[2].decoder, generations[2].opened.pending)
+        while len(stepper):
+            stepper.step()
+    finally:
+        for g in generations:
+            g.release()
+    assert calls[0] == [True, True]
+    assert sorted(calls[1]) == [False, False, True]       # the third joins two decoding
+    assert [g.decoding.result()[1] for g in generations] == alone
