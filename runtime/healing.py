@@ -11,8 +11,9 @@ Where it applies (`heal_point`): the request's last token is text computed per r
 prompt's own text, not a role marker and not a cached module's token), so taking it off
 changes nothing in the cache layout; its text decodes cleanly; and some longer token starts
 with it (else nothing could merge with it). Not under a regex/JSON/grammar constraint (that
-constraint then says what the output starts with), and not in sessions (their text is
-appended piecewise; a later step).
+constraint then says what the output starts with). Sessions (and so programs) heal the same
+way at `generate`: the last token of the text appended since the last computed token
+(`healable` on it; runtime/session.py).
 
     point = heal_point(bound, tokenizer)       # None: nothing to heal
     bound = point.bound                        # the request without its last token
@@ -69,16 +70,27 @@ def heal_point(bound: BoundPrompt, tokenizer) -> HealPoint | None:
     if last.kind != "prompt" or last.role is not None or not last.token_ids \
             or last.end != bound.end or last.end <= cached_end:     # role markers: never
         return None
-    text = tokenizer.decode([last.token_ids[-1]])
+    text = healable(tokenizer, last.token_ids[-1])
+    if text is None:
+        return None
+    shorter = replace(last, token_ids=last.token_ids[:-1], text=last.text[:-len(text)]
+                      if last.text.endswith(text) else last.text)
+    uncached = bound.uncached[:-1] + ((shorter,) if shorter.token_ids else ())
+    return HealPoint(replace(bound, uncached=uncached, end=bound.end - 1), text, tokenizer)
+
+
+def healable(tokenizer, token_id: int) -> str | None:
+    """The text of `token_id` where giving it back can change the output: it decodes
+    cleanly, and some longer token starts with it; else None."""
+    if not hasattr(tokenizer, "tokenizer"):
+        return None
+    text = tokenizer.decode([token_id])
     if not text or "\ufffd" in text:
         return None
     texts, ids = token_texts(tokenizer)
     if len(_starting_with(text, texts, ids)) <= len(_exact(text, texts, ids)):
         return None                                 # no longer token starts with it
-    shorter = replace(last, token_ids=last.token_ids[:-1], text=last.text[:-len(text)]
-                      if last.text.endswith(text) else last.text)
-    uncached = bound.uncached[:-1] + ((shorter,) if shorter.token_ids else ())
-    return HealPoint(replace(bound, uncached=uncached, end=bound.end - 1), text, tokenizer)
+    return text
 
 
 class Healing:

@@ -176,3 +176,5 @@ class Turn:
     choice: Choice | None = None
     started_at: float = 0.0            # time.perf_counter() when the turn was called
     complete: bool | None = None       # as Result.complete (regex=, json_schema=, grammar=)
+    healed: str = ""                   # appended text given back by token healing: token_ids
+                                       # spell it, then `text` (runtime/healing.py)

@@ -48,6 +48,7 @@ from promptlang.errors import ContextLengthError, PromptLangError, RoleError
 from promptlang.pml.nodes import ROLES
 from promptlang.runtime.constrain import Constraint, forced_drafts
 from promptlang.runtime.decode import Decoder
+from promptlang.runtime.healing import Healing, healable
 from promptlang.runtime.prefill import move_slots, prefill, truncate
 from promptlang.runtime.results import Choice, Opening, Timings, Turn
 from promptlang.runtime.sampling import (Decoding, SamplingParams, options_to_params,
@@ -55,6 +56,7 @@ from promptlang.runtime.sampling import (Decoding, SamplingParams, options_to_pa
 
 _REPLACEMENT = "\ufffd"
 _KEPT_LOGITS = 8           # logits kept per decode step, for rolling back to a stop string
+SCORED_TOKENS = 1024       # select scores options of at most this many tokens in all exactly
 
 
 @dataclass
@@ -280,11 +282,13 @@ class Session:
             options["max_new_tokens"] = max_new_tokens
         params = options_to_params(sampling, **options)
         constraint = Constraint.of(params, self.llm.tokenizer)   # regex=, json_schema=, grammar=
+        healed = self._heal() if params.token_healing and constraint is None else ""
         started, prefill_seconds, prefill_tokens = self._start_turn()
         decoding = Decoding(params, self.llm.tokenizer)
         decoder = Decoder(self.llm.adapter, self.buffer, decoding, self.position,
                           limit=self.llm.max_positions, keep=_KEPT_LOGITS,
-                          materialize=False, constrain=constraint,
+                          materialize=False,
+                          constrain=Healing(healed, self.llm.tokenizer) if healed else constraint,
                           **forced_drafts(params, constraint))
         first_token = None
         for token, _, _ in decoder.steps(self.logits):
@@ -292,15 +296,36 @@ class Session:
                 first_token = time.perf_counter() - started
         self.position = decoder.position
         text, ids, reason = decoding.result()
+        if healed and not text.startswith(healed):   # cut short while spelling it: keep it all
+            text = healed
         kept, settled = self._keep(text, ids, decoder)
         self._log.append(_QueuedInput("tokens", text, tuple(kept)))
+        text = text[len(healed):]                    # the answer: what follows the healed text
         turn = Turn("generate", name, text, tuple(kept), reason, prefill_tokens, len(kept),
                     prefill_tokens + decoder.computed + settled,
                     Timings(prefill=prefill_seconds, first_token=first_token or 0.0,
                             total=time.perf_counter() - started), started_at=started,
-                    complete=None if constraint is None else constraint.complete)
+                    complete=None if constraint is None else constraint.complete, healed=healed)
         self.turns.append(turn)
         return turn
+
+    def _heal(self) -> str:
+        """Token healing (runtime/healing.py) at a generation: when the queued input ends
+        with appended text whose last token could merge with what follows, that token is
+        taken off the queue; returns its text (the generation spells it first), else "".
+        Only text appended since the last computed token is healed, never a role marker or
+        the session's prompt."""
+        if not self._pending or self._pending[-1].kind != "text":
+            return ""
+        ids = self._token_ids(self._pending)
+        joined = "".join(p.text for p in self._pending)
+        healed = healable(self.llm.tokenizer, ids[-1]) if ids else None
+        if not healed or not joined.endswith(healed):
+            return ""
+        del self._log[-len(self._pending):]
+        self._pending[:] = [_QueuedInput("tokens", joined[:-len(healed)], tuple(ids[:-1]))]
+        self._log.append(self._pending[0])
+        return healed
 
     def _keep(self, text: str, ids: list[int], decoder: Decoder) -> tuple[list[int], int]:
         """Make the KV after the decode's start hold exactly `text`: the longest run of
@@ -354,7 +379,9 @@ class Session:
         which one decides (default "sum": the option's probability). All options run in
         one forward pass; the winner's KV is kept. normalise="grammar": greedy decoding
         under a grammar of the options instead (llguidance; runtime/constrain.py), whose
-        cost grows with the longest option rather than with the number of options."""
+        cost grows with the longest option rather than with the number of options -- also
+        what a long list (more than SCORED_TOKENS option tokens in all) gets; the Choice
+        says which (`normalise`)."""
         self._check_open()
         options = tuple(options)
         if not options or len(set(options)) != len(options) or \
@@ -367,6 +394,8 @@ class Session:
         encoded = [self.llm.tokenizer.encode(o) for o in options]
         if any(not e for e in encoded):
             raise PromptLangError(f"an option of {options!r} has no tokens")
+        if sum(len(e) for e in encoded) > SCORED_TOKENS:    # one pass over them all: too big
+            return self._select_by_grammar(options, name)
         started, prefill_seconds, prefill_tokens = self._start_turn()
         base_length, base_position, context = self.length, self.position, self.logits
         starts, ids, positions, groups = [], [], [], []

@@ -16,6 +16,7 @@ pytest.importorskip("llguidance")
 from promptlang.errors import PromptLangError                 # noqa: E402
 from promptlang.pml import nodes                              # noqa: E402
 from promptlang.runtime.constrain import ConstraintError      # noqa: E402
+from promptlang.runtime.session import SCORED_TOKENS               # noqa: E402
 
 PROMPT = '<prompt schema="c"><user>Answer in the asked format.</user><assistant></prompt>'
 SEEDS = range(6)
@@ -246,6 +247,13 @@ def test_select_by_grammar_picks_one_of_many_options_sharing_prefixes(llm):
     with pytest.raises(PromptLangError, match="'sum', 'mean' or 'grammar'"):
         session.select(["a", "b"], normalise="best")
     session.close()
+    # a list too long to score in one pass goes through the grammar without being asked
+    with llm.session(PROMPT) as session:
+        assert sum(len(llm.tokenizer.encode(o)) for o in options) > SCORED_TOKENS
+        choice = session.select(options)
+        assert choice.normalise == "grammar" and choice.text in options
+        short = session.select(options[:3])
+        assert short.normalise == "sum" and len(short.scores) == 3
     # in a program
     from promptlang import assistant, prompt, select, user
 

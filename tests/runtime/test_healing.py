@@ -69,3 +69,57 @@ def test_nothing_is_healed_after_a_role_marker_a_cached_token_or_under_a_constra
     unhealed = llm.generate(MID_WORD, max_new_tokens=4, token_healing=False)
     assert constrained.prefill_tokens == unhealed.prefill_tokens       # not healed
     assert constrained.text.startswith("s://")
+
+
+APPENDED = "The secure address is http"
+
+
+def test_a_session_heals_the_text_appended_before_a_generation(llm):
+    """Sessions (and through them programs' gen()) heal the last token of the text queued
+    since the last computed token; the turn's text is what follows the removed text, and
+    the conversation holds the appended text in full either way."""
+    tok = llm.tokenizer
+    healed = heal_point(llm.bind(MID_WORD), tok).text
+    for seed in (None, 1, 2, 3, 4, 5):
+        options = {"temperature": 1.0, "seed": seed} if seed is not None else {}
+        with llm.session('<prompt schema="h"><m/></prompt>') as session:
+            session.append(APPENDED)
+            before = session.text
+            turn = session.generate(max_new_tokens=5, **options)
+            assert turn.healed == healed and tok.decode(list(turn.token_ids)).startswith(healed)
+            assert session.text == before + turn.text          # the removed text is not lost
+            assert [t for t, _ in session.tokens()][-len(turn.token_ids):] == list(turn.token_ids)
+            replayed = session.replay()
+            replayed.flush()
+            assert replayed.text == session.text
+            assert replayed.tokens() == session.tokens()        # the very same tokens
+            replayed.close()
+        with llm.session('<prompt schema="h"><m/></prompt>') as plain:
+            plain.append(APPENDED)
+            unhealed = plain.generate(max_new_tokens=5, token_healing=False, **options)
+            assert unhealed.prefill_tokens == turn.prefill_tokens + 1
+
+
+def test_a_session_cut_short_while_spelling_keeps_the_appended_text(llm):
+    tok = llm.tokenizer
+    for seed in range(6):
+        with llm.session('<prompt schema="h"><m/></prompt>') as session:
+            session.append(APPENDED)
+            turn = session.generate(max_new_tokens=1, temperature=1.0, seed=seed)
+            assert session.text.endswith(APPENDED + turn.text)
+            held = tok.decode([t for t, _ in session.tokens()])
+            assert held.endswith(APPENDED + turn.text)
+
+
+def test_sessions_heal_nothing_after_a_role_marker_or_under_a_constraint(llm):
+    with llm.session('<prompt schema="h"><m/></prompt>') as session:
+        session.user(APPENDED)                       # ends with the role's closing marker
+        assert session._heal() == ""
+        session.append(" and then")
+        session.open_role("assistant")
+        assert session._heal() == ""
+    pytest.importorskip("llguidance")
+    with llm.session('<prompt schema="h"><m/></prompt>') as session:
+        session.append(APPENDED)
+        turn = session.generate(max_new_tokens=4, regex="s://[a-z]{1,3}")
+        assert turn.text.startswith("s://")
