@@ -46,7 +46,7 @@ class Gen:
     top_k: int
     seed: int | None
     regex: str | None = None           # structured output (runtime/constrain.py): at most one
-    json_schema: Any = None            # a dict, JSON text or a pydantic model class
+    json_schema: Any = None            # a dict, JSON text, a file (Path) or a pydantic model
     grammar: str | None = None         # a Lark grammar
 
 
@@ -70,8 +70,8 @@ def gen(name: str | None = None, *, max_tokens: int = 256, stop: str | Sequence[
     the model's end-of-sequence token, at the first `stop` string, or after
     `max_tokens` tokens. temperature 0 is greedy; above 0 samples (with top_p/top_k);
     `seed` makes sampling reproducible (default: the run's seed). `regex`, `json_schema`
-    (a dict, JSON text or a pydantic model class) or `grammar` (Lark) constrains the text
-    to that language; with `json_schema` the run holds the parsed value (`run["call"]` is a
+    (a dict, JSON text, a Path of a file or a pydantic model class) or `grammar` (Lark)
+    constrains the text to that language; with `json_schema` the run holds the parsed value (`run["call"]` is a
     dict) once the output is complete, the text otherwise.
     """
     if name is not None and (not isinstance(name, str) or not name):

@@ -158,20 +158,29 @@ class SamplingParams:
 
 
 def schema_text(schema: Any) -> str:
-    """A JSON Schema as JSON text, from a dict, JSON text, or a pydantic model class (its
-    `model_json_schema()`); key order is kept (an object's properties come out in it)."""
+    """A JSON Schema as JSON text, from a dict, JSON text, a JSON Schema file (a path:
+    pathlib.Path, os.PathLike), or a pydantic model class (its `model_json_schema()`); key
+    order is kept (an object's properties come out in it)."""
     import json
+    import os
 
+    where = "json_schema"
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
         schema = schema.model_json_schema()
+    if isinstance(schema, os.PathLike):
+        from promptlang.inputs import read_text
+
+        where = os.fspath(schema)
+        schema = read_text(schema)
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as error:
-            raise _fail(f"json_schema is not valid JSON: {error}") from None
+            raise _fail(f"{where}:{error.lineno}:{error.colno}: not valid JSON: "
+                        f"{error.msg}") from None
     if not isinstance(schema, dict):
-        raise _fail("json_schema must be a dict, JSON text of an object, or a pydantic model "
-                    f"class, got {type(schema).__name__}")
+        raise _fail("json_schema must be a dict, JSON text of an object, a JSON Schema file "
+                    f"(a path) or a pydantic model class, got {type(schema).__name__}")
     try:
         return json.dumps(schema)            # key order kept: properties come out in it
     except (TypeError, ValueError) as error:

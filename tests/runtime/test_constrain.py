@@ -70,7 +70,7 @@ def test_json_schema_outputs_validate_nested_objects_enums_arrays_and_patterns(l
         jsonschema.validate(json.loads(result.text), PERSON)
 
 
-def test_a_json_schema_can_be_json_text_or_a_pydantic_model(llm):
+def test_a_json_schema_can_be_json_text_a_file_or_a_pydantic_model(llm, tmp_path):
     pydantic = pytest.importorskip("pydantic")
 
     class Point(pydantic.BaseModel):          # extra="forbid": additionalProperties false
@@ -78,11 +78,19 @@ def test_a_json_schema_can_be_json_text_or_a_pydantic_model(llm):
         x: int = pydantic.Field(ge=-999, le=999)
         y: int = pydantic.Field(ge=-999, le=999)
 
-    for given in (Point, json.dumps(Point.model_json_schema())):
+    path = tmp_path / "point.json"
+    path.write_text(json.dumps(Point.model_json_schema()))
+    for given in (Point, json.dumps(Point.model_json_schema()), path):
         result = llm.generate(PROMPT, json_schema=given, max_new_tokens=40)
         assert result.complete
         point = Point.model_validate_json(result.text)
         assert isinstance(point.x, int) and isinstance(point.y, int)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "object",\n  "properties": }')
+    with pytest.raises(PromptLangError, match=r"bad\.json:2:17: not valid JSON"):
+        llm.generate(PROMPT, json_schema=bad)
+    with pytest.raises(PromptLangError, match="no such file"):
+        llm.generate(PROMPT, json_schema=tmp_path / "missing.json")
 
 
 def test_a_lark_grammar_constrains_the_choice(llm):
