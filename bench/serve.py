@@ -14,14 +14,18 @@ request is served once alone (greedy): the reference answer, and its modules' KV
 entries, under the default recompute policy) are stored, so the levels measure serving.
 
 For each level of concurrency (1, 4, 16, 32 clients; 1 and 2 with --quick) every client
-sends `requests` requests one after another; a level stops early at `level_timeout`
+sends `requests` requests one after another, more where the level would send fewer than
+`level_requests` in all (one client: 16 in a row, so that every level sees each distinct
+request at least twice, the same mix); a level stops early at `level_timeout`
 seconds (what was not sent counts as not sent, not as lost). Per level: requests answered
 and lost (an exception, or a stream without its end), TTFT p50 and p99 (to the first
 generated text), the time per output token after the first (median over requests),
 aggregate output tokens per second (all tokens over the level's wall time), and how many
-answers equal the reference. Goals (issue 18): aggregate tokens/s at 16 clients >= 5x one
-client's; TTFT p50 at 4 clients <= 2x one client's; no request lost; every answer equal to
-the request served alone.
+answers equal the reference. The one-client level runs again after the others ("1 (again)":
+the machine's speed drifts over a run), and the ratios take the better of the two as "one
+client's" -- the stricter baseline. Goals (issue 18): aggregate tokens/s at 16 clients >= 5x
+one client's; TTFT p50 at 4 clients <= 2x one client's; no request lost; every answer equal
+to the request served alone.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ TTFT_CLIENTS, TTFT_GOAL = 4, 2.0                  # TTFT p50 at 4 clients <= 2x 
 class ServeOptions:
     clients: tuple[int, ...] = (1, 4, 16, 32)
     requests: int = 4                # per client per level
+    level_requests: int = 16         # ... and at least this many per level in all (one client:
+                                     # 16 in a row, every distinct request twice, as the others)
     distinct: int = 8                # distinct requests the clients draw from
     docs: int = 8                    # RAG documents in the schema
     k: int = 4                       # documents per RAG request
@@ -54,8 +60,8 @@ class ServeOptions:
 
     @classmethod
     def quick(cls) -> "ServeOptions":
-        return cls(clients=(1, 2), requests=2, distinct=3, docs=3, k=2, doc_tokens=24,
-                   max_tokens=4, level_timeout=120.0, request_timeout=60.0)
+        return cls(clients=(1, 2), requests=2, level_requests=2, distinct=3, docs=3, k=2,
+                   doc_tokens=24, max_tokens=4, level_timeout=120.0, request_timeout=60.0)
 
 
 @dataclass
@@ -74,6 +80,7 @@ class Level:
     samples: list[Sample] = field(default_factory=list)
     sent: int = 0
     identical: int = 0
+    again: bool = False              # the one-client level run a second time, at the end
 
     def answered(self) -> list[Sample]:
         return [s for s in self.samples if s.lost is None]
@@ -95,7 +102,8 @@ class Level:
     def row(self) -> dict[str, Any]:
         answered = self.answered()
         ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
-        return {"clients": self.clients, "sent": self.sent, "answered": len(answered),
+        return {"clients": f"{self.clients} (again)" if self.again else self.clients,
+                "sent": self.sent, "answered": len(answered),
                 "lost": len(self.samples) - len(answered), "ttft p50 ms": ms(self.ttft(0.5)),
                 "ttft p99 ms": ms(self.ttft(0.99)), "ms/token": ms(self.per_token()),
                 "tokens/s": round(self.tokens_per_s(), 2), "identical": self.identical,
@@ -128,6 +136,9 @@ def run_serve(llm, options: ServeOptions = ServeOptions(), *, model_name: str = 
         report.reference_seconds = time.perf_counter() - began
         for clients in options.clients:
             report.levels.append(_level(server.url, bodies, references, clients, options))
+        if 1 in options.clients and len(options.clients) > 1:    # the baseline, once more
+            report.levels.append(_level(server.url, bodies, references, 1, options))
+            report.levels[-1].again = True
     finally:
         server.stop()
     report.goals = goals(report)
@@ -193,16 +204,17 @@ def _level(url: str, bodies: Sequence[dict], references: Sequence[str], clients:
     import openai
 
     deadline = time.perf_counter() + options.level_timeout
+    per_client = max(options.requests, -(-options.level_requests // clients))
     lock = threading.Lock()
     level = Level(clients, 0.0)
 
     def client_loop(index: int) -> None:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none",
                                timeout=options.request_timeout, max_retries=0)
-        for r in range(options.requests):
+        for r in range(per_client):
             if time.perf_counter() > deadline:
                 return
-            which = (index * options.requests + r) % len(bodies)
+            which = (index * per_client + r) % len(bodies)
             with lock:
                 level.sent += 1
             sample = _one(client, bodies[which])
@@ -222,9 +234,14 @@ def _level(url: str, bodies: Sequence[dict], references: Sequence[str], clients:
 
 
 def goals(report: ServeReport) -> list[Goal]:
-    by = {level.clients: level for level in report.levels}
+    """The goals against the better of the two one-client runs (first and last: the
+    machine's speed drifts), which is the stricter baseline for both ratios."""
+    by = {level.clients: level for level in report.levels if not level.again}
     out = []
-    one = by.get(1)
+    ones = [level for level in report.levels if level.clients == 1 and level.answered()]
+    one = max(ones, key=Level.tokens_per_s, default=None)
+    fastest = min((level for level in ones if level.ttft(0.5) is not None),
+                  key=lambda level: level.ttft(0.5), default=None)
     many = by.get(THROUGHPUT_CLIENTS)
     if one is None or many is None or one.tokens_per_s() <= 0:
         out.append(Goal(f"tokens/s at {THROUGHPUT_CLIENTS} clients >= {THROUGHPUT_GOAL:g}x one "
@@ -235,7 +252,7 @@ def goals(report: ServeReport) -> list[Goal]:
                         "client's", ratio >= THROUGHPUT_GOAL,
                         f"{many.tokens_per_s():.1f} vs {one.tokens_per_s():.1f} tokens/s = "
                         f"{ratio:.2f}x"))
-    four = by.get(TTFT_CLIENTS)
+    four, one = by.get(TTFT_CLIENTS), fastest
     if one is None or four is None or one.ttft(0.5) is None or four.ttft(0.5) is None:
         out.append(Goal(f"TTFT p50 at {TTFT_CLIENTS} clients <= {TTFT_GOAL:g}x one client's",
                         None, f"needs levels 1 and {TTFT_CLIENTS}"))
@@ -260,7 +277,8 @@ def sections(report: ServeReport) -> list[Section]:
              f"one thread per client, streaming; {o.distinct} distinct requests (RAG: "
              f"{o.k} of {o.docs} documents of ~{o.doc_tokens} tokens through the promptlang "
              f"field, alternating with plain chat), {o.max_tokens} new tokens, greedy; "
-             f"{o.requests} requests per client per level",
+             f"{o.requests} requests per client per level, at least {o.level_requests} per "
+             "level in all",
              f"each distinct request was served once alone first (the reference; "
              f"{report.reference_seconds:.1f} s), so its modules are stored",
              "concurrent requests decode together (continuous batching, up to 16 per step); "

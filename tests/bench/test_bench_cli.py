@@ -237,7 +237,7 @@ def test_serve_quick_loads_a_real_server_and_loses_nothing(tmp_path, capsys, tin
     out = bench(capsys, "serve", "--out", str(tmp_path), "--model", str(tiny_model_dir),
                 "--clients", "1,2")
     rows = read_csv(tmp_path / "serve.csv")
-    assert [r["clients"] for r in rows] == ["1", "2"]
+    assert [r["clients"] for r in rows] == ["1", "2", "1 (again)"]   # the baseline twice
     for row in rows:
         assert row["lost"] == "0" and row["answered"] == row["sent"] == row["identical"]
         assert float(row["tokens/s"]) > 0 and float(row["ttft p50 ms"]) > 0
@@ -247,7 +247,7 @@ def test_serve_quick_loads_a_real_server_and_loses_nothing(tmp_path, capsys, tin
     assert verdicts["every answer equals the request served alone (greedy)"] == "PASS"
     assert verdicts["tokens/s at 16 clients >= 5x one client's"] == "N/A"    # no 16 here
     data = json.loads((tmp_path / "serve.json").read_text())
-    assert [level["clients"] for level in data["levels"]] == [1, 2]
+    assert [level["clients"] for level in data["levels"]] == [1, 2, "1 (again)"]
 
 
 def test_structured_quick_measures_both_sides_and_prints_the_goal(tmp_path, capsys,
