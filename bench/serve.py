@@ -1,8 +1,9 @@
 """`promptlang bench serve`: the OpenAI server under load, measured with the `openai` client.
 
 The server (promptlang/server/) runs in this process on a thread, on 127.0.0.1 and a free
-port, over the already loaded model; the clients are threads, each with its own `openai`
-client, streaming. The workload mixes two kinds of request, in turns:
+port, over the already loaded model; the clients run in a child process (so that parsing
+their streams never holds this process's interpreter lock), one thread each with its own
+`openai` client, streaming. The workload mixes two kinds of request, in turns:
 
   rag   k of N documents (bench/rag.py's generator) through the `promptlang` extension
         field, then a question about one of them
@@ -30,6 +31,8 @@ to the request served alone.
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import statistics
 import threading
 import time
@@ -42,6 +45,7 @@ from promptlang.bench.report import Goal, Section
 
 THROUGHPUT_CLIENTS, THROUGHPUT_GOAL = 16, 5.0     # tokens/s at 16 clients >= 5x one client's
 TTFT_CLIENTS, TTFT_GOAL = 4, 2.0                  # TTFT p50 at 4 clients <= 2x one client's
+CHILD_START_SECONDS = 120.0       # the clients' process: start (imports) and slack, at most
 
 
 @dataclass(frozen=True)
@@ -128,18 +132,24 @@ def run_serve(llm, options: ServeOptions = ServeOptions(), *, model_name: str = 
     report = ServeReport(options, model_name)
     bodies = _workload(llm, options)
     server = _Server(create_app(llm, model_name="bench", max_queue=max(options.clients) + 1))
+    clients = concurrent.futures.ProcessPoolExecutor(
+        1, mp_context=multiprocessing.get_context("spawn"))
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none",
                                timeout=options.request_timeout, max_retries=0)
         began = time.perf_counter()
         references = [_one(client, body).text for body in bodies]
         report.reference_seconds = time.perf_counter() - began
-        for clients in options.clients:
-            report.levels.append(_level(server.url, bodies, references, clients, options))
-        if 1 in options.clients and len(options.clients) > 1:    # the baseline, once more
-            report.levels.append(_level(server.url, bodies, references, 1, options))
-            report.levels[-1].again = True
+        levels = list(options.clients)
+        if 1 in levels and len(levels) > 1:                       # the baseline, once more
+            levels.append(1)
+        for i, count in enumerate(levels):
+            level = clients.submit(_level, server.url, bodies, references, count, options)
+            report.levels.append(level.result(options.level_timeout + options.request_timeout
+                                              + CHILD_START_SECONDS))
+            report.levels[-1].again = i == len(options.clients)
     finally:
+        clients.shutdown(cancel_futures=True)
         server.stop()
     report.goals = goals(report)
     return report
@@ -201,6 +211,8 @@ def _one(client, body: dict) -> Sample:
 
 def _level(url: str, bodies: Sequence[dict], references: Sequence[str], clients: int,
            options: ServeOptions) -> Level:
+    """One level, in the clients' child process: `clients` threads, each sending its
+    requests one after another."""
     import openai
 
     deadline = time.perf_counter() + options.level_timeout
@@ -273,8 +285,8 @@ def goals(report: ServeReport) -> list[Goal]:
 
 def sections(report: ServeReport) -> list[Section]:
     o = report.options
-    lines = [f"the server in this process on 127.0.0.1 (uvicorn), the `openai` client in "
-             f"one thread per client, streaming; {o.distinct} distinct requests (RAG: "
+    lines = [f"the server in this process on 127.0.0.1 (uvicorn), the `openai` clients in "
+             f"a child process, one thread each, streaming; {o.distinct} distinct requests (RAG: "
              f"{o.k} of {o.docs} documents of ~{o.doc_tokens} tokens through the promptlang "
              f"field, alternating with plain chat), {o.max_tokens} new tokens, greedy; "
              f"{o.requests} requests per client per level, at least {o.level_requests} per "
@@ -282,7 +294,8 @@ def sections(report: ServeReport) -> list[Section]:
              f"each distinct request was served once alone first (the reference; "
              f"{report.reference_seconds:.1f} s), so its modules are stored",
              "concurrent requests decode together (continuous batching, up to 16 per step); "
-             "each prefill runs alone between steps",
+             "a new request's short prefill runs in the next step: alone while fewer than 8 "
+             "decode, else with the decoders' tokens in one pass",
              "lost: an error or a stream without its end; identical: equal to the reference"]
     lost = [s.lost for level in report.levels for s in level.samples if s.lost]
     if lost:

@@ -203,12 +203,15 @@ class BatchStepper:
 
     A request whose prefill is still to run (`join`: a few tokens, e.g. a question after
     cached modules) has it run inside the next step with the decoders' tokens, as many as
-    fit `adapter.max_batch_tokens`, instead of alone between steps: the step reads the
-    weights once for both, and the decoders do not wait for it. Stored units are read in
+    fit `adapter.max_batch_tokens`: the step reads the weights once for both, and the
+    decoders do not wait for it. While fewer than `prefill_first_below` decoders are live,
+    a step with prefills to run runs those alone instead (the new requests' first tokens
+    come a combined step's extra work sooner; the few decoders wait one step). Stored units are read in
     place by every request that holds them, never copied per request."""
 
-    def __init__(self, adapter: ModelAdapter):
+    def __init__(self, adapter: ModelAdapter, prefill_first_below: int = 0):
         self.adapter = adapter
+        self.prefill_first_below = prefill_first_below
         self.picked: dict[object, tuple[Decoder, int]] = {}    # key -> (decoder, next token)
         self.joining: dict[object, tuple[Decoder, object]] = {}   # key -> (decoder, pending)
         self.batched = 0                                       # fused passes of 2+ requests
@@ -253,6 +256,8 @@ class BatchStepper:
                 events.append((key, None, d.decoding.finish("length"), True))
                 continue
             live.append((key, d, [token], [d.position], None))
+        if self.joining and len(live) < self.prefill_first_below:
+            live = []                            # few decode: the prefills go first, alone
         budget = self.adapter.max_batch_tokens - len(live)
         for key, (d, pending) in list(self.joining.items()):
             if live and len(pending.token_ids) > budget:

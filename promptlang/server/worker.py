@@ -15,8 +15,11 @@ of them (runtime/decode.py `BatchStepper`: the linear layers read each weight on
 for the whole batch, each token sees its own request's KV only, and each request's output is
 the one it gets alone). Between two steps the thread admits waiting jobs, up to `max_batch`
 requests at once: each is bound and assembled then, and a prefill of at most
-`prefill_in_step` tokens (a question after cached modules) runs inside the next step with
-the decoders' tokens; a longer one (new text, recomputed seams) runs alone, there and then.
+`prefill_in_step` tokens (a question after cached modules) runs in the next step: alone,
+before the decoders' next token, while fewer than `prefill_first_below` requests decode (its
+first token comes sooner, and few streams wait for it), else together with the decoders'
+tokens in one pass (the batch does not stall). A longer prefill (new text, recomputed
+seams) runs alone, there and then.
 
 `Job.cancel()` (a client that went away) takes the job out before the next step; its
 request buffer goes back to the pool then. A full queue refuses new jobs at once
@@ -70,12 +73,13 @@ class EngineWorker:
     """Runs jobs on one thread, decoding up to `max_batch` together, at most `max_queue`
     waiting (see the module docstring)."""
 
-    def __init__(self, max_queue: int = 64, max_batch: int = 16, prefill_in_step: int = 48):
-        if max_queue < 1 or max_batch < 1 or prefill_in_step < 0:
+    def __init__(self, max_queue: int = 64, max_batch: int = 16, prefill_in_step: int = 48,
+                 prefill_first_below: int = 8):
+        if max_queue < 1 or max_batch < 1 or prefill_in_step < 0 or prefill_first_below < 0:
             raise ValueError("max_queue and max_batch must be at least 1, prefill_in_step "
-                             "at least 0")
+                             "and prefill_first_below at least 0")
         self.max_queue, self.max_batch = max_queue, max_batch
-        self.prefill_in_step = prefill_in_step
+        self.prefill_in_step, self.prefill_first_below = prefill_in_step, prefill_first_below
         self.stats = WorkerStats()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._waiting = 0
@@ -137,7 +141,8 @@ class EngineWorker:
                 if generation is None:
                     continue
                 if stepper is None:
-                    stepper = BatchStepper(generation.decoder.adapter)
+                    stepper = BatchStepper(generation.decoder.adapter,
+                                           prefill_first_below=self.prefill_first_below)
                 self._active[job] = generation
                 pending = generation.opened.pending
                 if pending is not None:                   # its prefill runs in the next step

@@ -89,12 +89,14 @@ def test_units_read_in_place_and_an_early_finish(llm):
     assert together(llm, PROMPTS, params, share_min_tokens=1) == alone
 
 
+@pytest.mark.parametrize("first", [0, 8], ids=["with the decoders", "prefills first"])
 @pytest.mark.parametrize("recompute", ["none", "seams"])
-def test_prefills_that_join_a_step_decode_as_alone(llm, monkeypatch, recompute):
+def test_prefills_that_join_a_step_decode_as_alone(llm, monkeypatch, recompute, first):
     """Requests whose prefill runs inside a decode step (BatchStepper.join: LLM.start with
     `defer`), one joining while the others are already decoding; under `seams` a new
     combination's prefill recomputes the second module's tokens below the question (the
-    positional rule inside the batch)."""
+    positional rule inside the batch). With prefill_first_below, the joining prefill runs
+    alone while the two others wait a step."""
     if not native.available():
         pytest.skip("CPU kernels unavailable here")
     params = [SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=6),
@@ -114,7 +116,7 @@ def test_prefills_that_join_a_step_decode_as_alone(llm, monkeypatch, recompute):
         calls.append([by_position for *_, by_position in items])
         return real(items)
     monkeypatch.setattr(llm.adapter, "forward_batch", counted)
-    stepper = decode.BatchStepper(llm.adapter)
+    stepper = decode.BatchStepper(llm.adapter, prefill_first_below=first)
     try:
         for g in generations[:2]:
             stepper.join(g, g.decoder, g.opened.pending)
@@ -126,5 +128,8 @@ def test_prefills_that_join_a_step_decode_as_alone(llm, monkeypatch, recompute):
         for g in generations:
             g.release()
     assert calls[0] == [True, True]
-    assert sorted(calls[1]) == [False, False, True]       # the third joins two decoding
+    if first:           # the third's prefill ran alone (no batched call), then all three
+        assert calls[1] == [False, False, False]
+    else:
+        assert sorted(calls[1]) == [False, False, True]   # the third joins two decoding
     assert [g.decoding.result()[1] for g in generations] == alone
