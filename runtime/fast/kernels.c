@@ -141,9 +141,11 @@ static inline float dot1(const float* a, const float* b, long k) {
 /* c[m][n] (row stride ldc) = a[m][k] . b[n][k]^T: a, b rows contiguous with strides lda, ldb.
  * Each group of 4 rows of b is read from memory once and then served from L1 to every tile
  * of a; while a group's tiles compute, the group PREFETCH_GROUPS ahead (not past b_end) is
- * pulled into the cache a slice per tile, so the weight stream overlaps the arithmetic
- * (19 rows: 46 -> 37 ms for the default model's 210 linears, docs/BENCHMARKS.md). */
-#define PREFETCH_GROUPS 2
+ * pulled into L2 a slice per tile, so the weight stream overlaps the arithmetic (19 rows:
+ * 46 -> 37 ms for the default model's 210 linears, docs/BENCHMARKS.md). Into L2, not L1,
+ * and 8 groups ahead (74 KB at k = 576): with 16 rows of a (37 KB) L1 cannot hold a
+ * prefetched group until its turn; 16 x 576 x 50000: ~100 -> ~115 GFLOP/s, 4 rows ~+60%. */
+#define PREFETCH_GROUPS 8
 
 static void dots(const float* a, long lda, long m, const float* b, long ldb, long n, long k,
                  float* c, long ldc, const float* b_end) {
@@ -156,7 +158,7 @@ static void dots(const float* a, long lda, long m, const float* b, long ldb, lon
         long i = 0, threes = m % 3 == 1 && m >= 4 ? m - 4 : m;   /* 3-row tiles, then 2s */
         for (; i < m; ahead += slice) {
             for (long o = 0; o < slice && ahead + o < end; o += 64)
-                _mm_prefetch(ahead + o, _MM_HINT_T0);
+                _mm_prefetch(ahead + o, _MM_HINT_T1);
             if (i + 3 <= threes) {
                 dot3x4(a + i * lda, lda, b + j * ldb, ldb, k, c + i * ldc + j, ldc);
                 i += 3;
