@@ -190,6 +190,23 @@ def _run_structured(run: _Run):
     return report, parts
 
 
+def _run_peers(run: _Run):
+    from dataclasses import replace
+
+    from promptlang.bench import peers
+    from promptlang.bench.report import render_markdown, render_text, write_json
+
+    options = peers.PeersOptions.quick() if run.args.quick else peers.PeersOptions()
+    if run.args.gguf:
+        options = replace(options, gguf=run.args.gguf)
+    report = peers.run_peers(run.llm, options, model_name=run.model_name)
+    parts = peers.sections(report)
+    print(render_text(parts))
+    run.write("peers.json", lambda p: write_json(p, peers.to_json(report)))
+    run.write("peers.md", lambda p: p.write_text(render_markdown(parts)))
+    return report, parts
+
+
 def _run_latency(run: _Run):
     from promptlang.bench import latency, rag
     from promptlang.bench.report import render_markdown, render_text, write_csv, \
@@ -338,7 +355,8 @@ def _done(run: _Run) -> None:
 
 COMMANDS = {"latency": _one(_run_latency), "memory": _one(_run_memory),
             "accuracy": _one(_run_accuracy), "serve": _one(_run_serve),
-            "structured": _one(_run_structured), "all": _all}    # name -> runner(args, command)
+            "structured": _one(_run_structured), "peers": _one(_run_peers),
+            "all": _all}    # name -> runner(args, command)
 
 
 def _say(message: str) -> None:

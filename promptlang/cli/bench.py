@@ -12,6 +12,7 @@
                               [--resamples B]
     promptlang bench serve    [--clients 1,4,16,32] [--requests N] [--max-tokens N]
     promptlang bench structured  (decode time with and without a JSON Schema constraint)
+    promptlang bench peers    [--gguf FILE]  (beside llama.cpp and transformers' full prefill)
     promptlang bench all      (latency, memory, accuracy: one model load, one folder,
                               one report.md)
 
@@ -125,6 +126,10 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--max-tokens", type=_positive, metavar="N",
                        help="new tokens per request (default 32)")
 
+    peers = argparse.ArgumentParser(add_help=False)
+    peers.add_argument("--gguf", metavar="FILE",
+                       help="the GGUF llama.cpp loads (default: the default model's own)")
+
     for name, parents, func, short, text in (
             ("latency", [common, latency], _handler("latency"),
              "time to first token, baseline vs cached",
@@ -156,6 +161,12 @@ def register(subparsers: Any) -> None:
              "Greedy decoding of one prompt with and without a JSON Schema constraint "
              "(llguidance's token masks), interleaved rounds: time per token, the overhead "
              "and its goal (<= 10%), and the time of one mask."),
+            ("peers", [common, peers], _handler("peers"),
+             "beside llama.cpp (llama-cpp-python) and transformers",
+             "The same token ids through promptlang, llama.cpp (llama-cpp-python, in a "
+             "process of its own, when installed) and transformers' full prefill: a ~6.4k "
+             "document with new questions (llama.cpp's prefix hit), decode at that "
+             "context, and RAG k of N documents; the issue-20 goals."),
             ("all", [common, latency, accuracy], _handler("all"),
              "latency, memory and accuracy into one folder",
              "memory, latency and accuracy in one run (about 20 minutes on 2 cores at the "

@@ -259,3 +259,28 @@ def test_structured_quick_measures_both_sides_and_prints_the_goal(tmp_path, caps
     assert all(s > 0 for s in data["free_s_per_token"] + data["constrained_s_per_token"])
     assert data["mask_s"] > 0
     assert set(goals(out)) == {"decode with a JSON Schema <= 10% slower per token"}
+
+
+PEERS_GOALS = {"document ~6.4k, promptlang cached TTFT <= 0.8x llama.cpp's prefix hit",
+               "RAG 2 of 3, promptlang (none) >= 100x faster than llama.cpp",
+               "RAG 2 of 3, promptlang (none) >= 50x faster than transformers' full prefill",
+               "RAG 2 of 3, promptlang (seams) >= 100x faster than llama.cpp",
+               "RAG 2 of 3, promptlang (seams) >= 50x faster than transformers' full prefill",
+               "decode at the document's cached context >= llama.cpp's tokens/s",
+               "the quantized path's logits equal the dequantized path's"}
+
+
+def test_peers_quick_measures_promptlang_and_transformers_and_says_why_not_llama(
+        tmp_path, capsys, tiny_model_dir):
+    """A model with no GGUF: llama.cpp's column and its goals are N/A, with the reason."""
+    out = bench(capsys, "peers", "--out", str(tmp_path), "--model", str(tiny_model_dir))
+    verdicts = goals(out)
+    assert set(verdicts) == PEERS_GOALS
+    assert verdicts["document ~6.4k, promptlang cached TTFT <= 0.8x llama.cpp's prefix hit"] \
+        == "N/A"
+    assert verdicts["RAG 2 of 3, promptlang (none) >= 50x faster than transformers' full "
+                    "prefill"] in ("PASS", "FAIL")                  # measured without llama
+    data = json.loads((tmp_path / "peers.json").read_text())
+    assert data["llama_missing"] and data["llama_version"] is None
+    assert len(data["rag"]["promptlang (none)"]) == len(data["rag"]["transformers"]) == 2
+    assert len(data["doc"]["promptlang"]) == 1 and data["decode"]["promptlang"] > 0

@@ -1,0 +1,267 @@
+"""`promptlang bench peers`: promptlang beside llama.cpp (llama-cpp-python) and transformers'
+own full prefill, on the same model and the same token ids.
+
+Workloads (issue 20):
+
+  document  a ~6.4k-token document (latency.document) as a cached module, then new
+            questions about it: promptlang serves the document from its store; llama.cpp
+            serves it from its prompt cache (the previous request's tokens: a prefix hit,
+            its best case); transformers computes the whole prompt.
+  decode    greedy tokens after the document's prompt: the time per token at that cached
+            context (promptlang stops at end-of-sequence, llama.cpp does not: each the
+            mean over the tokens it made).
+  rag       k of N ~700-token documents per request (bench/rag.py's plan: new sets,
+            reorderings, repeats), a question: promptlang with recompute `none` (the
+            documents as encoded apart: the fast path) and with the default `seams` (a
+            new combination's later documents computed again: exact), llama.cpp with its
+            prompt cache (a hit only where a request starts with the previous one's
+            tokens), transformers' full prefill.
+
+llama.cpp runs in a process of its own (bench/peers_llama.py, no torch) after promptlang's
+measurements, with the same number of threads, on the default model's GGUF (the file the
+default model is converted from; for another model, pass --gguf). Without llama-cpp-python
+(an optional extra: `pip install llama-cpp-python`, a ~10 minute build on 2 cores) its
+column and the goals that need it say N/A. transformers' full prefill is the model's own
+forward (no promptlang kernels or hooks) over the same token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from promptlang.bench.latency.sweep import build_prompt as doc_prompt, build_schema as doc_schema
+from promptlang.bench.latency.sweep import document
+from promptlang.bench.rag import build_prompt, build_schema, plan_requests
+from promptlang.bench.report import Goal, Section
+
+DOC_SCHEMA, RAG_SCHEMA = "peers-document", "peers-rag"
+LLAMA_TIMEOUT = 3600.0           # seconds for llama.cpp's whole share, at most
+
+
+@dataclass(frozen=True)
+class PeersOptions:
+    doc_tokens: int = 6400
+    questions: int = 3               # timed new questions about the cached document
+    decode_tokens: int = 64
+    rag_docs: int = 8
+    rag_k: int = 4
+    rag_doc_tokens: int = 700
+    rag_requests: int = 6
+    gguf: str | None = None          # the GGUF llama.cpp loads (default: the default model's)
+
+    @classmethod
+    def quick(cls) -> "PeersOptions":
+        return cls(doc_tokens=120, questions=1, decode_tokens=4, rag_docs=3, rag_k=2,
+                   rag_doc_tokens=30, rag_requests=2)
+
+
+@dataclass
+class PeersReport:
+    options: PeersOptions
+    model: str
+    doc: dict[str, list[float]] = field(default_factory=dict)     # engine -> TTFT seconds
+    decode: dict[str, float | None] = field(default_factory=dict)  # engine -> s per token
+    rag: dict[str, list[float]] = field(default_factory=dict)     # engine -> TTFT seconds
+    rag_kinds: list[str] = field(default_factory=list)
+    llama_version: str | None = None
+    llama_missing: str | None = None  # why llama.cpp was not measured
+    llama_reused: list[int] = field(default_factory=list)        # its prefix hits, per request
+    goals: list[Goal] = field(default_factory=list)
+
+
+def run_peers(llm, options: PeersOptions = PeersOptions(), *, model_name: str = "",
+              threads: int | None = None) -> PeersReport:
+    report = PeersReport(options, model_name)
+    threads = threads or torch.get_num_threads()
+    doc_ids, decode_ids = _document(llm, options, report)
+    rag_ids = _rag(llm, options, report)
+    gguf = options.gguf or _default_gguf(llm)
+    if gguf is None:
+        report.llama_missing = "no GGUF for this model (give --gguf FILE)"
+    else:
+        requests = [{"tokens": ids} for ids in doc_ids]
+        requests[-1]["decode"] = options.decode_tokens
+        requests += [{"tokens": ids} for ids in rag_ids]
+        out = _llama(gguf, threads, requests, max(len(i) for i in doc_ids + rag_ids) + 64
+                     + options.decode_tokens)
+        if "error" in out:
+            report.llama_missing = out["error"]
+        else:
+            results = out["results"]
+            report.llama_version = out["version"]
+            report.llama_reused = [r["reused"] for r in results]
+            n = len(doc_ids)
+            report.doc["llama.cpp"] = [r["ttft_s"] for r in results[1:n]]   # prefix hits
+            report.decode["llama.cpp"] = results[n - 1]["decode_s_per_token"]
+            report.rag["llama.cpp"] = [r["ttft_s"] for r in results[n:]]
+    report.goals = goals(report)
+    return report
+
+
+def _document(llm, options: PeersOptions, report: PeersReport):
+    """The document workload; returns the token ids of its requests (the first one
+    warms every cache) and of the decode request."""
+    text, item = document(llm.tokenizer, options.doc_tokens, seed=20)
+    llm.add_schema(doc_schema(DOC_SCHEMA, text))
+    questions = [item.question] + [f"{item.question} Answer in one sentence, #{i}."
+                                   for i in range(1, options.questions + 1)]
+    prompts = [doc_prompt(DOC_SCHEMA, q) for q in questions]
+    llm.generate(prompts[0], max_new_tokens=1)                  # the document is stored
+    report.doc["promptlang"] = [_ttft(llm, p) for p in prompts[1:]]
+    ids = [llm.bind(p).token_ids() for p in prompts]
+    report.doc["transformers"] = [_full_prefill(llm, ids[-1])]
+    result = llm.generate(prompts[-1], max_new_tokens=options.decode_tokens)
+    n, t = len(result.token_ids), result.timings
+    report.decode["promptlang"] = (t.total - t.first_token) / (n - 1) if n > 1 else None
+    return ids, ids[-1]
+
+
+def _rag(llm, options: PeersOptions, report: PeersReport) -> list[list[int]]:
+    texts, questions = [], []
+    for i in range(options.rag_docs):
+        text, item = document(llm.tokenizer, options.rag_doc_tokens, seed=9100 + i)
+        texts.append(text)
+        questions.append(item.question)
+    llm.add_schema(build_schema(texts, RAG_SCHEMA))
+    for i in range(options.rag_docs):                           # each document stored once
+        llm.generate(build_prompt([i], questions[i], RAG_SCHEMA), max_new_tokens=1,
+                     recompute="none")
+    plan = plan_requests(options.rag_docs, options.rag_k, options.rag_requests, seed=3)
+    prompts = [build_prompt(r.docs, questions[r.question_of], RAG_SCHEMA) for r in plan]
+    report.rag_kinds = [r.kind for r in plan]
+    # `none` first: it stores no exact entries, so `seams` then meets each combination new
+    report.rag["promptlang (none)"] = [_ttft(llm, p, recompute="none") for p in prompts]
+    report.rag["promptlang (seams)"] = [_ttft(llm, p, recompute="seams") for p in prompts]
+    ids = [llm.bind(p).token_ids() for p in prompts]
+    report.rag["transformers"] = [_full_prefill(llm, i) for i in ids]
+    return ids
+
+
+def _ttft(llm, prompt, **options) -> float:
+    return llm.generate(prompt, max_new_tokens=1, **options).timings.first_token
+
+
+@torch.inference_mode()
+def _full_prefill(llm, token_ids: Sequence[int]) -> float:
+    """transformers' own forward over the whole prompt and the argmax of its last logits
+    (promptlang's linear layers answer only inside its own passes: runtime/fast/linear.py)."""
+    ids = torch.tensor([list(token_ids)], device=llm.adapter.device)
+    began = time.perf_counter()
+    out = llm.adapter.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    int(out.logits[0, -1].argmax())
+    return time.perf_counter() - began
+
+
+def _default_gguf(llm) -> str | None:
+    from promptlang.default_model import GGUF_FILE, default_model_dir
+
+    path = default_model_dir() / GGUF_FILE
+    name = getattr(llm.tokenizer, "name", "") or ""
+    return str(path) if path.is_file() and "smollm2" in name.lower() else None
+
+
+def _llama(gguf: str, threads: int, requests: list[dict], n_ctx: int) -> dict:
+    job = {"gguf": gguf, "threads": threads, "n_ctx": n_ctx, "requests": requests}
+    try:
+        done = subprocess.run([sys.executable, "-m", "promptlang.bench.peers_llama"],
+                              input=json.dumps(job), capture_output=True, text=True,
+                              timeout=LLAMA_TIMEOUT, env=dict(os.environ))
+    except subprocess.TimeoutExpired:
+        return {"error": f"llama.cpp's run took over {LLAMA_TIMEOUT:.0f} s"}
+    try:
+        return json.loads(done.stdout)
+    except json.JSONDecodeError:
+        return {"error": f"llama.cpp's runner failed (exit {done.returncode}): "
+                         f"{done.stderr.strip()[-400:]}"}
+
+
+# --- the report ------------------------------------------------------------------------------
+
+def _median(values: Sequence[float] | None) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def goals(report: PeersReport) -> list[Goal]:
+    out = []
+    missing = report.llama_missing or "llama.cpp not measured"
+
+    def ratio(name: str, mine: float | None, theirs: float | None, target: float,
+              at_most: bool, what: str) -> None:
+        if mine is None or theirs is None:
+            out.append(Goal(name, None, missing if theirs is None else "not measured"))
+            return
+        r = mine / theirs if at_most else theirs / mine
+        out.append(Goal(name, r <= target if at_most else r >= target,
+                        f"{what}: {r:.2f}x ({mine * 1e3:.1f} vs {theirs * 1e3:.1f} ms)"))
+
+    doc, rag = report.doc, report.rag
+    ratio("document ~6.4k, promptlang cached TTFT <= 0.8x llama.cpp's prefix hit",
+          _median(doc.get("promptlang")), _median(doc.get("llama.cpp")), 0.8, True,
+          "medians")
+    for policy in ("none", "seams"):
+        ratio(f"RAG {report.options.rag_k} of {report.options.rag_docs}, promptlang "
+              f"({policy}) >= 100x faster than llama.cpp",
+              _median(rag.get(f"promptlang ({policy})")), _median(rag.get("llama.cpp")), 100,
+              False, "medians")
+        ratio(f"RAG {report.options.rag_k} of {report.options.rag_docs}, promptlang "
+              f"({policy}) >= 50x faster than transformers' full prefill",
+              _median(rag.get(f"promptlang ({policy})")), _median(rag.get("transformers")),
+              50, False, "medians")
+    mine, theirs = report.decode.get("promptlang"), report.decode.get("llama.cpp")
+    if mine is None or theirs is None:
+        out.append(Goal("decode at the document's cached context >= llama.cpp's tokens/s",
+                        None, missing if theirs is None else "not measured"))
+    else:
+        out.append(Goal("decode at the document's cached context >= llama.cpp's tokens/s",
+                        mine <= theirs, f"{1 / mine:.1f} vs {1 / theirs:.1f} tokens/s = "
+                                        f"{theirs / mine:.2f}x"))
+    out.append(Goal("the quantized path's logits equal the dequantized path's", None,
+                    "no quantized path yet: weights are served as float32"))
+    return out
+
+
+def sections(report: PeersReport) -> list[Section]:
+    o = report.options
+    ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
+    rows = []
+    for name, values in report.doc.items():
+        rows.append({"workload": f"document ~{o.doc_tokens}, new question", "engine": name,
+                     "TTFT ms (median)": ms(_median(values)), "n": len(values)})
+    for name, value in report.decode.items():
+        rows.append({"workload": "decode at the document", "engine": name,
+                     "ms/token": ms(value), "tokens/s": None if not value else round(1 / value, 1)})
+    for name, values in report.rag.items():
+        rows.append({"workload": f"RAG {o.rag_k} of {o.rag_docs} (~{o.rag_doc_tokens} each)",
+                     "engine": name, "TTFT ms (median)": ms(_median(values)),
+                     "min ms": ms(min(values)), "max ms": ms(max(values)), "n": len(values)})
+    lines = [f"same token ids to every engine; llama.cpp "
+             f"{report.llama_version or 'not run: ' + str(report.llama_missing)}, in a "
+             "process of its own after promptlang's measurements, same thread count",
+             "document: llama.cpp's TTFT is its prefix hit (the previous request held the "
+             "document); promptlang serves the document module from its store",
+             f"RAG request kinds: {', '.join(report.rag_kinds)}; llama.cpp reused "
+             f"{report.llama_reused[-len(report.rag_kinds):] if report.llama_reused else '-'} "
+             "prompt tokens per request from its cache",
+             "promptlang (none): documents as encoded apart (the fast path; its cost in "
+             "answers: docs/RECOMPUTE.md); promptlang (seams): the default, exact at the "
+             "documents' seams (a new combination computes its later documents again)"]
+    return [Section(f"Peers ({report.model})", rows, lines),
+            Section("Goals (issue 20)", (), [str(g) for g in report.goals])]
+
+
+def to_json(report: PeersReport) -> dict[str, Any]:
+    return {"model": report.model, "options": report.options.__dict__, "doc": report.doc,
+            "decode": report.decode, "rag": report.rag, "rag_kinds": report.rag_kinds,
+            "llama_version": report.llama_version, "llama_missing": report.llama_missing,
+            "llama_reused": report.llama_reused,
+            "goals": [{"name": g.name, "passed": g.passed, "detail": g.detail}
+                      for g in report.goals]}

@@ -1,0 +1,69 @@
+"""llama.cpp's side of `promptlang bench peers`, run in a process of its own (no torch here).
+
+    python -m promptlang.bench.peers_llama < job.json > results.json
+
+The job: {"gguf": path, "threads": N, "n_ctx": N, "requests": [{"tokens": [...],
+"decode": N}, ...]}. The requests run in order on ONE `llama_cpp.Llama`, so its prompt
+cache works as it does for its users: a request whose tokens start with the previous
+request's reuses that common prefix and computes the rest ("reused" says how many; any
+other request is computed whole). Per request: the time from the call to the first
+greedy token (TTFT), and with "decode": N, the time of each next greedy token (the
+generation does not stop at end-of-sequence, so every request decodes N tokens).
+The results: {"version": llama_cpp.__version__, "results": [{"ttft_s", "reused",
+"decode_s_per_token"}, ...]}, or {"error": why}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def run(job: dict) -> dict:
+    try:
+        import llama_cpp
+    except ImportError as error:
+        return {"error": f"llama-cpp-python is not installed ({error})"}
+    llm = llama_cpp.Llama(model_path=job["gguf"], n_ctx=int(job["n_ctx"]),
+                          n_threads=int(job["threads"]), n_threads_batch=int(job["threads"]),
+                          n_batch=512, verbose=False, logits_all=False)
+    results = []
+    for request in job["requests"]:
+        tokens = [int(t) for t in request["tokens"]]
+        before = list(llm._input_ids)            # what its prompt cache holds
+        reused = 0
+        for a, b in zip(before, tokens):
+            if a != b:
+                break
+            reused += 1
+        decode = int(request.get("decode", 0))
+        began = time.perf_counter()
+        steps = llm.generate(tokens, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                             repeat_penalty=1.0, reset=True)
+        next(steps)
+        ttft = time.perf_counter() - began
+        per_token = None
+        if decode:
+            began = time.perf_counter()
+            for _ in range(decode):
+                next(steps)
+            per_token = (time.perf_counter() - began) / decode
+        steps.close()
+        results.append({"ttft_s": ttft, "reused": min(reused, len(tokens) - 1),
+                        "decode_s_per_token": per_token})
+    return {"version": llama_cpp.__version__, "results": results}
+
+
+def main() -> int:
+    job = json.load(sys.stdin)
+    try:
+        out = run(job)
+    except Exception as error:                   # reported to the parent, not raised there
+        out = {"error": f"{type(error).__name__}: {error}"}
+    json.dump(out, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
