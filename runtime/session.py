@@ -317,8 +317,7 @@ class Session:
         the session's prompt."""
         if not self._pending or self._pending[-1].kind != "text":
             return ""
-        ids = self._token_ids(self._pending)
-        joined = "".join(p.text for p in self._pending)
+        ids, joined = self._token_ids(self._pending), "".join(p.text for p in self._pending)
         healed = healable(self.llm.tokenizer, ids[-1]) if ids else None
         if not healed or not joined.endswith(healed):
             return ""
