@@ -233,16 +233,20 @@ def sections(report: PeersReport) -> list[Section]:
     o = report.options
     ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
     rows = []
+
+    def row(workload: str, engine: str, values=None, per_token=None) -> None:
+        rows.append({"workload": workload, "engine": engine,
+                     "TTFT ms (median)": ms(_median(values)),
+                     "min ms": ms(min(values)) if values else None,
+                     "max ms": ms(max(values)) if values else None,
+                     "n": len(values) if values else None, "ms/token": ms(per_token),
+                     "tokens/s": round(1 / per_token, 1) if per_token else None})
     for name, values in report.doc.items():
-        rows.append({"workload": f"document ~{o.doc_tokens}, new question", "engine": name,
-                     "TTFT ms (median)": ms(_median(values)), "n": len(values)})
+        row(f"document ~{o.doc_tokens}, new question", name, values)
     for name, value in report.decode.items():
-        rows.append({"workload": "decode at the document", "engine": name,
-                     "ms/token": ms(value), "tokens/s": None if not value else round(1 / value, 1)})
+        row("decode after the document", name, per_token=value)
     for name, values in report.rag.items():
-        rows.append({"workload": f"RAG {o.rag_k} of {o.rag_docs} (~{o.rag_doc_tokens} each)",
-                     "engine": name, "TTFT ms (median)": ms(_median(values)),
-                     "min ms": ms(min(values)), "max ms": ms(max(values)), "n": len(values)})
+        row(f"RAG {o.rag_k} of {o.rag_docs} (~{o.rag_doc_tokens} each)", name, values)
     lines = [f"same token ids to every engine; llama.cpp "
              f"{report.llama_version or 'not run: ' + str(report.llama_missing)}, in a "
              "process of its own after promptlang's measurements, same thread count",
