@@ -17,7 +17,8 @@ Workloads (issue 20):
             prompt cache (a hit only where a request starts with the previous one's
             tokens), transformers' full prefill.
 
-llama.cpp runs in a process of its own (bench/peers_llama.py, no torch) after promptlang's
+promptlang serves from a store of the run's own (memory only: nothing an earlier run
+stored is served). llama.cpp runs in a process of its own (bench/peers_llama.py, no torch) after promptlang's
 measurements, with the same number of threads, on the default model's GGUF (the file the
 default model is converted from; for another model, pass --gguf). Without llama-cpp-python
 (an optional extra: `pip install llama-cpp-python`, a ~10 minute build on 2 cores) its
@@ -80,11 +81,19 @@ class PeersReport:
 
 def run_peers(llm, options: PeersOptions = PeersOptions(), *, model_name: str = "",
               threads: int | None = None) -> PeersReport:
+    from promptlang.runtime.engine import LLM
+    from promptlang.runtime.store import ModuleStore
+
     report = PeersReport(options, model_name)
     threads = threads or torch.get_num_threads()
-    doc_ids, decode_ids = _document(llm, options, report)
-    rag_ids = _rag(llm, options, report)
     gguf = options.gguf or _default_gguf(llm)
+    # a store of this run's own, memory only: nothing earlier runs stored is served
+    llm = LLM(llm.adapter, llm.tokenizer, ModuleStore(llm.adapter.device, disk_budget_bytes=0))
+    try:
+        doc_ids, _ = _document(llm, options, report)
+        rag_ids = _rag(llm, options, report)
+    finally:
+        llm.store.clear()
     if gguf is None:
         report.llama_missing = "no GGUF for this model (give --gguf FILE)"
     else:
