@@ -71,8 +71,8 @@ def gen(name: str | None = None, *, max_tokens: int = 256, stop: str | Sequence[
     `max_tokens` tokens. temperature 0 is greedy; above 0 samples (with top_p/top_k);
     `seed` makes sampling reproducible (default: the run's seed). `regex`, `json_schema`
     (a dict, JSON text, a Path of a file or a pydantic model class) or `grammar` (Lark)
-    constrains the text to that language; with `json_schema` the run holds the parsed value (`run["call"]` is a
-    dict) once the output is complete, the text otherwise.
+    constrains the text to that language; with `json_schema` the run holds the parsed
+    value (`run["call"]` is a dict) once the output is complete, the text otherwise.
     """
     if name is not None and (not isinstance(name, str) or not name):
         raise PromptLangError(f"gen() names its result with a non-empty string, not {name!r}")

@@ -206,8 +206,8 @@ class BatchStepper:
     fit `adapter.max_batch_tokens`: the step reads the weights once for both, and the
     decoders do not wait for it. While fewer than `prefill_first_below` decoders are live,
     a step with prefills to run runs those alone instead (the new requests' first tokens
-    come a combined step's extra work sooner; the few decoders wait one step). Stored units are read in
-    place by every request that holds them, never copied per request."""
+    come a combined step's extra work sooner; the few decoders wait one step). Stored units
+    are read in place by every request that holds them, never copied per request."""
 
     def __init__(self, adapter: ModelAdapter, prefill_first_below: int = 0):
         self.adapter = adapter
