@@ -19,10 +19,10 @@ Workloads (issue 20):
 
 promptlang serves from a store of the run's own (memory only: nothing an earlier run
 stored is served). llama.cpp runs in a process of its own (bench/peers_llama.py, no torch)
-after promptlang's measurements, with the same number of threads, on the default model's GGUF (the file the
-default model is converted from; for another model, pass --gguf). Without llama-cpp-python
-(an optional extra: `pip install llama-cpp-python`, a ~10 minute build on 2 cores) its
-column and the goals that need it say N/A. transformers' full prefill is the model's own
+after promptlang's measurements, with the same number of threads, on the default model's
+GGUF (the file the default model is converted from; for another model, pass --gguf).
+Without llama-cpp-python (an optional extra: `pip install llama-cpp-python`, a ~10 minute
+build on 2 cores) its column and the goals that need it say N/A. transformers' full prefill is the model's own
 forward (no promptlang kernels or hooks) over the same token ids.
 """
 
