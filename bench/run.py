@@ -155,7 +155,8 @@ def _serve_options(args):
     from promptlang.bench.serve import ServeOptions
 
     return _options(ServeOptions, args, {"clients": "clients", "requests": "requests",
-                                         "max_tokens": "max_tokens"})
+                                         "max_tokens": "max_tokens",
+                                         "llama_server": "llama_server"})
 
 
 def _run_serve(run: _Run):

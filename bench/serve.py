@@ -60,12 +60,15 @@ class ServeOptions:
     doc_tokens: int = 300
     max_tokens: int = 32
     level_timeout: float = 600.0     # seconds per level, at most
+    llama_server: bool = False       # also load llama-cpp-python's server (serve_peer.py)
+    llama_clients: tuple[int, ...] = (1, 4, 16)   # ... at these levels
     request_timeout: float = 300.0   # seconds per request, at most
 
     @classmethod
     def quick(cls) -> "ServeOptions":
         return cls(clients=(1, 2), requests=2, level_requests=2, distinct=3, docs=3, k=2,
-                   doc_tokens=24, max_tokens=4, level_timeout=120.0, request_timeout=60.0)
+                   doc_tokens=24, max_tokens=4, level_timeout=120.0, request_timeout=60.0,
+                   llama_clients=(1,))
 
 
 @dataclass
@@ -121,6 +124,8 @@ class ServeReport:
     levels: list[Level] = field(default_factory=list)
     reference_seconds: float = 0.0
     goals: list[Goal] = field(default_factory=list)
+    llama_levels: list[Level] = field(default_factory=list)   # llama-cpp-python's server
+    llama_missing: str | None = None                           # why it was not loaded
 
 
 def run_serve(llm, options: ServeOptions = ServeOptions(), *, model_name: str = "") -> ServeReport:
@@ -130,7 +135,7 @@ def run_serve(llm, options: ServeOptions = ServeOptions(), *, model_name: str = 
     from promptlang.server.app import create_app
 
     report = ServeReport(options, model_name)
-    bodies = _workload(llm, options)
+    bodies, plain = _workload(llm, options)
     server = _Server(create_app(llm, model_name="bench", max_queue=max(options.clients) + 1))
     clients = concurrent.futures.ProcessPoolExecutor(
         1, mp_context=multiprocessing.get_context("spawn"))
@@ -148,6 +153,9 @@ def run_serve(llm, options: ServeOptions = ServeOptions(), *, model_name: str = 
             report.levels.append(level.result(options.level_timeout + options.request_timeout
                                               + CHILD_START_SECONDS))
             report.levels[-1].again = i == len(options.clients)
+        server.stop()
+        if options.llama_server:
+            _llama_levels(report, plain, clients, options)
     finally:
         clients.shutdown(cancel_futures=True)
         server.stop()
@@ -155,8 +163,35 @@ def run_serve(llm, options: ServeOptions = ServeOptions(), *, model_name: str = 
     return report
 
 
-def _workload(llm, options: ServeOptions) -> list[dict]:
-    """The distinct request bodies (keyword arguments of chat.completions.create)."""
+def _llama_levels(report: ServeReport, bodies: list[dict], clients, options) -> None:
+    """The same load on llama-cpp-python's server (serve_peer.py), after promptlang's."""
+    import openai
+    import torch
+
+    from promptlang.bench import serve_peer
+    from promptlang.default_model import GGUF_FILE, default_model_dir
+
+    gguf = default_model_dir() / GGUF_FILE
+    report.llama_missing = serve_peer.available() or (
+        None if gguf.is_file() else f"no default model GGUF at {gguf}")
+    if report.llama_missing:
+        return
+    peer = serve_peer.LlamaServer(str(gguf), torch.get_num_threads(), n_ctx=4096)
+    try:
+        client = openai.OpenAI(base_url=peer.url + "/v1", api_key="none",
+                               timeout=options.request_timeout, max_retries=0)
+        references = [_one(client, body).text for body in bodies]
+        for count in options.llama_clients:
+            level = clients.submit(_level, peer.url, bodies, references, count, options)
+            report.llama_levels.append(level.result(
+                options.level_timeout + options.request_timeout + CHILD_START_SECONDS))
+    finally:
+        peer.stop()
+
+
+def _workload(llm, options: ServeOptions) -> tuple[list[dict], list[dict]]:
+    """The distinct request bodies (keyword arguments of chat.completions.create), and
+    the same requests as plain chat (for a server without the promptlang field)."""
     from promptlang.bench.latency.sweep import document
 
     texts, questions = [], []
@@ -168,20 +203,23 @@ def _workload(llm, options: ServeOptions) -> list[dict]:
     llm.add_schema(schema)
     from promptlang.pml.writer import write
 
+    from promptlang.bench.serve_peer import plain_body
+
     plan = plan_requests(options.docs, options.k, options.distinct, seed=1)
-    bodies = []
+    bodies, plain = [], []
     for j, request in enumerate(plan):
+        question = questions[request.question_of]
         if j % 2 == 0:
-            pml = write(build_prompt(request.docs, questions[request.question_of],
-                                     "serve-bench"))
+            pml = write(build_prompt(request.docs, question, "serve-bench"))
             bodies.append({"messages": [], "extra_body": {"promptlang": {"pml": pml}}})
         else:
             bodies.append({"messages": [                    # a short chat turn
                 {"role": "system", "content": qa.SYSTEM_PROMPT},
-                {"role": "user", "content": f"Question: {questions[request.question_of]}"}]})
-    for body in bodies:
-        body.update(model="bench", max_tokens=options.max_tokens, temperature=0)
-    return bodies
+                {"role": "user", "content": f"Question: {question}"}]})
+        bodies[-1].update(model="bench", max_tokens=options.max_tokens, temperature=0)
+        plain.append(plain_body(bodies[-1], texts, request.docs, question) if j % 2 == 0
+                     else dict(bodies[-1]))
+    return bodies, plain
 
 
 def _one(client, body: dict) -> Sample:
@@ -300,15 +338,39 @@ def sections(report: ServeReport) -> list[Section]:
     lost = [s.lost for level in report.levels for s in level.samples if s.lost]
     if lost:
         lines.append(f"first loss: {lost[0]}")
-    return [Section(f"Serving under load ({report.model})",
-                    [level.row() for level in report.levels], lines),
-            Section("Goals (issue 18)", (), [str(g) for g in report.goals])]
+    out = [Section(f"Serving under load ({report.model})",
+                   [level.row() for level in report.levels], lines)]
+    if o.llama_server:
+        out.append(Section("The same load on llama-cpp-python's server",
+                           [level.row() for level in report.llama_levels],
+                           _llama_lines(report)))
+    return out + [Section("Goals (issue 18)", (), [str(g) for g in report.goals])]
+
+
+def _llama_lines(report: ServeReport) -> list[str]:
+    if report.llama_missing:
+        return [f"not run: {report.llama_missing}"]
+    lines = ["llama-cpp-python's OpenAI server (python -m llama_cpp.server) on the default "
+             "model's Q4_1 GGUF, same threads; the same requests as plain chat (a RAG "
+             "request's documents as text); identical: equal to its own answer alone"]
+    ours = {level.clients: level for level in report.levels if not level.again}
+    for level in report.llama_levels:
+        mine = ours.get(level.clients)
+        if mine is not None and level.tokens_per_s() > 0 and mine.ttft(0.5) is not None \
+                and level.ttft(0.5) is not None:
+            lines.append(f"{level.clients} clients: promptlang {mine.tokens_per_s():.1f} "
+                         f"vs llama-cpp-python {level.tokens_per_s():.1f} tokens/s "
+                         f"({mine.tokens_per_s() / level.tokens_per_s():.1f}x); TTFT p50 "
+                         f"{mine.ttft(0.5) * 1e3:.0f} vs {level.ttft(0.5) * 1e3:.0f} ms")
+    return lines
 
 
 def to_json(report: ServeReport) -> dict:
     return {"model": report.model, "options": report.options.__dict__,
             "levels": [level.row() for level in report.levels],
             "reference_seconds": report.reference_seconds,
+            "llama_levels": [level.row() for level in report.llama_levels],
+            "llama_missing": report.llama_missing,
             "goals": [{"name": g.name, "passed": g.passed, "detail": g.detail}
                       for g in report.goals]}
 

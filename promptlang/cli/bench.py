@@ -125,6 +125,10 @@ def register(subparsers: Any) -> None:
                        help="requests per client per level (default 4)")
     serve.add_argument("--max-tokens", type=_positive, metavar="N",
                        help="new tokens per request (default 32)")
+    serve.add_argument("--llama-server", action="store_true", default=None,
+                       help="then the same load (1, 4 and 16 clients) on llama-cpp-python's "
+                            "OpenAI server, when installed (the [peers] extra and its server "
+                            "dependencies)")
 
     peers = argparse.ArgumentParser(add_help=False)
     peers.add_argument("--gguf", metavar="FILE",

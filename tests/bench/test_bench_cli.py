@@ -284,3 +284,17 @@ def test_peers_quick_measures_promptlang_and_transformers_and_says_why_not_llama
     assert data["llama_missing"] and data["llama_version"] is None
     assert len(data["rag"]["promptlang (none)"]) == len(data["rag"]["transformers"]) == 2
     assert len(data["doc"]["promptlang"]) == 1 and data["decode"]["promptlang"] > 0
+
+
+def test_serve_quick_can_load_llama_cpp_python_s_server_too(tmp_path, capsys, tiny_model_dir):
+    """--llama-server: the same requests as plain chat on llama-cpp-python's server when it
+    is installed (then its rows are there, nothing lost), else a line that says why not."""
+    out = bench(capsys, "serve", "--out", str(tmp_path), "--model", str(tiny_model_dir),
+                "--clients", "1", "--llama-server")
+    assert "The same load on llama-cpp-python's server" in out
+    data = json.loads((tmp_path / "serve.json").read_text())
+    if data["llama_missing"]:
+        assert "not run: " in out and data["llama_levels"] == []
+    else:
+        (level,) = data["llama_levels"]
+        assert level["lost"] == 0 and level["answered"] == level["sent"] > 0
