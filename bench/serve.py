@@ -225,7 +225,7 @@ def _workload(llm, options: ServeOptions) -> tuple[list[dict], list[dict]]:
 def _one(client, body: dict) -> Sample:
     """One streamed request: its TTFT, total time, tokens and text (or why it was lost)."""
     began = time.perf_counter()
-    ttft, parts, tokens, finished = None, [], 0, False
+    ttft, parts, tokens, finished = None, [], None, False
     try:
         stream = client.chat.completions.create(stream=True,
                                                 stream_options={"include_usage": True},
@@ -241,9 +241,11 @@ def _one(client, body: dict) -> Sample:
                 if choice.finish_reason is not None:
                     finished = True
     except Exception as error:          # a lost request: counted, never raised
-        return Sample(ttft, time.perf_counter() - began, tokens, "".join(parts),
+        return Sample(ttft, time.perf_counter() - began, tokens or len(parts), "".join(parts),
                       f"{type(error).__name__}: {error}")
     lost = None if finished else "the stream ended without a finish reason"
+    if tokens is None:     # a server without stream usage: one token per content chunk
+        tokens = len(parts)
     return Sample(ttft, time.perf_counter() - began, tokens, "".join(parts), lost)
 
 
