@@ -90,7 +90,7 @@ def run_peers(llm, options: PeersOptions = PeersOptions(), *, model_name: str = 
     # a store of this run's own, memory only: nothing earlier runs stored is served
     llm = LLM(llm.adapter, llm.tokenizer, ModuleStore(llm.adapter.device, disk_budget_bytes=0))
     try:
-        doc_ids, _ = _document(llm, options, report)
+        doc_ids = _document(llm, options, report)
         rag_ids = _rag(llm, options, report)
     finally:
         llm.store.clear()
@@ -116,9 +116,9 @@ def run_peers(llm, options: PeersOptions = PeersOptions(), *, model_name: str = 
     return report
 
 
-def _document(llm, options: PeersOptions, report: PeersReport):
-    """The document workload; returns the token ids of its requests (the first one
-    warms every cache) and of the decode request."""
+def _document(llm, options: PeersOptions, report: PeersReport) -> list[list[int]]:
+    """The document workload; returns the token ids of its requests (the first one warms
+    every cache, the last one is also the decode request)."""
     text, item = document(llm.tokenizer, options.doc_tokens, seed=20)
     llm.add_schema(doc_schema(DOC_SCHEMA, text))
     questions = [item.question] + [f"{item.question} Answer in one sentence, #{i}."
@@ -131,7 +131,7 @@ def _document(llm, options: PeersOptions, report: PeersReport):
     result = llm.generate(prompts[-1], max_new_tokens=options.decode_tokens)
     n, t = len(result.token_ids), result.timings
     report.decode["promptlang"] = (t.total - t.first_token) / (n - 1) if n > 1 else None
-    return ids, ids[-1]
+    return ids
 
 
 def _rag(llm, options: PeersOptions, report: PeersReport) -> list[list[int]]:

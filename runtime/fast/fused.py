@@ -163,13 +163,17 @@ class FusedDecoder:
         spans = [(int(r.input_ids.shape[0]), len(r.pieces)) for r in requests]
         kpos = qpos = None
         if any(r.key_positions is not None for r in requests):
-            # a request without key positions sees every past key: position 0 each
-            kpos = torch.cat([r.key_positions.to(torch.int64) if r.key_positions is not None
-                              else torch.zeros(sum(p.keys.shape[2] for p in r.pieces),
-                                               dtype=torch.int64) for r in requests])
+            known = []
+            for r in requests:
+                past = sum(p.keys.shape[2] for p in r.pieces)
+                if r.key_positions is None:     # sees every past key: position 0 each
+                    known.append(torch.zeros(past, dtype=torch.int64))
+                elif r.key_positions.shape[0] != past:
+                    raise ValueError("key_positions must give every past key of the request")
+                else:
+                    known.append(r.key_positions.to(torch.int64))
+            kpos = torch.cat(known)
             qpos = torch.cat([r.positions.to(torch.int64) for r in requests])
-            if kpos.shape[0] != sum(p.keys.shape[2] for p in pieces):
-                raise ValueError("key_positions must give every past key of the request")
         layers, heads, d = len(self.layers), self.kv_heads, self.head_dim
         new_keys = torch.empty(layers, heads, q, d)
         new_values = torch.empty(layers, heads, q, d)

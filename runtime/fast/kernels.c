@@ -547,7 +547,7 @@ static long attend_plan(Plan* p, long heads, long groups, long d, long nreq, con
                 p->u_r1[u] = r0 + per < rows ? r0 + per : rows;
                 p->u_task[u] = t;
                 for (long a = 0; a < total[i] || a == 0; a += span, t++) {
-                    if (alone || sig[i] != last_sig || run == CHAIN || t == 0) {
+                    if (alone || sig[i] != last_sig || run == CHAIN) {
                         p->c_task[c++] = t;           /* a new chain starts here */
                         run = 0;
                     }
