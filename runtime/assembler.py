@@ -36,7 +36,7 @@ import torch
 
 from promptlang.errors import PromptLangError
 from promptlang.runtime.kv import UnitKV
-from promptlang.runtime.model import ModelAdapter, Past, SharedKV
+from promptlang.runtime.model import ModelAdapter, ParallelContexts, Past, SharedKV
 from promptlang.runtime.recompute.plan import NO_RECOMPUTE, RecomputePlan
 
 SHARE_MIN_TOKENS = 256     # shorter units are copied: cheaper than one more attention piece
@@ -76,6 +76,9 @@ class KVBuffer:
     held: list[tuple[str, int]] = field(default_factory=list)   # (unit key, end) at the front
     shared: list[SharedKV] = field(default_factory=list)        # slots read in place
     shared_keys: list[str | None] = field(default_factory=list)  # unit key on a unit's last run
+    # APE (recompute policy "ape"): `context` indexed by POSITION, True at the contexts'
+    # tokens; every pass over this buffer attends as ParallelContexts says
+    contexts: ParallelContexts | None = None
 
     @property
     def capacity(self) -> int:
@@ -100,8 +103,14 @@ class KVBuffer:
 
     def past(self) -> Past:
         """The tokens in use, as the adapter's past (new tokens go right after them)."""
-        return Past(self.slot_keys, self.slot_values, self.positions[:self.length],
-                    tuple(self.shared))
+        positions = self.positions[:self.length]
+        contexts = None
+        if self.contexts is not None:            # by position -> by slot
+            by_position = self.contexts.context
+            inside = positions < by_position.shape[0]
+            flags = by_position[positions.clamp(max=by_position.shape[0] - 1)] & inside
+            contexts = self.contexts._replace(context=flags)
+        return Past(self.slot_keys, self.slot_values, positions, tuple(self.shared), contexts)
 
     def materialize(self) -> None:
         """Copy the shared slots into the buffer; they stop being shared (and a unit that
@@ -216,6 +225,7 @@ class Assembler:
         """Take a buffer back: kept for the next request, unless the pool is over its budget
         or already keeps `keep_idle` idle buffers (then the least recently used go)."""
         buffer.shared, buffer.shared_keys = [], []     # an idle buffer pins no store tensors
+        buffer.contexts = None
         with self._lock:
             self._in_use.discard(buffer)
             if not any(b is buffer for b in self._free):

@@ -36,7 +36,7 @@ from promptlang.runtime.encoder import EncodeStats, UnitEncoder
 from promptlang.runtime.model import ModelAdapter, adapt
 from promptlang.runtime.recompute import (DEFAULT_POLICY, NO_RECOMPUTE, Recompute,
                                           RecomputePlan, candidates, choose_positions, exact,
-                                          schema_policy)
+                                          parallel_contexts, schema_policy)
 from promptlang.runtime.prefill import baseline_prefill, prefill, take_last, uncached_tokens
 from promptlang.runtime.results import Opened, PendingPrefill, Prefilled, Result, Timings
 from promptlang.runtime.sampling import SamplingParams, options_to_params
@@ -207,7 +207,7 @@ class LLM:
                              buffer.values[:, :, :n].clone(), buffer.positions[:n].clone(),
                              buffer.token_ids[:n].clone(), opened.cached_tokens,
                              opened.timings, opened.bound, opened.recompute, opened.exact,
-                             opened.approximate_tokens)
+                             opened.approximate_tokens, _context_positions(buffer))
         finally:
             self.assembler.release(buffer)
 
@@ -282,6 +282,12 @@ class LLM:
             plan = RecomputePlan.of(bound, chosen)
         approximate = sum(p not in plan.positions for u, found in missed.items()
                           if u not in served for p in found)
+        contexts = parallel_contexts(bound, by_unit, policy,
+                                     [u for u in missed if u not in served])
+        if contexts is not None and not self.adapter.attends_in_parallel:
+            raise PromptLangError(f"recompute policy {str(policy)!r} needs a RoPE model "
+                                  f"(Llama family) with promptlang's attention; this one is "
+                                  f"{self.adapter.model_type!r}")
         t.select = time.perf_counter() - mark
 
         mark = time.perf_counter()
@@ -290,6 +296,8 @@ class LLM:
         buffer = self.assembler.acquire(cached + len(ids) + room, request_keys(units, plan))
         with self._released_on_error(buffer):
             self.assembler.assemble(buffer, units, plan)
+            buffer.contexts = None if contexts is None else \
+                contexts._replace(context=contexts.context.to(buffer.positions.device))
             if not ids or (buffer.length and
                            int(buffer.positions[:buffer.length].max()) > positions[-1]):
                 # the last token's output is needed and it is a cached one: recompute it
@@ -303,7 +311,7 @@ class LLM:
 
             def finish(last: torch.Tensor) -> None:        # the prefill's KV is in the buffer
                 opened.logits = last
-                if plan and self.exact_reuse:
+                if plan and self.exact_reuse and contexts is None:   # APE's tokens: not exact
                     exact.remember(self.store, bound, buffer, keys,
                                    exact.made_exact(bound, missed, plan.positions, list(served)),
                                    bound.layout.schema.name)
@@ -392,6 +400,13 @@ class LLM:
         limit = self.max_positions
         if limit is not None and end > limit:
             raise ContextLengthError(f"{what} needs {end} positions; the model has {limit}", span)
+
+
+def _context_positions(buffer: KVBuffer) -> frozenset[int]:
+    """The positions APE attends to as contexts in `buffer` (none without the ape policy)."""
+    if buffer.contexts is None:
+        return frozenset()
+    return frozenset(torch.nonzero(buffer.contexts.context)[:, 0].tolist())
 
 
 def _policy(recompute) -> Recompute:

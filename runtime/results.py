@@ -114,6 +114,7 @@ class Prefilled:
     recompute: RecomputePlan = NO_RECOMPUTE   # the cached tokens computed again
     exact: tuple[str, ...] = ()  # units served from exact entries (recompute/exact.py)
     approximate_tokens: int = 0  # as Result.approximate_tokens
+    parallel: frozenset[int] = frozenset()   # APE's context positions (policy "ape"; else none)
 
     @property
     def exact_units(self) -> int:

@@ -19,8 +19,8 @@ the caller's buffer.
 
 from __future__ import annotations
 
-from promptlang.runtime.model.adapter import (KVShape, ModelAdapter, Past, SharedKV, Step,
-                                              causal_allowed, float_mask)
+from promptlang.runtime.model.adapter import (KVShape, ModelAdapter, ParallelContexts, Past,
+                                              SharedKV, Step, causal_allowed, float_mask)
 from promptlang.runtime.model.attention import ATTENTION
 from promptlang.runtime.model.families import FAMILIES, SCHEMES, Family
 from promptlang.runtime.model.fingerprint import model_fingerprint
@@ -28,5 +28,5 @@ from promptlang.runtime.model.schemes import (AlibiAdapter, LearnedPositionAdapt
                                               adapt)
 
 __all__ = ["ATTENTION", "AlibiAdapter", "FAMILIES", "Family", "KVShape", "LearnedPositionAdapter",
-           "ModelAdapter", "Past", "RopeAdapter", "SCHEMES", "SharedKV", "Step", "adapt",
+           "ModelAdapter", "ParallelContexts", "Past", "RopeAdapter", "SCHEMES", "SharedKV", "Step", "adapt",
            "causal_allowed", "float_mask", "model_fingerprint"]

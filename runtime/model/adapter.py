@@ -49,6 +49,20 @@ class SharedKV(NamedTuple):
     values: torch.Tensor     # [L, H_kv, end - start, D_v]
 
 
+class ParallelContexts(NamedTuple):
+    """APE's attention over contexts encoded apart (Adaptive Parallel Encoding, arXiv
+    2502.05431; docs/RECOMPUTE.md, "ape"): the past slots in `context` are the contexts.
+    A new token's attention is split in two: the context keys, their scores divided by
+    `temperature`, and the others (every other past key and the new tokens it sees). Each
+    part is a softmax of its own, and the two are mixed by softmax(scale * temperature *
+    L_C, L_O), where L_C, L_O are the parts' log-sum-exps of the (tempered) scores. With
+    temperature = scale = 1 this is plain attention."""
+
+    context: torch.Tensor    # [S] bool: past slot is a context key
+    temperature: float
+    scale: float
+
+
 class Past(NamedTuple):
     """Keys/values a forward pass attends to besides its own tokens.
 
@@ -56,12 +70,15 @@ class Past(NamedTuple):
     buffers have room for the new tokens too (C >= S + Q), the pass writes their
     keys/values into slots S..S+Q in place: no copy of the past per call. Slots covered
     by `shared` are read from those tensors instead (adapters with `reads_shared` only).
+    With `contexts`, every new token attends as ParallelContexts says (adapters with
+    `attends_in_parallel` only).
     """
 
     keys: torch.Tensor       # [L, H_kv, C, D_k]
     values: torch.Tensor     # [L, H_kv, C, D_v]
     positions: torch.Tensor  # [S] int64: layout position of each past key
     shared: tuple[SharedKV, ...] = ()
+    contexts: ParallelContexts | None = None
 
 
 class Step(NamedTuple):
@@ -128,6 +145,11 @@ class ModelAdapter:
         """Whether `forward` accepts a Past with `shared` slots (read in place)."""
         return False
 
+    @property
+    def attends_in_parallel(self) -> bool:
+        """Whether `forward` accepts a Past with `contexts` (APE's attention)."""
+        return False
+
     def shares_dtype(self, dtype: torch.dtype) -> bool:
         """Whether shared slots in `dtype` are worth handing to `forward` rather than copying
         into the buffer: the model's own dtype, and a 16-bit one where the fused layers read
@@ -162,7 +184,8 @@ class ModelAdapter:
         requests, slots = [], []
         for input_ids, positions, past, by_position in items:
             s, q = int(past.positions.shape[0]), int(input_ids.shape[0])
-            if s + q > past.keys.shape[2] or (past.shared and not self.reads_shared):
+            if s + q > past.keys.shape[2] or (past.shared and not self.reads_shared) \
+                    or past.contexts is not None:
                 return None
             requests.append(BatchRequest(
                 input_ids, positions, past_pieces(past.keys, past.values, past.shared, s),
@@ -202,6 +225,8 @@ class ModelAdapter:
             past = Past(*self.empty_kv(q), positions.new_empty(0))
         if past.shared and not self.reads_shared:
             raise ValueError(f"{type(self).__name__} cannot read shared KV slots")
+        if past.contexts is not None and not self.attends_in_parallel:
+            raise ValueError(f"{type(self).__name__} cannot attend to parallel contexts")
         s = int(past.positions.shape[0])
         unmasked = allowed is None and self.sliding_window is None and self.unmasked_in_one_pass(s)
         if q > self.chunk_size and s + q <= past.keys.shape[2] and not unmasked and \
@@ -224,7 +249,7 @@ class ModelAdapter:
             state = self.state
             before, state.in_runtime_pass = state.in_runtime_pass, True   # kernels: this thread
             try:
-                decoder = self.fast.decoder
+                decoder = None if past.contexts is not None else self.fast.decoder
                 if mask is None and in_place and decoder is not None:
                     logits = decoder.forward(
                         input_ids, positions, past_pieces(past.keys, past.values, past.shared, s),
@@ -240,7 +265,7 @@ class ModelAdapter:
                 layers = [BufferLayer(past.keys[l].unsqueeze(0), past.values[l].unsqueeze(0), s)
                           for l in range(self.kv_shape.layers)]
                 out = self._run(input_ids[None], positions, key_positions, mask,
-                                buffer_cache(layers), rows, past.shared)
+                                buffer_cache(layers), rows, past.shared, past.contexts)
             finally:
                 state.in_runtime_pass = before
         if in_place:
@@ -263,14 +288,15 @@ class ModelAdapter:
         for start in range(0, q, c):
             end = min(q, start + c)
             mine = rows_sorted[(rows_sorted >= start) & (rows_sorted < end)] - start
-            before = Past(past.keys, past.values, key_positions[:s + start], past.shared)
+            before = past._replace(positions=key_positions[:s + start])
             step = self.forward(input_ids[start:end], positions[start:end], before,
                                 None if allowed is None else allowed[start:end, :s + end], mine)
             logits.append(step.logits)
         logits = torch.cat(logits)[torch.argsort(order)]
         return Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
 
-    def _run(self, input_ids, positions, key_positions, mask, cache, rows, shared=()):
+    def _run(self, input_ids, positions, key_positions, mask, cache, rows, shared=(),
+             contexts=None):
         # input_ids: [1, Q]; positions: [Q]; key_positions: [S+Q]; mask: [1,1,Q,S+Q] | None
         return self.model(input_ids=input_ids, position_ids=positions[None], attention_mask=mask,
                           cache=cache, use_cache=True, logits_to_keep=rows)

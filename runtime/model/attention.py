@@ -5,6 +5,8 @@ adapter, runtime/model/schemes.py). A mask of None means: every past key visible
 tokens causal among themselves (they are the last Q keys) -- the common cached prefill,
 every decode step and every plain causal pass. The paths, in the order they are tried:
 
+    contexts    APE's attention over contexts encoded apart (`promptlang_contexts`, a
+                ParallelContexts over every key slot): scores in float32, any mask
     native      the adapter's fast attention (pl_attend, runtime/fast/attention.py), no mask
     shared      past slots read in place from stored units: each piece attended apart
     causal      no past, no mask: SDPA's own causal kernel
@@ -53,7 +55,11 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     groups = heads // kv_heads
     out = None
     native = kwargs.get("promptlang_attend")
-    if native is not None and attention_mask is None and b == 1 and not dropout:
+    contexts = kwargs.get("promptlang_contexts")
+    if contexts is not None:
+        out = _parallel(module.layer_idx, shared, query, key, value, attention_mask, scaling,
+                        contexts, kwargs)
+    elif native is not None and attention_mask is None and b == 1 and not dropout:
         out = native(getattr(module, "layer_idx", None), shared, query, key, value, scaling)
     if out is not None:
         pass                                     # the native kernel served it
@@ -160,6 +166,39 @@ def _with_shared(layer: int, shared, query, key, value, mask, scaling, kwargs) -
         seen = (piece_mask > float("-inf")).any(-1)                  # [B|1, 1, G*Q]
         parts.append((out, lse.masked_fill(~seen, float("-inf"))))
     return _merge(parts)
+
+
+def _parallel(layer: int, shared, query, key, value, mask, scaling, contexts,
+              kwargs) -> torch.Tensor:
+    """APE's attention (ParallelContexts, runtime/model/adapter.py): the context keys'
+    scores divided by the temperature and softmaxed apart from the other keys', the two
+    parts mixed by softmax(scale * temperature * L_C, L_O); [B, H_kv, G*Q, D]. `mask` as
+    in `attention`; `contexts.context`: [K] bool over every key slot."""
+    # query: [B, H, Q, D]; key, value: [B, H_kv, K, D], shared slots stale there
+    q, k = query.shape[2], key.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    rows = _rows(query, key.shape[1]).float()
+    pieces = layer_pieces(layer, shared, key, value, k)
+    scores = torch.cat([rows @ keys.float().transpose(-1, -2) for _, _, keys, _ in pieces], -1)
+    scores.mul_(scaling if scaling is not None else query.shape[-1] ** -0.5)   # [B, H_kv, R, K]
+    scores += _memo(kwargs, ("contexts-mask", id(mask), groups, q, k),
+                    lambda: _additive(mask, groups, q, k, torch.float32, query.device))
+    flags = contexts.context[:k]
+    scores = torch.where(flags, scores / contexts.temperature, scores)
+    none = torch.tensor(float("-inf"), device=scores.device)
+    lse_context = torch.where(flags, scores, none).logsumexp(-1, keepdim=True)
+    lse_other = torch.where(flags, none, scores).logsumexp(-1, keepdim=True)
+    mix = torch.softmax(torch.cat([lse_context * (contexts.scale * contexts.temperature),
+                                   lse_other], -1), -1)                      # [B, H_kv, R, 2]
+    # a row that sees no context key: L_C = -inf, its part weighs 0 (and is not NaN)
+    lse_context = lse_context.masked_fill(lse_context == float("-inf"), 0)
+    weights = torch.where(flags, (scores - lse_context).exp() * mix[..., :1],
+                          (scores - lse_other).exp() * mix[..., 1:])
+    out = None
+    for start, end, _, values in pieces:
+        part = weights[..., start:end] @ values.float()
+        out = part if out is None else out.add_(part)
+    return out.to(query.dtype)
 
 
 def _rows(query: torch.Tensor, kv_heads: int) -> torch.Tensor:

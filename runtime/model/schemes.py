@@ -43,13 +43,23 @@ class RopeAdapter(ModelAdapter):
         return attention_implementation(self.config) == ATTENTION and self._splits
 
     @property
+    def attends_in_parallel(self) -> bool:
+        return attention_implementation(self.config) == ATTENTION
+
+    @property
     def _splits(self) -> bool:        # pieces of keys attended apart, merged (CPU only)
         return self.device.type == "cpu" and FLASH_WITH_LSE is not None
 
-    def _run(self, input_ids, positions, key_positions, mask, cache, rows, shared=()):
+    def _run(self, input_ids, positions, key_positions, mask, cache, rows, shared=(),
+             contexts=None):
         if attention_implementation(self.config) != ATTENTION:
             return super()._run(input_ids, positions, key_positions, mask, cache, rows)
         extra = {"promptlang_shared": shared} if shared else {}
+        if contexts is not None:            # every key slot: the past's flags, new keys not
+            flags = torch.zeros(key_positions.shape[0], dtype=torch.bool, device=self.device)
+            n = min(int(contexts.context.shape[0]), int(flags.shape[0]))
+            flags[:n] = contexts.context[:n]
+            extra["promptlang_contexts"] = contexts._replace(context=flags)
         # the memo and the fast attention mark a call as the runtime's own (model/attention.py)
         return self.model(input_ids=input_ids, position_ids=positions[None], attention_mask=mask,
                           cache=cache, use_cache=True, logits_to_keep=rows, promptlang_masks={},

@@ -11,6 +11,9 @@ into a RecomputePlan (plan.py).
 - exact -- every candidate: what the full prefill computes, without deviation's pass.
 - seams -- every candidate that missed another module or text computed per request, not
   one that missed only an argument (`candidates(..., arguments=False)`).
+- ape -- the candidates of the schema's own text (the root unit: what follows the modules,
+  APE's query side); the modules stay as encoded, and `parallel_contexts` says which
+  tokens the request's new ones attend to as APE's contexts.
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+import torch
+
 from promptlang.pml.binding import BoundPrompt
+from promptlang.pml.layout import module_unit_id
 from promptlang.runtime.kv import UnitKV
-from promptlang.runtime.model import ModelAdapter
+from promptlang.runtime.model import ModelAdapter, ParallelContexts
 from promptlang.runtime.recompute.deviation import candidates, deviations
 from promptlang.runtime.recompute.policy import Recompute
 
@@ -34,12 +40,31 @@ def choose_positions(adapter: ModelAdapter, bound: BoundPrompt, units: dict[str,
     if policy.kind in ("exact", "seams"):
         found = candidates(bound, context_of, arguments=policy.kind == "exact")
         return sorted(p for positions in found.values() for p in positions)
+    if policy.kind == "ape":
+        return candidates(bound, context_of).get(ROOT, [])
     if policy.kind == "deviation":
         scores = deviations(adapter, bound, units, context_of)
         count = math.ceil(policy.amount * len(scores))
         ranked = sorted(scores, key=lambda p: (-scores[p], p))
         return sorted(ranked[:count])
     return []
+
+
+ROOT = module_unit_id(())           # the schema's own text
+
+
+def parallel_contexts(bound: BoundPrompt, units: dict[str, UnitKV], policy: Recompute,
+                      approximate: Sequence[str]) -> ParallelContexts | None:
+    """APE's contexts for `bound` under the "ape" policy: every token of the modules' units
+    (all but the root), by position; None -- plain attention -- unless some module is
+    served as encoded apart (`approximate`: the units whose missed tokens stay as stored)."""
+    if policy.kind != "ape" or not any(unit != ROOT for unit in approximate):
+        return None
+    context = torch.zeros(bound.end, dtype=torch.bool)
+    for unit, kv in units.items():
+        if unit != ROOT:
+            context[kv.positions[~kv.placeholder].cpu()] = True
+    return ParallelContexts(context, policy.temperature, policy.scale)
 
 
 def first_tokens(bound: BoundPrompt, k: int,

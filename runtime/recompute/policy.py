@@ -1,4 +1,5 @@
-"""Recompute policies as text: "none", "seams", "first:K", "deviation:F", "exact" -> a `Recompute`.
+"""Recompute policies as text: "none", "seams", "first:K", "deviation:F", "exact", "ape[:T[,S]]"
+-> a `Recompute`.
 
 A policy is written wherever one is given: a request's `recompute=`, `load(recompute=)`,
 or a schema's `recompute` attribute (PML keeps that attribute's text as written and
@@ -17,6 +18,10 @@ one is an error located at the attribute). What each policy chooses: choose.py.
                   (in the spirit of CacheBlend, arXiv 2405.16444); `F%` also works
   exact           every cached token that missed a request token before it: the request
                   then equals the full prefill (the cost of one, less the exact prefix)
+  ape[:T[,S]]     APE (Adaptive Parallel Encoding, arXiv 2502.05431): the modules are
+                  contexts encoded in parallel; the schema's own text after them is
+                  recomputed, and every token the request computes attends to the
+                  modules' tokens with temperature T and scale S (default 0.9, 0.9)
 
 Pure: no torch.
 """
@@ -29,11 +34,12 @@ from typing import Literal
 
 from promptlang.errors import PromptLangError, Span
 
-Kind = Literal["none", "seams", "first", "deviation", "exact"]
-KINDS = ("none", "seams", "first", "deviation", "exact")
+Kind = Literal["none", "seams", "first", "deviation", "exact", "ape"]
+KINDS = ("none", "seams", "first", "deviation", "exact", "ape")
 DEFAULT_POLICY = "seams"    # docs/RECOMPUTE.md, "What to use, and the default": why
 MAX_SPEC_CHARS = 64         # longer policy text is refused before it is read
 MAX_TOKENS_DIGITS = 9       # digits of K in first:K (int() of them stays cheap)
+APE_DEFAULTS = (0.9, 0.9)   # APE's temperature and scale: the paper's defaults (its code)
 
 
 class RecomputeSpecError(PromptLangError):
@@ -45,6 +51,8 @@ class RecomputeSpecError(PromptLangError):
 class Recompute:
     kind: Kind = "none"
     amount: float = 0          # tokens per unit (first) or a fraction (deviation)
+    temperature: float = 1     # ape: the contexts' attention temperature
+    scale: float = 1           # ape: the scale on the contexts' log-sum-exp
 
     @classmethod
     def parse(cls, text: "str | Recompute", span: Span | None = None) -> "Recompute":
@@ -65,9 +73,11 @@ class Recompute:
             return cls("exact", 1)
         if spec == "seams":
             return cls("seams", 1)
-        kind, _, amount = spec.partition(":")
+        kind, colon, amount = spec.partition(":")
         expected = ("expected none, seams, first:K (K tokens per module), deviation:F "
-                    "(0 < F <= 1) or exact")
+                    "(0 < F <= 1), exact or ape[:T[,S]]")
+        if kind == "ape" and not (colon and not amount):
+            return cls._ape(amount, fail)
         if kind not in ("first", "deviation") or not amount:
             raise fail(expected)
         if kind == "first":
@@ -86,6 +96,22 @@ class Recompute:
             raise fail("the fraction must be between 0 and 1")
         return cls("deviation", fraction) if fraction else cls()
 
+    @classmethod
+    def _ape(cls, amount: str, fail) -> "Recompute":
+        """ape, ape:T or ape:T,S (0 < T, S <= 4)."""
+        numbers = [part.strip() for part in amount.split(",")] if amount else []
+        if len(numbers) > 2:
+            raise fail("ape takes at most two numbers: ape:T,S")
+        values = list(APE_DEFAULTS)
+        for i, text in enumerate(numbers):
+            try:
+                values[i] = float(text)
+            except ValueError:
+                raise fail("ape:T,S needs numbers (temperature, scale)") from None
+            if not (0 < values[i] <= 4):
+                raise fail("ape's temperature and scale must be in (0, 4]")
+        return cls("ape", 1, values[0], values[1])
+
     def __bool__(self) -> bool:
         return self.kind != "none"
 
@@ -96,6 +122,10 @@ class Recompute:
             return f"first:{int(self.amount)}"
         if self.kind in ("exact", "seams"):
             return self.kind
+        if self.kind == "ape":
+            if (self.temperature, self.scale) == APE_DEFAULTS:
+                return "ape"
+            return f"ape:{self.temperature:g},{self.scale:g}"
         return f"deviation:{self.amount:g}"
 
 

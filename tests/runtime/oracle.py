@@ -73,10 +73,13 @@ class OracleResult:
 
 
 def oracle_prefill(adapter, bound: BoundPrompt, isolate: bool = False,
-                   recomputed: Collection[int] = frozenset()) -> OracleResult:
+                   recomputed: Collection[int] = frozenset(),
+                   parallel: "Parallel | None" = None) -> OracleResult:
     """The reference prefill of `bound` for the model behind `adapter` (a ModelAdapter or
     the transformers model itself; only its weights and config are read). `recomputed`:
-    positions of served tokens the request computes again (their uncached copies)."""
+    positions of served tokens the request computes again (their uncached copies).
+    `parallel`: APE (see `Parallel`) -- every uncached token attends to the request's served
+    tokens at `parallel.positions` as contexts."""
     layout = bound.layout
     units: list[str] = []
 
@@ -142,9 +145,18 @@ def oracle_prefill(adapter, bound: BoundPrompt, isolate: bool = False,
 
     queries = torch.nonzero(code == uncached)[:, 0]
     queries = queries[torch.argsort(position[queries])]
-    reference = reference_model(getattr(adapter, "model", adapter))
-    logits, keys, values = reference_pass(reference, torch.tensor(ids), position, allowed,
-                                          queries)
+    hf_model = getattr(adapter, "model", adapter)
+    if parallel is None:
+        logits, keys, values = reference_pass(reference_model(hf_model), torch.tensor(ids),
+                                              position, allowed, queries)
+    else:
+        served_token = in_request & (code != uncached)
+        context = served_token & torch.isin(position, torch.tensor(sorted(parallel.positions),
+                                                                    dtype=position.dtype))
+        logits, keys, values = reference_pass(
+            reference_model(hf_model, PARALLEL_ATTENTION), torch.tensor(ids), position,
+            allowed, queries, parallel=(code == uncached, context, parallel.temperature,
+                                        parallel.scale))
     order = torch.tensor(request)[torch.argsort(position[request])]
     return OracleResult(logits, keys[:, :, order], values[:, :, order], position[order],
                         torch.tensor(ids)[order], code[order] != uncached)
@@ -184,27 +196,30 @@ def oracle_over_stored(adapter, expected: OracleResult, store_dtype: torch.dtype
 _REFERENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def reference_model(hf_model: torch.nn.Module) -> torch.nn.Module:
+def reference_model(hf_model: torch.nn.Module, attention: str | None = None) -> torch.nn.Module:
     """A fresh, unmodified instance of `hf_model`'s class holding a copy of its weights,
-    kept while `hf_model` lives and its parameters are the same tensors, unchanged."""
+    kept while `hf_model` lives and its parameters are the same tensors, unchanged.
+    `attention`: the attention implementation (default: "sdpa" where the class has one,
+    else "eager"; PARALLEL_ATTENTION for APE's)."""
     params = tuple((p.data_ptr(), p._version) for p in hf_model.parameters())
-    hit = _REFERENCES.get(hf_model)
+    cached = _REFERENCES.setdefault(hf_model, {})
+    hit = cached.get(attention)
     if hit is not None and hit[0] == params:
         return hit[1]
     config = copy.deepcopy(hf_model.config)
-    attention = "sdpa" if type(hf_model)._supports_sdpa else "eager"
+    name = attention or ("sdpa" if type(hf_model)._supports_sdpa else "eager")
     dtype = next(hf_model.parameters()).dtype
-    reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention,
+    reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name,
                                                               dtype=dtype)
     reference.load_state_dict(hf_model.state_dict())      # copies into its own parameters
     reference.to(next(hf_model.parameters()).device).eval()
-    _REFERENCES[hf_model] = (params, reference)
+    cached[attention] = (params, reference)
     return reference
 
 
 @torch.inference_mode()
 def reference_pass(reference: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-                   allowed: torch.Tensor, logits_rows: torch.Tensor, past=None):
+                   allowed: torch.Tensor, logits_rows: torch.Tensor, past=None, parallel=None):
     """One forward pass of the reference model: logits [R, V] of `logits_rows` and the new
     tokens' keys/values [L, H_kv, Q, D].
 
@@ -231,9 +246,10 @@ def reference_pass(reference: torch.nn.Module, input_ids: torch.Tensor, position
         hidden = _bloom_layers(reference, input_ids, key_positions, mask, cache)
         logits = reference.lm_head(hidden[logits_rows.to(device)])
     else:
+        extra = {} if parallel is None else {"oracle_parallel": parallel}
         out = reference(input_ids=input_ids[None], position_ids=positions[None],
                         attention_mask=mask, cache=cache, use_cache=True,
-                        logits_to_keep=logits_rows.to(device))
+                        logits_to_keep=logits_rows.to(device), **extra)
         logits = out.logits[0]
     keys = torch.stack([layer.keys[0, :, past_len:] for layer in cache.layers])
     values = torch.stack([layer.values[0, :, past_len:] for layer in cache.layers])
@@ -257,3 +273,56 @@ def _bloom_layers(reference, input_ids, key_positions, mask, cache) -> torch.Ten
         hidden = block(hidden, alibi=alibi, attention_mask=mask, layer_past=cache,
                        use_cache=True)[0]
     return base.ln_f(hidden)[0]
+
+
+# --- APE's attention, written out for the reference ------------------------------------------
+
+@dataclass(frozen=True)
+class Parallel:
+    """APE (arXiv 2502.05431) for the oracle: the served tokens at `positions` are the
+    contexts; each uncached token's attention is a mix of two softmaxes -- over the
+    context keys with their scores divided by `temperature`, and over the other keys it
+    sees -- weighted by softmax(scale * temperature * L_C, L_O), L the log-sum-exps of the
+    two parts' (tempered) scores."""
+
+    positions: frozenset[int]
+    temperature: float
+    scale: float
+
+
+PARALLEL_ATTENTION = "oracle_parallel"
+
+
+def _parallel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                        **kwargs):
+    """Eager attention over the mask, written out per query row and per key set: plain
+    softmax for the rows APE leaves alone, APE's mix for the others; (out [B, Q, H, D], None).
+    `oracle_parallel` (from reference_pass): (rows [Q] bool, context [K] bool, T, S)."""
+    # query: [B, H, Q, D]; key, value: [B, H_kv, K, D]; attention_mask: [B, 1, Q, K]
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1).double()
+    value = value.repeat_interleave(groups, dim=1).double()
+    scores = query.double() @ key.transpose(-1, -2) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask.double()
+    probabilities = torch.softmax(scores, dim=-1)
+    parallel = kwargs.get("oracle_parallel")
+    if parallel is not None:
+        rows, context, temperature, scale = parallel
+        for i in torch.nonzero(rows)[:, 0].tolist():
+            row = scores[:, :, i]                                           # [B, H, K]
+            tempered = row[..., context] / temperature
+            other = row[..., ~context]
+            lse = torch.stack([torch.logsumexp(tempered, -1) * scale * temperature,
+                               torch.logsumexp(other, -1)])                # [2, B, H]
+            share = torch.softmax(lse, dim=0)
+            mixed = torch.zeros_like(row)
+            if context.any():
+                mixed[..., context] = share[0, ..., None] * torch.softmax(tempered, -1).nan_to_num()
+            mixed[..., ~context] = share[1, ..., None] * torch.softmax(other, -1)
+            probabilities[:, :, i] = mixed
+    out = (probabilities @ value).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+transformers.AttentionInterface.register(PARALLEL_ATTENTION, _parallel_attention)
