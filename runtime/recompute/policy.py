@@ -1,4 +1,4 @@
-"""Recompute policies as text: "none", "seams", "first:K", "deviation:F", "exact", "ape[:T[,S]]"
+"""Recompute policies as text: "none", "seams", "first:K", "deviation:F", "exact", "ape[:T[:S]]"
 -> a `Recompute`.
 
 A policy is written wherever one is given: a request's `recompute=`, `load(recompute=)`,
@@ -18,7 +18,7 @@ one is an error located at the attribute). What each policy chooses: choose.py.
                   (in the spirit of CacheBlend, arXiv 2405.16444); `F%` also works
   exact           every cached token that missed a request token before it: the request
                   then equals the full prefill (the cost of one, less the exact prefix)
-  ape[:T[,S]]     APE (Adaptive Parallel Encoding, arXiv 2502.05431): the modules are
+  ape[:T[:S]]     APE (Adaptive Parallel Encoding, arXiv 2502.05431): the modules are
                   contexts encoded in parallel; the schema's own text after them is
                   recomputed, and every token the request computes attends to the
                   modules' tokens with temperature T and scale S (default 0.9, 0.9)
@@ -75,7 +75,7 @@ class Recompute:
             return cls("seams", 1)
         kind, colon, amount = spec.partition(":")
         expected = ("expected none, seams, first:K (K tokens per module), deviation:F "
-                    "(0 < F <= 1), exact or ape[:T[,S]]")
+                    "(0 < F <= 1), exact or ape[:T[:S]]")
         if kind == "ape" and not (colon and not amount):
             return cls._ape(amount, fail)
         if kind not in ("first", "deviation") or not amount:
@@ -98,16 +98,16 @@ class Recompute:
 
     @classmethod
     def _ape(cls, amount: str, fail) -> "Recompute":
-        """ape, ape:T or ape:T,S (0 < T, S <= 4)."""
-        numbers = [part.strip() for part in amount.split(",")] if amount else []
+        """ape, ape:T or ape:T:S (0 < T, S <= 4)."""
+        numbers = [part.strip() for part in amount.split(":")] if amount else []
         if len(numbers) > 2:
-            raise fail("ape takes at most two numbers: ape:T,S")
+            raise fail("ape takes at most two numbers: ape:T:S")
         values = list(APE_DEFAULTS)
         for i, text in enumerate(numbers):
             try:
                 values[i] = float(text)
             except ValueError:
-                raise fail("ape:T,S needs numbers (temperature, scale)") from None
+                raise fail("ape:T:S needs numbers (temperature, scale)") from None
             if not (0 < values[i] <= 4):
                 raise fail("ape's temperature and scale must be in (0, 4]")
         return cls("ape", 1, values[0], values[1])
@@ -125,7 +125,7 @@ class Recompute:
         if self.kind == "ape":
             if (self.temperature, self.scale) == APE_DEFAULTS:
                 return "ape"
-            return f"ape:{self.temperature:g},{self.scale:g}"
+            return f"ape:{self.temperature:g}:{self.scale:g}"
         return f"deviation:{self.amount:g}"
 
 
