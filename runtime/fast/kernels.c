@@ -328,17 +328,21 @@ static void widen16(const uint16_t* src, long n, int kind, float* dst) {
  * key of the non-causal segments, concatenated; row r then sees key j only where
  * kpos[j] <= qpos[r % qlen] (recomputed tokens among the new ones: they see the past before
  * them). A causal segment holds the qlen new tokens: row r sees its keys j <= r % qlen.
- * Blocks and 16-key tiles that no row of theirs sees are skipped. */
+ * Blocks and 16-key tiles that no row of theirs sees are skipped.
+ * ctx (NULL: none): APE's context segments (ctx[g] != 0), whose scores are multiplied by invt
+ * (1 / temperature) and summed into *cpart instead of *part (recompute policy "ape"). */
 static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                         const char* const* keys, const char* const* values, const long* lens,
                         const int* causal, const int* half, const int64_t* kpos,
-                        const int64_t* qpos, long qlen, long a, long b, Partial* part) {
+                        const int64_t* qpos, long qlen, long a, long b, Partial* part,
+                        const int* ctx, float invt, Partial* cpart) {
     float s[MAXR * BK] __attribute__((aligned(32)));
     float kt[MAXD * BK] __attribute__((aligned(32)));
     float wide[MAXD * BK] __attribute__((aligned(32)));
-    float *m = part->m, *l = part->l, *acc = part->acc;
-    for (long r = 0; r < nr; r++) { m[r] = -INFINITY; l[r] = 0.f; }
-    memset(acc, 0, sizeof(float) * nr * d);
+    for (Partial* pp = part; pp; pp = pp == part && ctx ? cpart : NULL) {
+        for (long r = 0; r < nr; r++) { pp->m[r] = -INFINITY; pp->l[r] = 0.f; }
+        memset(pp->acc, 0, sizeof(float) * nr * d);
+    }
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     int64_t qp[MAXR], qmax = INT64_MIN;                      /* each row's query position */
     if (kpos)
@@ -351,6 +355,9 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
         long lo = a > base ? a - base : 0, hi = b - base < lens[g] ? b - base : lens[g];
         long es = half && half[g] ? 2 : 4;                   /* bytes per element */
         const int64_t* kp = kpos && !causal[g] ? kpos + base : NULL;
+        int context = ctx && ctx[g];                         /* APE: a context segment */
+        Partial* into = context ? cpart : part;
+        float *m = into->m, *l = into->l, *acc = into->acc;
         for (long j0 = lo; j0 < hi; j0 += BK) {
             long nk = hi - j0 < BK ? hi - j0 : BK;
             long nk16 = (nk + 15) & ~15L;
@@ -401,6 +408,12 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                     case 4: qk_tile(4, qs + r * d, d, kt + jb, s + r * BK + jb); break;
                     case 5: qk_tile(5, qs + r * d, d, kt + jb, s + r * BK + jb); break;
                 }
+            }
+            if (context) {                 /* the contexts' temperature: scores / T */
+                __m256 vt = _mm256_set1_ps(invt);
+                for (long r = 0; r < nr; r++)
+                    for (long j = 0; j < nk16; j += 8)
+                        _mm256_store_ps(s + r * BK + j, _mm256_mul_ps(vt, _mm256_load_ps(s + r * BK + j)));
             }
             long nk8 = (nk + 7) & ~7L;
             long visr[MAXR];               /* each row's keys [0, visr) hold every one it sees */
@@ -563,8 +576,10 @@ static long attend_plan(Plan* p, long heads, long groups, long d, long nreq, con
     return t * per_rows * (d + 2);
 }
 
-static void attend_partials(const Plan* p, float* space, Partial* parts) {
-    for (long t = 0; t < p->tasks; t++) {
+/* Each task's Partial (parts[t]; with APE's contexts, its contexts' one at parts[tasks + t]),
+ * in `space` (attend_plan's floats, twice that with contexts). */
+static void attend_partials(const Plan* p, float* space, Partial* parts, int contexts) {
+    for (long t = 0; t < p->tasks * (contexts ? 2 : 1); t++) {
         float* at = space + t * p->per_rows * (p->d + 2);
         parts[t].m = at; parts[t].l = at + p->per_rows; parts[t].acc = at + 2 * p->per_rows;
     }
@@ -577,12 +592,13 @@ static void attend_partials(const Plan* p, float* space, Partial* parts) {
  * tokens. newk/newv (NULL: none): every request's new keys/values (head h, token t at
  * + h * nstride + t * d floats), seen causally by that request's rows after its past. kpos
  * (NULL: every past key visible): the positions of the past keys, segments concatenated;
- * qpos: each token's. Ends with a barrier. */
+ * qpos: each token's. ctx (NULL: none): APE's context segments, see attend_part (the
+ * contexts' Partials follow the others, attend_partials). Ends with a barrier. */
 static void attend_tasks(const Plan* p, const float* qs, const void* const* keys,
                          const long* kstride, const void* const* values, const long* vstride,
                          const long* lens, const int* causal, const int* half, const float* newk,
                          const float* newv, long nkstride, long nvstride, const int64_t* kpos,
-                         const int64_t* qpos, Partial* parts) {
+                         const int64_t* qpos, Partial* parts, const int* ctx, float invt) {
     long d = p->d;
     #pragma omp for schedule(dynamic, 1)
     for (long c = 0; c < p->chains; c++)
@@ -590,59 +606,75 @@ static void attend_tasks(const Plan* p, const float* qs, const void* const* keys
         long u = p->t_unit[t], i = p->u_req[u], h = p->u_head[u];
         long t0 = p->tok[i], n = p->tok[i + 1] - t0, g0 = p->seg[i], ns = p->seg[i + 1] - g0;
         const char* kh[64]; const char* vh[64];
-        long ln[64]; int cz[64], hf[64];
+        long ln[64]; int cz[64], hf[64], cx[64];
         for (long k = 0; k < ns; k++) {
             long g = g0 + k, es = half && half[g] ? 2 : 4;
             kh[k] = (const char*)keys[g] + h * kstride[g] * es;
             vh[k] = (const char*)values[g] + h * vstride[g] * es;
             ln[k] = lens[g]; cz[k] = causal ? causal[g] : 0; hf[k] = half ? half[g] : 0;
+            cx[k] = ctx ? ctx[g] : 0;
         }
         if (newk) {
             kh[ns] = (const char*)(newk + h * nkstride + t0 * d);
             vh[ns] = (const char*)(newv + h * nvstride + t0 * d);
-            ln[ns] = n; cz[ns] = 1; hf[ns] = 0; ns++;
+            ln[ns] = n; cz[ns] = 1; hf[ns] = 0; cx[ns] = 0; ns++;
         }
         long r0 = p->u_r0[u];
         attend_part(qs + (h * p->rows + p->groups * t0 + r0) * d, r0, p->u_r1[u] - r0, d, ns,
                     kh, vh, ln, cz, hf, kpos ? kpos + p->koff[i] : NULL,
-                    qpos ? qpos + t0 : NULL, n, p->t_a[t], p->t_b[t], parts + t);
+                    qpos ? qpos + t0 : NULL, n, p->t_a[t], p->t_b[t], parts + t,
+                    ctx ? cx : NULL, invt, ctx ? parts + p->tasks + t : NULL);
     }
+}
+
+/* Row r of a unit's `splits` Partials merged: o = the normalised output (d floats); returns
+ * the row's log-sum-exp in base 2 (-inf: no key seen, o zero). */
+static float merge_row(const Partial* pu, long splits, long r, long d, float* o) {
+    float mx = -INFINITY;
+    for (long sp = 0; sp < splits; sp++) {
+        float mm = pu[sp].m[r];
+        mx = mm > mx ? mm : mx;
+    }
+    float lsum = 0.f, w[64];          /* splits <= 64 */
+    for (long sp = 0; sp < splits; sp++) {
+        w[sp] = pu[sp].l[r] > 0.f ? exp2f(pu[sp].m[r] - mx) : 0.f;
+        lsum += pu[sp].l[r] * w[sp];
+    }
+    float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+    for (long c = 0; c < d; c++) {
+        float v = 0.f;
+        for (long sp = 0; sp < splits; sp++) v += pu[sp].acc[r * d + c] * w[sp];
+        o[c] = v * inv;
+    }
+    return lsum > 0.f ? mx + log2f(lsum) : -INFINITY;
 }
 
 /* Merge each row's key ranges (a worksharing loop, ends with a barrier). Local row r of a
  * request's unit on KV head h -- query head h * G + r / n, token tok + r % n -- goes to
  * out + h * hstride + (r / n) * gstride + (tok + r % n) * tstride. lse: NULL or [heads][rows]
- * (one request: row g * n + t). */
+ * (one request: row g * n + t). contexts (APE, attend_part): the row is the contexts' output
+ * and the others' mixed by softmax(mixc * L_C, L_O), L the parts' log-sum-exps (lse: NULL). */
 static void attend_merge(const Plan* p, const Partial* parts, float* out, long hstride,
-                         long gstride, long tstride, float* lse) {
+                         long gstride, long tstride, float* lse, int contexts, float mixc) {
     long d = p->d;
     #pragma omp for schedule(static)
     for (long u = 0; u < p->units; u++) {
         long h = p->u_head[u], i = p->u_req[u], r0 = p->u_r0[u], r1 = p->u_r1[u];
         long t0 = p->tok[i], n = p->tok[i + 1] - t0, first = p->u_task[u];
         long splits = (u + 1 < p->units ? p->u_task[u + 1] : p->tasks) - first;
-        const Partial* pu = parts + first;
         for (long r = 0; r < r1 - r0; r++) {
-            float mx = -INFINITY;
-            for (long sp = 0; sp < splits; sp++) {
-                float mm = pu[sp].m[r];
-                mx = mm > mx ? mm : mx;
-            }
-            float lsum = 0.f, w[64];          /* splits <= 64 */
-            for (long sp = 0; sp < splits; sp++) {
-                w[sp] = pu[sp].l[r] > 0.f ? exp2f(pu[sp].m[r] - mx) : 0.f;
-                lsum += pu[sp].l[r] * w[sp];
-            }
             long row = r0 + r;
             float* o = out + h * hstride + (row / n) * gstride + (t0 + row % n) * tstride;
-            float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-            for (long c = 0; c < d; c++) {
-                float v = 0.f;
-                for (long sp = 0; sp < splits; sp++) v += pu[sp].acc[r * d + c] * w[sp];
-                o[c] = v * inv;
+            float lo = merge_row(parts + first, splits, r, d, o);
+            if (contexts) {
+                float oc[MAXD];
+                float lc = merge_row(parts + p->tasks + first, splits, r, d, oc) * mixc;
+                float top = lc > lo ? lc : lo;
+                float ec = lc > -INFINITY ? exp2f(lc - top) : 0.f, eo = exp2f(lo - top);
+                float wc = ec / (ec + eo), wo = eo / (ec + eo);
+                for (long c = 0; c < d; c++) o[c] = wc * oc[c] + wo * o[c];
             }
-            if (lse) lse[h * p->rows + p->groups * t0 + row] =
-                lsum > 0.f ? (mx + log2f(lsum)) * LN2 : -INFINITY;
+            if (lse) lse[h * p->rows + p->groups * t0 + row] = lo > -INFINITY ? lo * LN2 : lo;
         }
     }
 }
@@ -670,13 +702,13 @@ int pl_attend(const float* q, long heads, long rows, long d, float scale, long n
         plan_free(&plan); free(parts); free(space); free(qs);
         return -2;
     }
-    attend_partials(&plan, space, parts);
+    attend_partials(&plan, space, parts, 0);
     for (long i = 0; i < heads * rows * d; i++) qs[i] = q[i] * (scale * LOG2E);
     #pragma omp parallel num_threads(threads)
     {
         attend_tasks(&plan, qs, (const void* const*)keys, kstride, (const void* const*)values,
-                     vstride, lens, causal, NULL, NULL, NULL, 0, 0, NULL, NULL, parts);
-        attend_merge(&plan, parts, out, rows * d, qlen * d, d, lse);
+                     vstride, lens, causal, NULL, NULL, NULL, 0, 0, NULL, NULL, parts, NULL, 1.f);
+        attend_merge(&plan, parts, out, rows * d, qlen * d, d, lse, 0, 1.f);
     }
     plan_free(&plan);
     free(parts); free(space); free(qs);
@@ -750,6 +782,10 @@ static void linear_residual(const float* x, long m, long k, const float* w, cons
  * seg[nreq] = nseg; at most 63 each); its tokens see its own past and new keys only, and
  * qpos increases within a request only (the rotary embedding reads cos/sin). Requests may
  * name the same memory as a segment (a stored unit several of them read in place).
+ * ctx (NULL: none): APE (Adaptive Parallel Encoding) -- the segments g with ctx[g] != 0 are
+ * contexts: their scores are divided by the temperature (times invt), softmaxed apart from
+ * the other keys', and the two parts mixed by softmax(mixc * L_C, L_O) (mixc: scale *
+ * temperature; L the parts' log-sum-exps).
  * Returns 0, -1 for unsupported shapes, -2 when out of memory. */
 int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                const float* const* w, const float* cos, const float* sin,
@@ -757,7 +793,7 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                const void* const* values, const long* vstride, const long* lens, const int* half,
                float* const* newk, long nkstride, float* const* newv, long nvstride,
                const int64_t* kpos, const int64_t* qpos, long nreq, const long* tok,
-               const long* seg, int threads) {
+               const long* seg, const int* ctx, float invt, float mixc, int threads) {
     long hidden = shape[0], heads = shape[1], kvh = shape[2], d = shape[3], inter = shape[4],
          layers = shape[5];
     long tok1[2] = {0, q}, seg1[2] = {0, nseg};
@@ -772,7 +808,8 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
     long groups = heads / kvh, nq = heads * d, nkv = kvh * d, nqkv = nq + 2 * nkv;
     long widest = hidden > inter ? hidden : inter;
     Plan plan;
-    long pfloats = attend_plan(&plan, kvh, groups, d, nreq, tok, seg, lens, 1, keys, threads);
+    long pfloats = attend_plan(&plan, kvh, groups, d, nreq, tok, seg, lens, 1, keys, threads)
+                   * (ctx ? 2 : 1);
     long floats = q * hidden            /* normed input */
                 + q * nqkv              /* q, k, v */
                 + q * nq                /* rotated, scaled query rows, packed per KV head */
@@ -781,7 +818,7 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                 + q * widest            /* linear output before the residual add */
                 + pfloats;
     float* space = (float*)aligned_alloc(32, sizeof(float) * ((floats + 7) & ~7L));
-    Partial* parts = (Partial*)malloc(sizeof(Partial) * plan.tasks);
+    Partial* parts = (Partial*)malloc(sizeof(Partial) * plan.tasks * (ctx ? 2 : 1));
     long* treq = (long*)malloc(sizeof(long) * q);               /* each token's request */
     if (!plan.mem || !space || !parts || !treq) {
         plan_free(&plan); free(space); free(parts); free(treq);
@@ -792,7 +829,7 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
     float *h = space, *qkv = h + q * hidden, *qs = qkv + q * nqkv, *att = qs + q * nq,
           *gate = att + q * nq, *up = gate + q * inter, *tmp = up + q * inter,
           *pspace = tmp + q * widest;
-    attend_partials(&plan, pspace, parts);
+    attend_partials(&plan, pspace, parts, ctx != NULL);
     long qblocks = (nq + LIN_BLOCK - 1) / LIN_BLOCK, kvblocks = (nkv + LIN_BLOCK - 1) / LIN_BLOCK;
     long hblocks = (hidden + LIN_BLOCK - 1) / LIN_BLOCK, iblocks = (inter + LIN_BLOCK - 1) / LIN_BLOCK;
 
@@ -824,8 +861,8 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
             }
         }
         attend_tasks(&plan, qs, keys + l * nseg, kstride, values + l * nseg, vstride, lens, NULL,
-                     half, newk[l], newv[l], nkstride, nvstride, kpos, qpos, parts);
-        attend_merge(&plan, parts, att, groups * d, d, nq, NULL);
+                     half, newk[l], newv[l], nkstride, nvstride, kpos, qpos, parts, ctx, invt);
+        attend_merge(&plan, parts, att, groups * d, d, nq, NULL, ctx != NULL, mixc);
         #pragma omp for schedule(static)
         for (long b = 0; b < hblocks; b++) {
             long j0 = b * LIN_BLOCK, j1 = j0 + LIN_BLOCK < hidden ? j0 + LIN_BLOCK : hidden;

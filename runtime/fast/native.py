@@ -237,7 +237,7 @@ def _bind(library: Path) -> ctypes.CDLL:
         lib.pl_attend.restype = ctypes.c_int
         lib.pl_decoder.argtypes = [_P, _L, _P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _L,
                                    _P, _P, _P, _P, _P, _P, _P, _L, _P, _L, _P, _P, _L, _P,
-                                   _P, ctypes.c_int]
+                                   _P, _P, ctypes.c_float, ctypes.c_float, ctypes.c_int]
         lib.pl_decoder.restype = ctypes.c_int
     except AttributeError as exc:                 # "...: undefined symbol: pl_attend"
         raise _Unavailable(f"{library} lacks a kernel ({exc})") from None
@@ -336,7 +336,8 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
             sin: torch.Tensor, pieces, new_keys: torch.Tensor, new_values: torch.Tensor,
             key_positions: torch.Tensor | None = None,
             query_positions: torch.Tensor | None = None,
-            requests: list[tuple[int, int]] | None = None) -> None:
+            requests: list[tuple[int, int]] | None = None,
+            contexts: tuple[list[bool], float, float] | None = None) -> None:
     """Every decoder layer of a Llama-family model over x ([Q, hidden], replaced by the last
     layer's output) by pl_decoder; see fast/fused.py, which checks what it passes.
 
@@ -350,6 +351,8 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     requests: batched requests (fused.py, `forward_batch`), (new tokens, past pieces) each,
     in order, summing to Q and len(pieces): each request's tokens see its own pieces and
     new tokens only, and query_positions increase within a request only. None: one request.
+    contexts: APE (runtime/model/adapter.py, ParallelContexts) -- (each piece a context or
+    not, temperature, scale); None: plain attention.
     """
     layers, nseg = shape[5], len(pieces)
     spans = requests if requests is not None else [(int(x.shape[0]), nseg)]
@@ -384,10 +387,17 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
         tok.append(tok[-1] + n)
         seg.append(seg[-1] + p)
     nreq = len(spans)
+    ctx, invt, mixc = None, 1.0, 1.0
+    if contexts is not None:
+        flags, temperature, mix = contexts        # (`scale` is the softmax's)
+        if len(flags) != nseg or not temperature > 0:
+            raise ValueError("pl_decoder's contexts need a flag per piece and a temperature > 0")
+        ctx = (ctypes.c_int * max(nseg, 1))(*[int(bool(f)) for f in flags])
+        invt, mixc = 1.0 / temperature, mix * temperature
     status = (_lib or _load()).pl_decoder(
         x.data_ptr(), x.shape[0], shape, eps, scale, weights, cos.data_ptr(), sin.data_ptr(),
         nseg, keys, kstride, values, vstride, lens, half, newk, new_keys.stride(1), newv,
         new_values.stride(1), kpos, qpos, nreq, (ctypes.c_long * (nreq + 1))(*tok),
-        (ctypes.c_long * (nreq + 1))(*seg), torch.get_num_threads())
+        (ctypes.c_long * (nreq + 1))(*seg), ctx, invt, mixc, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"pl_decoder failed ({status})")

@@ -47,3 +47,25 @@ def layer_pieces(layer: int | None, shared, key: torch.Tensor, value: torch.Tens
     return [(a, b, key[:, :, a:b], value[:, :, a:b]) if run is None else
             (a, b, run.keys[layer][None], run.values[layer][None])
             for a, b, run in slot_runs(shared, end)]
+
+
+def flagged_pieces(keys: torch.Tensor, values: torch.Tensor, shared, end: int,
+                   flags: torch.Tensor) -> tuple[list[Piece], list[bool]]:
+    """`past_pieces`, each run cut where `flags` (bool per slot; slots past its end: False)
+    changes, and each piece's flag: APE's contexts as whole pieces (runtime/model/adapter.py,
+    ParallelContexts)."""
+    flags = flags[:end].to(torch.bool).cpu()
+    if flags.shape[0] < end:
+        flags = torch.cat([flags, torch.zeros(end - flags.shape[0], dtype=torch.bool)])
+    cuts = set((torch.nonzero(flags[1:] != flags[:-1])[:, 0] + 1).tolist())
+    pieces, marks = [], []
+    for a, b, run in slot_runs(shared, end):
+        bounds = [a, *sorted(c for c in cuts if a < c < b), b]
+        for x, y in zip(bounds, bounds[1:]):
+            if run is None:
+                pieces.append(Piece(keys[:, :, x:y], values[:, :, x:y]))
+            else:
+                pieces.append(Piece(run.keys[:, :, x - run.start:y - run.start],
+                                    run.values[:, :, x - run.start:y - run.start]))
+            marks.append(bool(flags[x]))
+    return pieces, marks

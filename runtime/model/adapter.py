@@ -27,7 +27,7 @@ from promptlang.errors import ModelError
 from promptlang.runtime.fast import FastPaths, accelerate
 from promptlang.runtime.fast.fused import MAX_TOKENS, BatchRequest
 from promptlang.runtime.fast.native import MAX_SEGMENTS
-from promptlang.runtime.fast.pieces import past_pieces
+from promptlang.runtime.fast.pieces import flagged_pieces, past_pieces
 from promptlang.runtime.model.families import FAMILIES, Family
 from promptlang.runtime.model.fingerprint import model_fingerprint
 from promptlang.runtime.model.internals import BufferLayer, buffer_cache
@@ -249,11 +249,12 @@ class ModelAdapter:
             state = self.state
             before, state.in_runtime_pass = state.in_runtime_pass, True   # kernels: this thread
             try:
-                decoder = None if past.contexts is not None else self.fast.decoder
+                decoder = self.fast.decoder
                 if mask is None and in_place and decoder is not None:
+                    pieces, contexts = _pieces(past, s)
                     logits = decoder.forward(
-                        input_ids, positions, past_pieces(past.keys, past.values, past.shared, s),
-                        past.keys[:, :, s:s + q], past.values[:, :, s:s + q], rows)
+                        input_ids, positions, pieces, past.keys[:, :, s:s + q],
+                        past.values[:, :, s:s + q], rows, contexts=contexts)
                     if logits is not None:
                         return Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
                 if (by_position and in_place and decoder is not None
@@ -331,7 +332,7 @@ def _fused_by_position(decoder, input_ids, positions, past: Past, rows) -> torch
     # input_ids, positions: [Q]; past.keys: [L, H_kv, C, D] with room for the Q new tokens
     q, s = int(input_ids.shape[0]), int(past.positions.shape[0])
     size = MAX_TOKENS
-    if len(past.shared) + 2 >= MAX_SEGMENTS:       # a later run may add one piece
+    if len(_pieces(past, s)[0]) + 2 >= MAX_SEGMENTS:    # a later run may add one piece
         return None
     order = torch.argsort(rows)                    # rows are served in input order
     rows_sorted = rows[order]
@@ -339,16 +340,27 @@ def _fused_by_position(decoder, input_ids, positions, past: Past, rows) -> torch
     for start in range(0, q, size):
         end, at = min(q, start + size), s + start
         mine = rows_sorted[(rows_sorted >= start) & (rows_sorted < end)] - start
-        out = decoder.forward(input_ids[start:end], positions[start:end],
-                              past_pieces(past.keys, past.values, past.shared, at),
+        pieces, contexts = _pieces(past, at)
+        out = decoder.forward(input_ids[start:end], positions[start:end], pieces,
                               past.keys[:, :, at:s + end], past.values[:, :, at:s + end], mine,
-                              key_positions=torch.cat([past.positions, positions[:start]]))
+                              key_positions=torch.cat([past.positions, positions[:start]]),
+                              contexts=contexts)
         if out is None:
             if start == 0:
                 return None
             raise RuntimeError("the fused layers stopped serving a recompute pass half-way")
         logits.append(out)
     return torch.cat(logits)[torch.argsort(order)]
+
+
+def _pieces(past: Past, end: int):
+    """The fused layers' past pieces of slots [0, end), and APE's contexts for them (each
+    piece a context or not, temperature, scale; None without `past.contexts`)."""
+    if past.contexts is None:
+        return past_pieces(past.keys, past.values, past.shared, end), None
+    pieces, flags = flagged_pieces(past.keys, past.values, past.shared, end,
+                                   past.contexts.context)
+    return pieces, (flags, past.contexts.temperature, past.contexts.scale)
 
 
 def _widened(past: Past) -> Past:

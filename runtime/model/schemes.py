@@ -101,7 +101,8 @@ class AlibiAdapter(ModelAdapter):
         c = self.config
         return KVShape(c.n_layer, c.n_head, c.hidden_size // c.n_head, c.hidden_size // c.n_head)
 
-    def _run(self, input_ids, positions, key_positions, mask, cache, rows, shared=()):
+    def _run(self, input_ids, positions, key_positions, mask, cache, rows, shared=(),
+             contexts=None):
         # softmax is shift-invariant per row, so slope * key_position equals -slope * distance
         bias = self._slopes[:, None, None] * key_positions.to(torch.float32)   # [H, 1, K]
         self.state.alibi, self.state.mask = bias.to(self.dtype), mask

@@ -134,7 +134,7 @@ def test_fused_path_serves_the_pass(llama, monkeypatch):
     adapter = adapt(llama)
     calls = []
     real = native.decoder
-    monkeypatch.setattr(native, "decoder", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(native, "decoder", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(native, "attend", lambda *a, **k: pytest.fail("pl_attend called"))
     past = encoded_past(adapter, 20, 25)
     adapter.forward(torch.arange(5), torch.arange(20, 25), past, None, torch.arange(5))
@@ -170,7 +170,7 @@ def test_a_hook_on_the_model_turns_the_fused_path_off(llama):
 
 def test_a_masked_pass_or_a_unit_it_cannot_read_takes_transformers_layers(llama, monkeypatch):
     adapter = adapt(llama)
-    monkeypatch.setattr(native, "decoder", lambda *a: pytest.fail("pl_decoder called"))
+    monkeypatch.setattr(native, "decoder", lambda *a, **k: pytest.fail("pl_decoder called"))
     past = encoded_past(adapter, 20, 23)
     allowed = torch.ones(3, 23, dtype=torch.bool).tril(20)
     allowed[:, 5] = False
@@ -202,7 +202,7 @@ def test_a_weight_it_cannot_read_sends_the_pass_to_transformers(monkeypatch):
     with torch.no_grad():
         layer = model.model.layers[0].self_attn.o_proj
         layer.weight = torch.nn.Parameter(layer.weight.t().contiguous().t())   # column-major
-    monkeypatch.setattr(native, "decoder", lambda *a: pytest.fail("pl_decoder called"))
+    monkeypatch.setattr(native, "decoder", lambda *a, **k: pytest.fail("pl_decoder called"))
     adapter.forward(torch.arange(3), torch.arange(30, 33), past, None, torch.arange(3))
     assert adapter.fast.decoder._weights() is None
 
@@ -236,7 +236,7 @@ def test_16_bit_units_are_read_in_place(llama, monkeypatch, half):
 
     calls = []
     real = native.decoder
-    monkeypatch.setattr(native, "decoder", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(native, "decoder", lambda *a, **k: calls.append(1) or real(*a, **k))
     step = adapter.forward(ids, positions, shared_past(), None, rows)
     assert calls == [1]
     assert_close([(step.logits, step.keys, step.values), want])

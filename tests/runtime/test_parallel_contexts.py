@@ -78,7 +78,7 @@ def test_malformed_ape_is_rejected(text):
 
 @pytest.mark.parametrize("shared", [False, True], ids=["copied", "read in place"])
 @pytest.mark.parametrize("policy", ["ape", "ape:0.5:1.7", "ape:1.6:0.4"])
-def test_ape_prefill_equals_the_reference_pass(models, tmp_path, policy, shared):
+def test_ape_prefill_equals_the_reference_pass(models, tmp_path, policy, shared, kernels):
     llm = make_llm(models["llama"], tmp_path)
     llm.exact_reuse = False
     if shared:
@@ -122,7 +122,7 @@ def test_a_request_with_nothing_encoded_apart_attends_as_usual(models, tmp_path)
     assert (cached.logits[-1] - full.logits[-1]).abs().max() < TOL
 
 
-def test_decode_steps_attend_to_the_contexts_too(models, tmp_path):
+def test_decode_steps_attend_to_the_contexts_too(models, tmp_path, kernels):
     """Each generated token is a new token like the prefill's: greedy decoding under ape
     follows the reference pass over the prompt with the tokens generated so far appended
     (uncached tokens after it), step by step."""
@@ -158,3 +158,27 @@ def test_batched_decoding_leaves_ape_requests_to_the_single_pass(models, tmp_pat
                 ParallelContexts(torch.ones(4, dtype=torch.bool), 0.9, 0.9))
     item = (torch.tensor([5]), torch.tensor([4]), past, False)
     assert llm.adapter.forward_batch([item, item]) is None
+
+
+def test_the_fused_layers_serve_ape_prefill_and_decode(models, tmp_path, monkeypatch):
+    """Where the CPU kernels run, APE's passes take the fused layers (pl_decoder with the
+    pieces cut at the contexts' edges), prefill and decode steps alike."""
+    from promptlang.runtime.fast import fused, native
+
+    if not native.available():
+        pytest.skip("CPU kernels unavailable here")
+    seen = []
+    forward = fused.FusedDecoder.forward
+
+    def recording(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        seen.append((kwargs.get("contexts"), out is not None))
+        return out
+    monkeypatch.setattr(fused.FusedDecoder, "forward", recording)
+    llm = make_llm(models["llama"], tmp_path)
+    llm.exact_reuse = False
+    llm.generate(PROMPTS["two modules with a gap"], max_new_tokens=3, recompute="ape",
+                 temperature=0)
+    served = [flags for (flags, _, _), ran in ((c, r) for c, r in seen if c is not None) if ran]
+    assert len(served) >= 3                        # the prefill and the decode steps
+    assert all(any(flags) and not all(flags) for flags in served)
