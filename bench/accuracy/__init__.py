@@ -20,7 +20,8 @@ greedily under every setting, each document a module of its own:
                  tokens of every unit that missed something (EPIC's LegoLink),
                  "deviation:F" the fraction F of those candidate tokens whose layer-1 KV
                  deviates most from a full pass (in the spirit of CacheBlend), "exact"
-                 every candidate (the full prefill's answer)
+                 every candidate (the full prefill's answer), "ape" none, but the
+                 request's tokens attend to the documents as APE's parallel contexts
   cached-bf16    cached, from a bfloat16 store (half the KV bytes; read in place by the fused
                  layers of Llama-family models, else widened to float32 when a request
                  assembles them): what the 16-bit store costs in answers
