@@ -47,6 +47,7 @@ class BatchRequest(NamedTuple):
     new_values: torch.Tensor
     rows: torch.Tensor                    # which of its Q_i tokens' logits are wanted
     key_positions: torch.Tensor | None = None   # its past keys' positions (None: all seen)
+    contexts: tuple[list[bool], float, float] | None = None   # APE's, as `forward` takes
 
 _WEIGHTS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
             "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -153,9 +154,19 @@ class FusedDecoder:
         new tokens only (pl_decoder's requests: tasks of its own per request, so pieces
         several requests share are read in place by each). Returns each request's logits
         [R_i, V] for its `rows`, its new keys/values written as `forward` writes them; None
-        (nothing written) where pl_decoder does not apply -- then run `forward` per request."""
+        (nothing written) where pl_decoder does not apply -- then run `forward` per request.
+        Requests with APE's contexts must share one temperature and scale (pl_decoder takes
+        one pair; the others' pieces are no contexts)."""
         if not requests or any(len(r.pieces) >= native.MAX_SEGMENTS for r in requests):
             return None
+        tempered = {r.contexts[1:] for r in requests if r.contexts is not None}
+        if len(tempered) > 1:
+            return None
+        contexts = None
+        if tempered:
+            flags = [f for r in requests
+                     for f in (r.contexts[0] if r.contexts is not None else [False] * len(r.pieces))]
+            contexts = (flags, *tempered.pop())
         pieces = [p for r in requests for p in r.pieces]
         q = sum(int(r.input_ids.shape[0]) for r in requests)
         prepared = self._prepare(torch.cat([r.input_ids for r in requests]),
@@ -181,7 +192,7 @@ class FusedDecoder:
         new_keys = torch.empty(layers, heads, q, d)
         new_values = torch.empty(layers, heads, q, d)
         native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
-                       new_values, kpos, qpos, requests=spans)
+                       new_values, kpos, qpos, requests=spans, contexts=contexts)
         rows, at = [], 0
         for r, (n, _) in zip(requests, spans):
             r.new_keys.copy_(new_keys[:, :, at:at + n])

@@ -174,8 +174,8 @@ class ModelAdapter:
         """Several requests' new tokens in ONE pass, each (input_ids [Q_i], positions [Q_i],
         past, by_position) seeing its own past and its own new tokens only, causally in
         input order: every past key, or with by_position (positions increase) the past keys
-        at positions <= the token's own (a prefill with recomputed tokens); the logits of
-        each request's last token. None (nothing written) where the fused layers cannot take
+        at positions <= the token's own (a prefill with recomputed tokens), as APE's
+        contexts where its past has some; the logits of each request's last token. None (nothing written) where the fused layers cannot take
         the batch (more than `max_batch_tokens` tokens, ...): the caller then runs
         `forward` per request."""
         decoder = self.fast.decoder
@@ -185,13 +185,13 @@ class ModelAdapter:
         for input_ids, positions, past, by_position in items:
             s, q = int(past.positions.shape[0]), int(input_ids.shape[0])
             if s + q > past.keys.shape[2] or (past.shared and not self.reads_shared) \
-                    or past.contexts is not None:
+                    or (past.contexts is not None and not self.attends_in_parallel):
                 return None
+            pieces, contexts = _pieces(past, s)
             requests.append(BatchRequest(
-                input_ids, positions, past_pieces(past.keys, past.values, past.shared, s),
-                past.keys[:, :, s:s + q], past.values[:, :, s:s + q],
-                torch.tensor([q - 1], device=positions.device),
-                past.positions if by_position else None))
+                input_ids, positions, pieces, past.keys[:, :, s:s + q],
+                past.values[:, :, s:s + q], torch.tensor([q - 1], device=positions.device),
+                past.positions if by_position else None, contexts))
             slots.append((past, s, q))
         with self.lock:
             state = self.state

@@ -90,7 +90,7 @@ def test_units_read_in_place_and_an_early_finish(llm):
 
 
 @pytest.mark.parametrize("first", [0, 8], ids=["with the decoders", "prefills first"])
-@pytest.mark.parametrize("recompute", ["none", "seams"])
+@pytest.mark.parametrize("recompute", ["none", "seams", "ape:0.6:1.4"])
 def test_prefills_that_join_a_step_decode_as_alone(llm, monkeypatch, recompute, first):
     """Requests whose prefill runs inside a decode step (BatchStepper.join: LLM.start with
     `defer`), one joining while the others are already decoding; under `seams` a new
@@ -101,6 +101,7 @@ def test_prefills_that_join_a_step_decode_as_alone(llm, monkeypatch, recompute, 
         pytest.skip("CPU kernels unavailable here")
     params = [SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=6),
               SamplingParams(max_new_tokens=7, temperature=0.8, seed=3)]
+    llm.store.clear()                  # no exact entries of an earlier test's requests
     alone = [llm.generate(p, sampling=s, recompute=recompute).token_ids
              for p, s in zip(PROMPTS, params)]
     llm.store.clear()                  # the combination is new again: seams recompute
@@ -109,6 +110,8 @@ def test_prefills_that_join_a_step_decode_as_alone(llm, monkeypatch, recompute, 
     assert all(g.opened.pending is not None and g.opened.logits is None for g in generations)
     if recompute == "seams":
         assert generations[2].opened.recomputed_tokens > 0
+    if recompute.startswith("ape"):     # <long/><short/>: short was encoded apart
+        assert generations[2].opened.buffer.contexts is not None
     calls = []
     real = llm.adapter.forward_batch
 

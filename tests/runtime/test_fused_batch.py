@@ -47,7 +47,7 @@ def request(dec, pieces, tokens, start, seed, positioned=False):
 def alone(dec, r: BatchRequest):
     keys, values = torch.zeros_like(r.new_keys), torch.zeros_like(r.new_values)
     logits = dec.forward(r.input_ids, r.positions, r.pieces, keys, values, r.rows,
-                         key_positions=r.key_positions)
+                         key_positions=r.key_positions, contexts=r.contexts)
     assert logits is not None
     return logits, keys, values
 
@@ -117,3 +117,29 @@ def test_many_requests_with_more_pieces_than_one_pass_takes_and_mixed_visibility
         assert (r.new_values - values).abs().max() < TOL
     seen = alone(decoder, requests[-1]._replace(key_positions=None))[0]
     assert (seen - expected[-1][0]).abs().max() > 1e-3   # the later keys would show
+
+
+def test_ape_requests_batch_with_plain_ones(decoder):
+    """APE's contexts (recompute policy "ape") per request: a batch of requests with and
+    without contexts gives each its own pass; different temperatures are not batched."""
+    layers, heads, d = len(decoder.layers), decoder.kv_heads, decoder.head_dim
+    shared = piece(layers, heads, 150, d, 1)
+    ape = (0.8, 1.3)
+    requests = [
+        request(decoder, [piece(layers, heads, 20, d, 2), shared], 2, 170, 30)
+        ._replace(contexts=([False, True], *ape)),
+        request(decoder, [shared, piece(layers, heads, 9, d, 3)], 1, 159, 31),
+        request(decoder, [piece(layers, heads, 30, d, 4), piece(layers, heads, 40, d, 5),
+                          piece(layers, heads, 6, d, 6)], 1, 76, 32)
+        ._replace(contexts=([False, True, True], *ape)),
+    ]
+    expected = [alone(decoder, r) for r in requests]
+    got = decoder.forward_batch(requests)
+    assert got is not None
+    for r, logits, (want, keys, values) in zip(requests, got, expected):
+        assert (logits - want).abs().max() < TOL
+        assert (r.new_keys - keys).abs().max() < TOL
+    plain = alone(decoder, requests[0]._replace(contexts=None))[0]
+    assert (plain - expected[0][0]).abs().max() > 1e-3          # the contexts show
+    other = requests[2]._replace(contexts=([False, True, True], 0.5, 1.3))
+    assert decoder.forward_batch([requests[0], other]) is None

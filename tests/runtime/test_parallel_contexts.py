@@ -17,7 +17,6 @@ import torch
 
 from promptlang.errors import PromptLangError
 from promptlang.pml.layout import Segment
-from promptlang.runtime.model import ParallelContexts, Past
 from promptlang.runtime.recompute import Recompute, RecomputeSpecError
 
 from .oracle import Parallel, oracle_prefill
@@ -147,17 +146,6 @@ def test_ape_needs_a_rope_model_and_says_so(models, tmp_path):
     llm = make_llm(models["gpt2"], tmp_path)
     with pytest.raises(PromptLangError, match="needs a RoPE model"):
         llm.prefill(PROMPTS["two modules with a gap"], recompute="ape")
-
-
-def test_batched_decoding_leaves_ape_requests_to_the_single_pass(models, tmp_path):
-    """forward_batch's fused layers have no APE: a batch holding such a request is
-    declined (the caller then runs each request alone, through ape's attention)."""
-    llm = make_llm(models["llama"], tmp_path)
-    keys, values = llm.adapter.empty_kv(8)
-    past = Past(keys, values, torch.arange(4), (),
-                ParallelContexts(torch.ones(4, dtype=torch.bool), 0.9, 0.9))
-    item = (torch.tensor([5]), torch.tensor([4]), past, False)
-    assert llm.adapter.forward_batch([item, item]) is None
 
 
 def test_the_fused_layers_serve_ape_prefill_and_decode(models, tmp_path, monkeypatch):
