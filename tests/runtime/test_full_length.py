@@ -54,8 +54,8 @@ from promptlang.runtime.assembler import Assembler
 from promptlang.runtime.engine import LLM, Prefilled, load
 from promptlang.runtime.store import ModuleStore
 
-from .oracle import OracleResult, oracle_over_stored, oracle_prefill, reference_model, \
-    reference_pass
+from .oracle import (PARALLEL_ATTENTION, OracleResult, oracle_over_stored, oracle_prefill,
+                     reference_model, reference_pass)
 
 THREADS = 2
 BLOCK = 128                    # keys per block in pl_attend / pl_decoder
@@ -137,10 +137,10 @@ class KernelCalls:
         self.calls: dict[str, list[tuple[int, int]]] = defaultdict(list)
         decoder, attend = native.decoder, native.attend
 
-        def counted_decoder(x, shape, eps, scale, weights, cos, sin, pieces, *rest):
+        def counted_decoder(x, shape, eps, scale, weights, cos, sin, pieces, *rest, **kwargs):
             keys = sum(int(p[0].shape[2]) for p in pieces)           # [L, H_kv, n, D]
             self.calls["decoder"].append((keys, torch.get_num_threads()))
-            return decoder(x, shape, eps, scale, weights, cos, sin, pieces, *rest)
+            return decoder(x, shape, eps, scale, weights, cos, sin, pieces, *rest, **kwargs)
 
         def counted_attend(rows, pieces, new_tokens, *rest, **kwargs):
             keys = sum(int(p[0].shape[1]) for p in pieces)           # [H_kv, n, D]
@@ -271,3 +271,43 @@ def test_full_length_recompute_pass_matches_the_unmodified_model(long_run, recom
     assert (keys - expected.keys).abs().max() < KV_TOL
     assert (values - expected.values).abs().max() < KV_TOL
     assert torch.equal(got.logits.argmax(-1), expected.logits.argmax(-1))
+
+
+def test_full_length_ape_matches_the_unmodified_model(long_run, kernels, monkeypatch):
+    """APE (recompute "ape") at 6,000+ tokens: doc-b was encoded apart, so the request's
+    new tokens (the schema's closing text, recomputed, and the question) attend to both
+    documents as contexts. Reference: the oracle's cached KV as the past (APE leaves cached
+    tokens as stored) and the new tokens computed over it by the unmodified model with
+    APE's attention written out (tests/runtime/oracle.py)."""
+    llm = long_run.llm
+    calls = KernelCalls(monkeypatch)
+    llm.assembler = Assembler(llm.adapter)
+    with two_threads():
+        got = llm.prefill(PROMPT, recompute="ape")
+    expected = long_run.expected
+    bound = llm.bind(PROMPT)
+    modules = {p for unit in bound.units if unit != "module:"
+               for seg in bound.layout.units[unit].segments
+               for p in range(seg.start, seg.start + len(seg.token_ids))}
+    assert got.parallel == modules and len(modules) >= 6000
+    if kernels == "fused":                         # the fused layers, over the whole past
+        assert calls.calls["decoder"] and calls.calls["decoder"][0][0] > 6000
+    past = expected.cached & ~torch.isin(expected.positions,
+                                         torch.tensor(sorted(got.recompute.positions)))
+    new_positions = expected.positions[~past]
+    key_positions = torch.cat([expected.positions[past], new_positions])
+    allowed = key_positions[None, :] <= new_positions[:, None]
+    context = torch.isin(key_positions, torch.tensor(sorted(modules)))
+    q = int(new_positions.shape[0])
+    with two_threads():
+        logits, keys, _ = reference_pass(
+            reference_model(llm.adapter.model, PARALLEL_ATTENTION),
+            expected.token_ids[~past], new_positions, allowed, torch.arange(q),
+            (expected.keys[:, :, past], expected.values[:, :, past], expected.positions[past]),
+            parallel=(torch.ones(q, dtype=torch.bool), context, 0.9, 0.9))
+    assert got.logits.shape == logits.shape
+    assert (got.logits - logits).abs().max() < LOGITS_TOL
+    mine, _ = aligned(got, expected)
+    assert (mine[:, :, ~past] - keys).abs().max() < KV_TOL
+    assert not torch.equal(got.logits.argmax(-1), expected.logits.argmax(-1)) or \
+        (got.logits - expected.logits).abs().max() > 100 * LOGITS_TOL     # APE changed it
