@@ -6,6 +6,8 @@
                 extension field (PML, or a @prompt function by name)
     worker.py   the engine's one thread and its bounded queue
     load.py     what `--schemas` names (PML files, folders of them, @prompt files)
+    affinity.py module affinity: ranks replicas by the stored units a request needs
+                (the routing rule of a multi-replica deployment; no Ray in it)
 
 Importing this package imports FastAPI, not torch; `serve` loads the model.
 """

@@ -1,0 +1,105 @@
+"""Module affinity: which replica should serve a request, by the stored units it needs.
+
+A request for documents {3, 5, 7} is cheapest on the replica that already holds those
+documents' KV in its faster tiers, whatever their order and whatever else the request
+brings. `AffinityTable` keeps, per replica, the unit keys it holds (as it reports them) or
+was recently sent (optimistic, until its next report), with their bytes, least recently
+used first and bounded per replica. `rank_replicas` turns a request's unit keys into
+ranks of replicas, most preferred first:
+
+- load first: when the replicas' queue lengths differ by more than `imbalanced_threshold`,
+  the least loaded replicas come first, whatever they hold (as Ray Serve LLM's prefix
+  router falls back to power-of-two choices when load is imbalanced);
+- else the replicas holding the most of the request's bytes (ties: the shorter queue);
+- a request none of whose units is held anywhere goes to the replica holding the fewest
+  bytes (ties: the shorter queue), spreading new modules over the replicas' memory.
+
+Pure Python, no Ray: the Ray Serve router (issue 21) wraps it; tests drive it directly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Sequence
+
+DEFAULT_IMBALANCED_THRESHOLD = 4        # queued requests between busiest and idlest replica
+DEFAULT_REPLICA_BYTES = 8 << 30         # unit bytes remembered per replica, at most
+
+
+@dataclass
+class AffinityTable:
+    """Unit keys (-> bytes) per replica, least recently used first, at most `max_bytes`
+    per replica (the oldest forgotten first)."""
+
+    max_bytes: int = DEFAULT_REPLICA_BYTES
+    _held: dict[Hashable, OrderedDict] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.max_bytes <= 0:
+            raise ValueError("an affinity table needs max_bytes > 0")
+
+    def observe(self, replica: Hashable, held: Mapping[str, int]) -> None:
+        """What `replica` reports it holds, least recently used first: replaces what the
+        table believed of it."""
+        self._held[replica] = OrderedDict()
+        self.record(replica, held)
+
+    def record(self, replica: Hashable, keys: Mapping[str, int]) -> None:
+        """`replica` was sent a request needing `keys` (-> bytes): it will hold them."""
+        table = self._held.setdefault(replica, OrderedDict())
+        for key, size in keys.items():
+            table.pop(key, None)
+            table[key] = max(0, int(size))
+        total = sum(table.values())
+        while table and total > self.max_bytes:
+            total -= table.popitem(last=False)[1]
+
+    def drop(self, replica: Hashable) -> None:
+        """`replica` died or was removed: it holds nothing any more."""
+        self._held.pop(replica, None)
+
+    def keep_only(self, replicas: Sequence[Hashable]) -> None:
+        """Forget every replica not in `replicas` (the current set)."""
+        for gone in set(self._held) - set(replicas):
+            del self._held[gone]
+
+    def held_bytes(self, replica: Hashable, keys: Mapping[str, int] | None = None) -> int:
+        """Bytes of `keys` (all it holds, if None) that `replica` holds."""
+        table = self._held.get(replica)
+        if not table:
+            return 0
+        if keys is None:
+            return sum(table.values())
+        return sum(table[k] for k in keys if k in table)
+
+
+def rank_replicas(keys: Mapping[str, int], replicas: Sequence[Hashable],
+                  queue_lengths: Mapping[Hashable, int], table: AffinityTable,
+                  imbalanced_threshold: float = DEFAULT_IMBALANCED_THRESHOLD
+                  ) -> list[list[Hashable]]:
+    """Ranks of `replicas` for a request needing unit `keys` (-> bytes): the first rank holds
+    the preferred replicas (see the module docstring); every replica appears once. A
+    replica missing from `queue_lengths` counts as idle."""
+    if not replicas:
+        return []
+    queued = {r: int(queue_lengths.get(r, 0)) for r in replicas}
+    loads = list(queued.values())
+    by_load = sorted(replicas, key=lambda r: queued[r])
+    if max(loads) - min(loads) > imbalanced_threshold:
+        least = min(loads)
+        return _ranks([r for r in by_load if queued[r] == least],
+                      [r for r in by_load if queued[r] != least])
+    held = {r: table.held_bytes(r, keys) for r in replicas}
+    best = max(held.values())
+    if best > 0:
+        first = [r for r in by_load if held[r] == best]
+        rest = sorted((r for r in replicas if held[r] != best),
+                      key=lambda r: (-held[r], queued[r]))
+        return _ranks(first, rest)
+    spread = sorted(replicas, key=lambda r: (table.held_bytes(r), queued[r]))
+    return _ranks(spread[:1], spread[1:])
+
+
+def _ranks(first: list, rest: list) -> list[list]:
+    return [first, rest] if rest else [first]

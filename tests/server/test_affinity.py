@@ -1,0 +1,72 @@
+"""Module affinity (promptlang/server/affinity.py): the routing rule of issue 21, without Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from promptlang.server.affinity import AffinityTable, rank_replicas
+
+MB = 1 << 20
+
+
+def test_the_replica_holding_most_of_the_requests_bytes_comes_first():
+    table = AffinityTable()
+    table.record("a", {"doc3": 5 * MB, "doc5": 5 * MB})
+    table.record("b", {"doc7": 20 * MB})
+    need = {"doc3": 5 * MB, "doc5": 5 * MB, "doc7": 20 * MB}
+    assert rank_replicas(need, ["a", "b", "c"], {}, table) == [["b"], ["a", "c"]]
+    # order and other modules do not matter: the bytes held do
+    assert rank_replicas({"doc5": 5 * MB, "doc3": 5 * MB, "doc9": MB}, ["a", "b", "c"], {},
+                         table)[0] == ["a"]
+
+
+def test_ties_go_to_the_shorter_queue_and_imbalance_goes_to_the_idlest():
+    table = AffinityTable()
+    for replica in ("a", "b"):
+        table.record(replica, {"doc1": MB})
+    assert rank_replicas({"doc1": MB}, ["a", "b", "c"], {"a": 3, "b": 1, "c": 0}, table) \
+        == [["b", "a"], ["c"]]
+    # c is idle and a is 6 requests behind: load wins over affinity
+    assert rank_replicas({"doc1": MB}, ["a", "b", "c"], {"a": 6, "b": 5, "c": 0}, table,
+                         imbalanced_threshold=4) == [["c"], ["b", "a"]]
+
+
+def test_new_modules_spread_to_the_replica_holding_least():
+    table = AffinityTable()
+    table.record("a", {"x": 50 * MB})
+    table.record("b", {"y": 10 * MB})
+    assert rank_replicas({"new": MB}, ["a", "b", "c"], {}, table)[0] == ["c"]
+    assert rank_replicas({"new": MB}, ["a", "b"], {}, table)[0] == ["b"]
+
+
+def test_reports_replace_beliefs_and_dead_replicas_hold_nothing():
+    table = AffinityTable()
+    table.record("a", {"doc1": MB, "doc2": MB})
+    table.observe("a", {"doc2": MB})                 # evicted doc1 meanwhile
+    assert table.held_bytes("a", {"doc1": MB}) == 0 and table.held_bytes("a") == MB
+    table.record("b", {"doc2": MB})
+    table.drop("a")
+    assert rank_replicas({"doc2": MB}, ["a", "b"], {}, table)[0] == ["b"]
+    table.keep_only(["c"])
+    assert table.held_bytes("b") == 0
+
+
+def test_each_replica_remembers_at_most_its_budget_oldest_first():
+    table = AffinityTable(max_bytes=3 * MB)
+    table.record("a", {"d1": MB, "d2": MB, "d3": MB})
+    table.record("a", {"d1": MB})                    # used again: now the newest
+    table.record("a", {"d4": MB})                    # over budget: d2 goes
+    assert table.held_bytes("a", {"d2": MB}) == 0
+    assert table.held_bytes("a", {"d1": MB, "d3": MB, "d4": MB}) == 3 * MB
+    with pytest.raises(ValueError):
+        AffinityTable(max_bytes=0)
+
+
+def test_every_replica_is_ranked_once():
+    table = AffinityTable()
+    table.record("b", {"k": MB})
+    replicas = ["a", "b", "c", "d"]
+    for queues in ({}, {"a": 9}, {"b": 2, "c": 1}):
+        ranks = rank_replicas({"k": MB}, replicas, queues, table)
+        assert sorted(r for rank in ranks for r in rank) == replicas
+    assert rank_replicas({"k": MB}, [], {}, table) == []
