@@ -52,6 +52,20 @@ def alone(dec, r: BatchRequest):
     return logits, keys, values
 
 
+def batch_against_alone(dec, requests):
+    """`forward_batch` of `requests` gives each request's own pass (logits, new keys and
+    values); returns those passes."""
+    expected = [alone(dec, r) for r in requests]
+    got = dec.forward_batch(requests)
+    assert got is not None and len(got) == len(requests)
+    for r, logits, (want, keys, values) in zip(requests, got, expected):
+        assert logits.shape == want.shape
+        assert (logits - want).abs().max() < TOL
+        assert (r.new_keys - keys).abs().max() < TOL
+        assert (r.new_values - values).abs().max() < TOL
+    return expected
+
+
 @pytest.mark.parametrize("positioned", [False, True], ids=["all visible", "by position"])
 def test_each_request_of_a_batch_gets_its_own_pass(decoder, positioned):
     layers, heads, d = len(decoder.layers), decoder.kv_heads, decoder.head_dim
@@ -62,14 +76,7 @@ def test_each_request_of_a_batch_gets_its_own_pass(decoder, positioned):
         request(decoder, [piece(layers, heads, 5, d, 4)], 3, 5, 12, positioned),
         request(decoder, [shared], 1, 150, 13, positioned),
     ]
-    expected = [alone(decoder, r) for r in requests]
-    got = decoder.forward_batch(requests)
-    assert got is not None and len(got) == len(requests)
-    for r, logits, (want, keys, values) in zip(requests, got, expected):
-        assert logits.shape == want.shape
-        assert (logits - want).abs().max() < TOL
-        assert (r.new_keys - keys).abs().max() < TOL
-        assert (r.new_values - values).abs().max() < TOL
+    batch_against_alone(decoder, requests)
 
 
 def test_a_batch_that_leaves_out_a_request_changes_the_others_not_at_all(decoder):
@@ -108,13 +115,7 @@ def test_many_requests_with_more_pieces_than_one_pass_takes_and_mixed_visibility
                                  torch.arange(5), known))
     assert sum(len(r.pieces) for r in requests) >= native.MAX_SEGMENTS
     assert sum(int(r.input_ids.shape[0]) for r in requests) <= MAX_TOKENS
-    expected = [alone(decoder, r) for r in requests]
-    got = decoder.forward_batch(requests)
-    assert got is not None
-    for r, logits, (want, keys, values) in zip(requests, got, expected):
-        assert (logits - want).abs().max() < TOL
-        assert (r.new_keys - keys).abs().max() < TOL
-        assert (r.new_values - values).abs().max() < TOL
+    expected = batch_against_alone(decoder, requests)
     seen = alone(decoder, requests[-1]._replace(key_positions=None))[0]
     assert (seen - expected[-1][0]).abs().max() > 1e-3   # the later keys would show
 
@@ -133,12 +134,7 @@ def test_ape_requests_batch_with_plain_ones(decoder):
                           piece(layers, heads, 6, d, 6)], 1, 76, 32)
         ._replace(contexts=([False, True, True], *ape)),
     ]
-    expected = [alone(decoder, r) for r in requests]
-    got = decoder.forward_batch(requests)
-    assert got is not None
-    for r, logits, (want, keys, values) in zip(requests, got, expected):
-        assert (logits - want).abs().max() < TOL
-        assert (r.new_keys - keys).abs().max() < TOL
+    expected = batch_against_alone(decoder, requests)
     plain = alone(decoder, requests[0]._replace(contexts=None))[0]
     assert (plain - expected[0][0]).abs().max() > 1e-3          # the contexts show
     other = requests[2]._replace(contexts=([False, True, True], 0.5, 1.3))
