@@ -177,8 +177,8 @@ class LLM:
         top_p=1.0, top_k=0, seed=None, stop=(), stop_token_ids=(), draft=0, and one of
         regex=, json_schema=, grammar= for structured output: runtime/constrain.py), applied
         on top of `sampling` when given. recompute: a policy ("none", "first:K",
-        "deviation:F", "exact", "seams", "ape" or a Recompute; docs/RECOMPUTE.md); None: the schema's
-        `recompute` attribute, else the LLM's."""
+        "deviation:F", "exact", "seams", "ape" or a Recompute; docs/RECOMPUTE.md); None: the
+        schema's `recompute` attribute, else the LLM's."""
         started = time.perf_counter()
         params = options_to_params(sampling, **options)
         constraint = Constraint.of(params, self.tokenizer)    # a bad one fails before the prefill
