@@ -304,6 +304,12 @@ typedef struct {           /* one task's rows over its key range, before normali
     float *m, *l, *acc;    /* [rows], [rows], [rows][d] */
 } Partial;
 
+/* nr rows of p: nothing seen yet */
+static void partial_reset(Partial* p, long nr, long d) {
+    for (long r = 0; r < nr; r++) { p->m[r] = -INFINITY; p->l[r] = 0.f; }
+    memset(p->acc, 0, sizeof(float) * nr * d);
+}
+
 /* 16-bit kinds of a segment (the `half` flags; 0 is float32) */
 enum { HALF_BF16 = 1, HALF_FP16 = 2 };
 
@@ -339,10 +345,8 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
     float s[MAXR * BK] __attribute__((aligned(32)));
     float kt[MAXD * BK] __attribute__((aligned(32)));
     float wide[MAXD * BK] __attribute__((aligned(32)));
-    for (Partial* pp = part; pp; pp = pp == part && ctx ? cpart : NULL) {
-        for (long r = 0; r < nr; r++) { pp->m[r] = -INFINITY; pp->l[r] = 0.f; }
-        memset(pp->acc, 0, sizeof(float) * nr * d);
-    }
+    partial_reset(part, nr, d);
+    if (ctx) partial_reset(cpart, nr, d);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     int64_t qp[MAXR], qmax = INT64_MIN;                      /* each row's query position */
     if (kpos)

@@ -175,9 +175,9 @@ class ModelAdapter:
         past, by_position) seeing its own past and its own new tokens only, causally in
         input order: every past key, or with by_position (positions increase) the past keys
         at positions <= the token's own (a prefill with recomputed tokens), as APE's
-        contexts where its past has some; the logits of each request's last token. None (nothing written) where the fused layers cannot take
-        the batch (more than `max_batch_tokens` tokens, ...): the caller then runs
-        `forward` per request."""
+        contexts where its past has some; the logits of each request's last token. None
+        (nothing written) where the fused layers cannot take the batch (more than
+        `max_batch_tokens` tokens, ...): the caller then runs `forward` per request."""
         decoder = self.fast.decoder
         if decoder is None or self.sliding_window is not None:
             return None
@@ -332,7 +332,8 @@ def _fused_by_position(decoder, input_ids, positions, past: Past, rows) -> torch
     # input_ids, positions: [Q]; past.keys: [L, H_kv, C, D] with room for the Q new tokens
     q, s = int(input_ids.shape[0]), int(past.positions.shape[0])
     size = MAX_TOKENS
-    if len(_pieces(past, s)[0]) + 2 >= MAX_SEGMENTS:    # a later run may add one piece
+    first = _pieces(past, s)
+    if len(first[0]) + 2 >= MAX_SEGMENTS:          # a later run may add one piece
         return None
     order = torch.argsort(rows)                    # rows are served in input order
     rows_sorted = rows[order]
@@ -340,7 +341,7 @@ def _fused_by_position(decoder, input_ids, positions, past: Past, rows) -> torch
     for start in range(0, q, size):
         end, at = min(q, start + size), s + start
         mine = rows_sorted[(rows_sorted >= start) & (rows_sorted < end)] - start
-        pieces, contexts = _pieces(past, at)
+        pieces, contexts = first if start == 0 else _pieces(past, at)
         out = decoder.forward(input_ids[start:end], positions[start:end], pieces,
                               past.keys[:, :, at:s + end], past.values[:, :, at:s + end], mine,
                               key_positions=torch.cat([past.positions, positions[:start]]),

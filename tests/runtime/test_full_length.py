@@ -56,6 +56,7 @@ from promptlang.runtime.store import ModuleStore
 
 from .oracle import (PARALLEL_ATTENTION, OracleResult, oracle_over_stored, oracle_prefill,
                      reference_model, reference_pass)
+from .test_parallel_contexts import module_positions
 
 THREADS = 2
 BLOCK = 128                    # keys per block in pl_attend / pl_decoder
@@ -285,10 +286,7 @@ def test_full_length_ape_matches_the_unmodified_model(long_run, kernels, monkeyp
     with two_threads():
         got = llm.prefill(PROMPT, recompute="ape")
     expected = long_run.expected
-    bound = llm.bind(PROMPT)
-    modules = {p for unit in bound.units if unit != "module:"
-               for seg in bound.layout.units[unit].segments
-               for p in range(seg.start, seg.start + len(seg.token_ids))}
+    modules = module_positions(llm.bind(PROMPT))
     assert got.parallel == modules and len(modules) >= 6000
     if kernels == "fused":                         # the fused layers, over the whole past
         assert calls.calls["decoder"] and calls.calls["decoder"][0][0] > 6000
