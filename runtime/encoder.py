@@ -23,7 +23,7 @@ import threading
 import time
 from array import array
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,10 @@ class EncodeStats:
 
     calls: int = 0
     seconds: float = 0.0
+    tiers: dict[str, int] = field(default_factory=dict)   # units served, by store tier
+
+    def served(self, tier: str) -> None:
+        self.tiers[tier] = self.tiers.get(tier, 0) + 1
 
 
 class UnitEncoder:
@@ -136,30 +140,47 @@ class UnitEncoder:
 
     # --- serving ----------------------------------------------------------------------------
 
-    def get(self, layout: SchemaLayout, unit_id: str, stats: EncodeStats | None = None) -> UnitKV:
-        """The unit's KV: from the store, or encoded now (context units first) and stored."""
+    def get(self, layout: SchemaLayout, unit_id: str, stats: EncodeStats | None = None,
+            *, context: bool = False) -> UnitKV:
+        """The unit's KV: from the store, or encoded now (context units first) and stored.
+        `stats.tiers` counts where it came from, unless it is fetched as another unit's
+        `context`."""
+        tally = None if stats is None or context else stats
         plan = self.plan(layout, unit_id)
         if plan.length == 0:
             return self._empty()
-        kv = self.store.get(plan.key)
-        if kv is not None:
-            return kv
-        with self.adapter.lock:          # one encoder of a key at a time; others then hit
-            kv = self.store.get(plan.key)
-            if kv is not None:
-                return kv
-            context = [self.get(layout, c, stats) for c in self.context_of(plan.unit)]
-            started = time.perf_counter()
-            kv = self.encode(plan, context)
-            self.store.put(plan.key, kv, {"unit": plan.unit.id, "schema": layout.schema.name,
-                                          "tokens": str(plan.length), "rule": self.rule})
-            if getattr(self.store, "dtype", None) not in (None, kv.keys.dtype):
-                # a lossy store dtype: serve what every later request will get
-                kv = self.store.get(plan.key) or kv
-            if stats is not None:
-                stats.calls += 1
-                stats.seconds += time.perf_counter() - started
-            return kv
+        kv, tier = self._lookup(plan.key)
+        if kv is None:
+            with self.adapter.lock:      # one encoder of a key at a time; others then hit
+                kv, tier = self._lookup(plan.key)
+                if kv is None:
+                    kv, tier = self._encode_stored(layout, plan, stats), "encoded"
+        if tally is not None:
+            tally.served(tier)
+        return kv
+
+    def _encode_stored(self, layout: SchemaLayout, plan: UnitPlan,
+                       stats: EncodeStats | None) -> UnitKV:
+        """Encode the unit (its context units first, from the store or encoded) and store it."""
+        context = [self.get(layout, c, stats, context=True) for c in self.context_of(plan.unit)]
+        started = time.perf_counter()
+        kv = self.encode(plan, context)
+        self.store.put(plan.key, kv, {"unit": plan.unit.id, "schema": layout.schema.name,
+                                      "tokens": str(plan.length), "rule": self.rule})
+        if getattr(self.store, "dtype", None) not in (None, kv.keys.dtype):
+            # a lossy store dtype: serve what every later request will get
+            kv = self.store.get(plan.key) or kv
+        if stats is not None:
+            stats.calls += 1
+            stats.seconds += time.perf_counter() - started
+        return kv
+
+    def _lookup(self, key: str) -> tuple[UnitKV | None, str]:
+        """(KV, the tier that held it) from the store; a store without tiers says "memory"."""
+        lookup = getattr(self.store, "lookup", None)
+        if lookup is None:
+            return self.store.get(key), "memory"
+        return lookup(key)
 
     def warm(self, layout: SchemaLayout) -> int:
         """Make sure every cached unit of `layout` is in the store; returns units encoded."""

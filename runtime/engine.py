@@ -307,7 +307,7 @@ class LLM:
             t.assemble = time.perf_counter() - mark
             opened = Opened(buffer, None, bound.end, bound, t, len(ids), buffer.length,
                             len(plan), started, plan, tuple(served), approximate,
-                            healed=healed)
+                            healed=healed, units=dict(stats.tiers))
 
             def finish(last: torch.Tensor) -> None:        # the prefill's KV is in the buffer
                 opened.logits = last

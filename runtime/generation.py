@@ -61,4 +61,5 @@ class Generation:
             text = "" if opened.healed.startswith(text) else text.removeprefix(opened.healed)
         return Result(text, token_ids, reason, t, opened.prefill_tokens, opened.cached_tokens,
                       opened.recomputed_tokens, len(opened.exact), opened.approximate_tokens,
-                      None if self.constraint is None else self.constraint.complete)
+                      None if self.constraint is None else self.constraint.complete,
+                      dict(opened.units))

@@ -11,7 +11,7 @@ lets each import the other's types without importing the other module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
@@ -62,6 +62,9 @@ class Result:
     # under regex=, json_schema= or grammar=: whether the text is a whole output of it
     # (False: max_new_tokens or the context ended it first); None without a constraint
     complete: bool | None = None
+    # the request's cached units by where they came from: "device", "host", "disk" (store
+    # tiers) or "encoded" (no tier held them)
+    units: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,6 +87,7 @@ class Opened:
     approximate_tokens: int = 0  # as Result.approximate_tokens
     healed: str = ""             # the prompt's last token's text, given back (healing.py)
     pending: PendingPrefill | None = None     # a prefill left to the caller (logits None)
+    units: dict[str, int] = field(default_factory=dict)   # as Result.units
 
 
 @dataclass

@@ -11,8 +11,10 @@ ranks of replicas, most preferred first:
   the least loaded replicas come first, whatever they hold (as Ray Serve LLM's prefix
   router falls back to power-of-two choices when load is imbalanced);
 - else the replicas holding the most of the request's bytes (ties: the shorter queue);
-- a request none of whose units is held anywhere goes to the replica holding the fewest
-  bytes (ties: the shorter queue), spreading new modules over the replicas' memory.
+- a request of which no replica holds at least `min_match` of the bytes (none of its units,
+  or only a shared one such as the schema's system text) goes to the replica holding the
+  fewest bytes (ties: the shorter queue), spreading new modules over the replicas' memory
+  (as Ray Serve LLM's prefix router falls back below its match-rate threshold).
 
 Pure Python, no Ray: the Ray Serve router (issue 21) wraps it; tests drive it directly.
 """
@@ -25,6 +27,7 @@ from typing import Hashable, Mapping, Sequence
 
 DEFAULT_IMBALANCED_THRESHOLD = 4        # queued requests between busiest and idlest replica
 DEFAULT_REPLICA_BYTES = 8 << 30         # unit bytes remembered per replica, at most
+DEFAULT_MIN_MATCH = 0.1                 # share of a request's bytes a replica must hold
 
 
 @dataclass
@@ -65,19 +68,20 @@ class AffinityTable:
             del self._held[gone]
 
     def held_bytes(self, replica: Hashable, keys: Mapping[str, int] | None = None) -> int:
-        """Bytes of `keys` (all it holds, if None) that `replica` holds."""
+        """The bytes `replica` holds of `keys` (key -> bytes, as the request weighs them, so
+        that every replica is measured alike), or in all if `keys` is None."""
         table = self._held.get(replica)
         if not table:
             return 0
         if keys is None:
             return sum(table.values())
-        return sum(table[k] for k in keys if k in table)
+        return sum(size for k, size in keys.items() if k in table)
 
 
 def rank_replicas(keys: Mapping[str, int], replicas: Sequence[Hashable],
                   queue_lengths: Mapping[Hashable, int], table: AffinityTable,
-                  imbalanced_threshold: float = DEFAULT_IMBALANCED_THRESHOLD
-                  ) -> list[list[Hashable]]:
+                  imbalanced_threshold: float = DEFAULT_IMBALANCED_THRESHOLD,
+                  min_match: float = DEFAULT_MIN_MATCH) -> list[list[Hashable]]:
     """Ranks of `replicas` for a request needing unit `keys` (-> bytes): the first rank holds
     the preferred replicas (see the module docstring); every replica appears once. A
     replica missing from `queue_lengths` counts as idle."""
@@ -92,7 +96,7 @@ def rank_replicas(keys: Mapping[str, int], replicas: Sequence[Hashable],
                       [r for r in by_load if queued[r] != least])
     held = {r: table.held_bytes(r, keys) for r in replicas}
     best = max(held.values())
-    if best > 0:
+    if best > 0 and best >= min_match * sum(keys.values()):
         first = [r for r in by_load if held[r] == best]
         rest = sorted((r for r in replicas if held[r] != best),
                       key=lambda r: (-held[r], queued[r]))

@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -77,19 +77,24 @@ class ServerState:
     functions: Mapping[str, Any]
     model_name: str
     api_key: str | None
+    on_open: Callable[[Any, Mapping], None] | None = None
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 def create_app(llm, *, functions: Mapping[str, Any] | None = None,
                model_name: str = "promptlang", api_key: str | None = None,
-               max_queue: int = 64, max_batch: int = 16) -> FastAPI:
+               max_queue: int = 64, max_batch: int = 16,
+               on_open: Callable[[Any, Mapping], None] | None = None) -> FastAPI:
     """The ASGI app serving `llm` (a runtime LLM, schemas registered); `functions`: @prompt
     functions by name. The engine thread starts now (decoding up to `max_batch` requests
-    together) and stops at the app's shutdown, after the requests already queued."""
+    together) and stops at the app's shutdown, after the requests already queued.
+    `on_open(generation, extensions)`: called on the engine thread with each request it
+    opens (a runtime Generation) and the ASGI scope's `extensions` (a cluster replica learns which units it now holds:
+    cluster.py)."""
     worker = EngineWorker(max_queue=max_queue, max_batch=max_batch)
     state = ServerState(llm, worker, ChatSchemas(llm), dict(functions or {}), model_name,
-                        api_key)
+                        api_key, on_open)
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -227,7 +232,8 @@ async def _complete(state: ServerState, request: Request, chat: bool):
                             "model")
         options = _sampling(body, chat)
         stream = bool(body.get("stream", False))
-        job = Job(_opener(state, body, chat, options), asyncio.get_running_loop())
+        job = Job(_opener(state, body, chat, options, request.scope.get("extensions") or {}),
+                  asyncio.get_running_loop())
         try:
             state.worker.submit(job)
         except QueueFull as full:
@@ -265,10 +271,17 @@ async def _complete(state: ServerState, request: Request, chat: bool):
         choice["text"] = "".join(text)
     return {"id": ids, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": state.model_name, "choices": [choice],
-            "usage": usage}
+            "usage": usage, "promptlang": _extension(result)}
 
 
-def _opener(state: ServerState, body: dict, chat: bool, options: dict):
+def _extension(result) -> dict:
+    """The response's `promptlang` field: the request's cached units by where they came
+    from (store tier, or "encoded" when no tier held them)."""
+    return {"units": dict(result.units)}
+
+
+def _opener(state: ServerState, body: dict, chat: bool, options: dict,
+            extensions: Mapping):
     """The job's thunk (run on the engine thread): the request's prompt, then LLM.start --
     bind, retrieve, assemble, prefill (a short one is left to the next decode step) -- or
     an error."""
@@ -285,8 +298,11 @@ def _opener(state: ServerState, body: dict, chat: bool, options: dict):
             prompt = state.chats.prompt(parse_messages(body.get("messages")))
         else:
             prompt = completion_prompt(state.llm, body.get("prompt"))
-        return state.llm.start(prompt, recompute=recompute,
-                               defer=state.worker.prefill_in_step, **options)
+        opened = state.llm.start(prompt, recompute=recompute,
+                                 defer=state.worker.prefill_in_step, **options)
+        if state.on_open is not None:
+            state.on_open(opened, extensions)
+        return opened
     return open_request
 
 
@@ -343,7 +359,8 @@ async def _sse(state: ServerState, job: Job, ids: str, chat: bool,
                 yield chunk(None if chat else "", _finish(value.finish_reason))
                 if include_usage:
                     yield _event({"id": ids, "object": kind, "created": created,
-                                  "model": state.model_name, "choices": [], "usage": usage})
+                                  "model": state.model_name, "choices": [], "usage": usage,
+                                  "promptlang": _extension(value)})
                 break
         yield b"data: [DONE]\n\n"
     finally:

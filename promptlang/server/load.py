@@ -22,9 +22,21 @@ DEFAULT_PORT = 8000
 def load_schemas(llm, sources: Sequence[str | os.PathLike]) -> dict[str, Any]:
     """Register the schemas `sources` name on `llm`; returns the @prompt functions found,
     by name."""
+    schemas, functions = read_sources(sources)
+    for schema in schemas:
+        llm.add_schema(schema)
+        llm.layout(schema.name)              # fits the model: fail now, not per request
+    return functions
+
+
+def read_sources(sources: Sequence[str | os.PathLike]) -> tuple[list, dict[str, Any]]:
+    """The schemas `sources` name (PML schemas, and the schemas of the @prompt functions
+    found) and those functions by name; no model needed (a cluster's ingress reads them
+    to route requests: routing.py)."""
     from promptlang.pml import nodes
     from promptlang.pml.parser import parse_file
 
+    schemas: list = []
     functions: dict[str, Any] = {}
     for source in sources:
         path = Path(source)
@@ -36,17 +48,18 @@ def load_schemas(llm, sources: Sequence[str | os.PathLike]) -> dict[str, Any]:
             files = [path]
         for file in files:
             if file.suffix == ".py":
-                functions.update(_functions(llm, file))
+                found = _functions(file)
+                functions.update(found)
+                schemas += [fn.schema for fn in found.values()]
                 continue
             parsed = parse_file(file)
             if not isinstance(parsed, nodes.Schema):
                 raise PromptLangError(f"{file} holds a prompt, not a schema", parsed.span)
-            llm.add_schema(parsed)
-            llm.layout(parsed.name)          # fits the model: fail now, not per request
-    return functions
+            schemas.append(parsed)
+    return schemas, functions
 
 
-def _functions(llm, path: Path) -> dict[str, Any]:
+def _functions(path: Path) -> dict[str, Any]:
     from promptlang.cli.pyfile import compile_file
     from promptlang.compiler.diagnostics import CompileError, errors
 
@@ -58,7 +71,6 @@ def _functions(llm, path: Path) -> dict[str, Any]:
         name = fn.__name__
         if name in found:
             raise PromptLangError(f"{path}: two @prompt functions are named {name!r}")
-        llm.add_schema(fn.schema)
         found[name] = fn
     return found
 

@@ -157,16 +157,29 @@ class ModuleStore:
 
     def get(self, key: str) -> ModuleKV | None:
         """The unit's KV on `self.device`, or None (miss, or a corrupt file was discarded)."""
+        return self.lookup(key)[0]
+
+    def lookup(self, key: str) -> tuple[ModuleKV | None, str | None]:
+        """As `get`, with the tier that served it: "device", "host" or "disk" (None on a
+        miss)."""
         check_key(key)
         with self._lock:
+            tier = "device" if self._device.contains(key) else "host"
             entry = self._lookup_memory(key, count=True)
         if entry is None and self._disk is not None:
-            entry, _ = self._load_through(key, count=True)
+            entry, loaded = self._load_through(key, count=True)
+            tier = "disk" if loaded else "device"     # else another thread had just loaded it
         if entry is None:
             with self._lock:
                 self._misses += 1
-            return None
-        return self._for_caller(entry)
+            return None, None
+        return self._for_caller(entry), tier
+
+    def in_memory(self, key: str) -> bool:
+        """Whether the device or host tier holds `key` (no disk lookup, no counters)."""
+        check_key(key)
+        with self._lock:
+            return any(tier.contains(key) for tier in self._memory)
 
     def put(self, key: str, kv: ModuleKV, meta: Mapping[str, str] | None = None) -> None:
         """Store `kv` under `key` in the device tier and write it through to disk.

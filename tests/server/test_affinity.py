@@ -70,3 +70,15 @@ def test_every_replica_is_ranked_once():
         ranks = rank_replicas({"k": MB}, replicas, queues, table)
         assert sorted(r for rank in ranks for r in rank) == replicas
     assert rank_replicas({"k": MB}, [], {}, table) == []
+
+
+def test_a_shared_module_alone_does_not_pull_new_modules_to_its_replica():
+    table = AffinityTable()
+    table.record("a", {"system": MB // 20, "doc1": MB, "doc2": MB})
+    # the system text is held by a, but it is under 10% of this request: spread instead
+    need = {"system": MB // 20, "doc3": MB, "doc4": MB}
+    assert rank_replicas(need, ["a", "b"], {}, table)[0] == ["b"]
+    assert rank_replicas(need, ["a", "b"], {}, table, min_match=0.01)[0] == ["a"]
+    # one document of two held is over the threshold: affinity
+    assert rank_replicas({"system": MB // 20, "doc1": MB, "doc5": MB}, ["a", "b"], {},
+                         table)[0] == ["a"]
