@@ -3,10 +3,14 @@
     promptlang serve [--model PATH] [--host 127.0.0.1] [--port 8000]
                      [--schemas DIR_OR_FILE ...] [--api-key KEY] [--max-queue N] [--max-batch N]
                      [--recompute POLICY] [--model-name NAME]
+                     [--ray [--replicas N] [--store DIR] [--router affinity|pow2|prefix]
+                            [--threads N] [--replica-memory BYTES]]
 
 Loads the model once, registers the schemas and @prompt functions named, and serves until
 SIGINT or SIGTERM (requests in flight finish first). FastAPI, uvicorn and the runtime are
-imported when the command runs.
+imported when the command runs. With --ray: the same API from N engine replicas on a local
+Ray Serve cluster, routed by the modules each holds (promptlang/server/cluster.py; needs
+the `cluster` extra; docs/SCALING.md).
 """
 
 from __future__ import annotations
@@ -44,6 +48,21 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--model-name", metavar="NAME", default=None,
                        help="the model id clients send and /v1/models lists (default: the "
                             "model's name)")
+    ray = serve.add_argument_group("scale-out on Ray Serve (pip install 'promptlang[cluster]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve from engine replicas on a local Ray Serve cluster")
+    ray.add_argument("--replicas", type=int, default=2, metavar="N",
+                     help="engine replicas (default 2)")
+    ray.add_argument("--store", metavar="DIR", default=None,
+                     help="the disk tier the replicas share (default PROMPTLANG_HOME/kv; a "
+                          "network filesystem across machines)")
+    ray.add_argument("--router", choices=("affinity", "pow2", "prefix"), default="affinity",
+                     help="module affinity (default), Ray Serve's power of two choices, or "
+                          "Ray Serve LLM's prefix-cache router")
+    ray.add_argument("--threads", type=int, default=None, metavar="N",
+                     help="torch threads per replica (default: cores / replicas)")
+    ray.add_argument("--replica-memory", type=int, default=None, metavar="BYTES",
+                     help="each replica's memory tier for module KV (default unlimited)")
     serve.set_defaults(func=_serve)
 
 
@@ -58,6 +77,8 @@ def _serve(args: argparse.Namespace) -> int:
         print("promptlang serve: --max-queue and --max-batch must be at least 1",
               file=sys.stderr)
         return 2
+    if args.ray:
+        return _serve_ray(args)
     options = {} if args.recompute is None else {"recompute": args.recompute}
     llm = engine.load(args.model, **options)
     functions = load_schemas(llm, args.schemas)
@@ -67,6 +88,32 @@ def _serve(args: argparse.Namespace) -> int:
           f"({len(functions)} @prompt functions)", file=sys.stderr)
     serve(llm, functions=functions, host=args.host, port=args.port, api_key=api_key,
           model_name=name, max_queue=args.max_queue, max_batch=args.max_batch)
+    return 0
+
+
+def _serve_ray(args: argparse.Namespace) -> int:
+    try:
+        from promptlang.server.cluster import ClusterConfig, serve_cluster
+    except ImportError as missing:
+        print(f"promptlang serve --ray: Ray Serve is not installed ({missing}); "
+              "pip install 'promptlang[cluster]'", file=sys.stderr)
+        return 2
+    from promptlang.home import kv_dir
+
+    config = ClusterConfig.from_args({
+        "store": os.path.abspath(args.store) if args.store else str(kv_dir()),
+        "replicas": args.replicas,
+        "model": os.path.abspath(args.model) if args.model and os.path.exists(args.model)
+        else args.model,
+        "schemas": [os.path.abspath(s) for s in args.schemas], "threads": args.threads,
+        "device_budget_bytes": args.replica_memory, "max_batch": args.max_batch,
+        "max_queue": args.max_queue, "recompute": args.recompute,
+        "api_key": args.api_key or os.environ.get(API_KEY_ENV) or None,
+        "model_name": args.model_name or _model_name(args.model), "router": args.router})
+    print(f"promptlang serve --ray: {config.replicas} replicas of {config.model_name} on "
+          f"http://{args.host}:{args.port}/v1 (router {config.router}, shared store "
+          f"{config.store})", file=sys.stderr)
+    serve_cluster(config, host=args.host, port=args.port)
     return 0
 
 

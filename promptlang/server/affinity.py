@@ -21,9 +21,10 @@ Pure Python, no Ray: the Ray Serve router (issue 21) wraps it; tests drive it di
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 DEFAULT_IMBALANCED_THRESHOLD = 4        # queued requests between busiest and idlest replica
 DEFAULT_REPLICA_BYTES = 8 << 30         # unit bytes remembered per replica, at most
@@ -33,23 +34,38 @@ DEFAULT_MIN_MATCH = 0.1                 # share of a request's bytes a replica m
 @dataclass
 class AffinityTable:
     """Unit keys (-> bytes) per replica, least recently used first, at most `max_bytes`
-    per replica (the oldest forgotten first)."""
+    per replica (the oldest forgotten first). `clock`: seconds, for how recent a record is."""
 
     max_bytes: int = DEFAULT_REPLICA_BYTES
+    clock: Callable[[], float] = time.monotonic
     _held: dict[Hashable, OrderedDict] = field(default_factory=dict)
+    _sent: dict[Hashable, dict[str, float]] = field(default_factory=dict)   # key -> when
 
     def __post_init__(self):
         if self.max_bytes <= 0:
             raise ValueError("an affinity table needs max_bytes > 0")
 
-    def observe(self, replica: Hashable, held: Mapping[str, int]) -> None:
+    def observe(self, replica: Hashable, held: Mapping[str, int], grace: float = 0.0) -> None:
         """What `replica` reports it holds, least recently used first: replaces what the
-        table believed of it."""
+        table believed of it, except keys recorded in the last `grace` seconds (a report
+        may have been taken before the replica saw them)."""
+        now = self.clock()
+        recent = {key: when for key, when in self._sent.get(replica, {}).items()
+                  if now - when <= grace}
+        kept = {key: size for key, size in self._held.get(replica, {}).items()
+                if key in recent and key not in held}
         self._held[replica] = OrderedDict()
-        self.record(replica, held)
+        self._sent[replica] = recent
+        self._put(replica, held)
+        self._put(replica, kept)
 
     def record(self, replica: Hashable, keys: Mapping[str, int]) -> None:
         """`replica` was sent a request needing `keys` (-> bytes): it will hold them."""
+        now = self.clock()
+        self._sent.setdefault(replica, {}).update((key, now) for key in keys)
+        self._put(replica, keys)
+
+    def _put(self, replica: Hashable, keys: Mapping[str, int]) -> None:
         table = self._held.setdefault(replica, OrderedDict())
         for key, size in keys.items():
             table.pop(key, None)
@@ -61,11 +77,12 @@ class AffinityTable:
     def drop(self, replica: Hashable) -> None:
         """`replica` died or was removed: it holds nothing any more."""
         self._held.pop(replica, None)
+        self._sent.pop(replica, None)
 
     def keep_only(self, replicas: Sequence[Hashable]) -> None:
         """Forget every replica not in `replicas` (the current set)."""
         for gone in set(self._held) - set(replicas):
-            del self._held[gone]
+            self.drop(gone)
 
     def held_bytes(self, replica: Hashable, keys: Mapping[str, int] | None = None) -> int:
         """The bytes `replica` holds of `keys` (key -> bytes, as the request weighs them, so

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ log = logging.getLogger("promptlang.server.cluster")
 
 ROUTE_EXTENSION = "promptlang.route"   # ASGI scope extension: the request's module routes
 REPLICA_HEADER = "x-promptlang-replica"
+ATTEMPT_HEADER = "x-promptlang-attempt"    # set when a call was sent again
 ATTEMPTS = 3                # an ingress call whose replica died before answering: tries
 MAX_BODY_BYTES = 8 << 20    # as app.MAX_BODY_BYTES
 HELD_KEYS = 65536           # routing keys a replica remembers (least recently used dropped)
@@ -284,7 +286,10 @@ class Ingress:
         for attempt in range(1, ATTEMPTS + 1):
             stream = self.engine.options(stream=True).remote(call)
             try:
-                return await _answer(stream)
+                response = await _answer(stream)
+                if attempt > 1:
+                    response.headers[ATTEMPT_HEADER] = str(attempt)
+                return response
             except BackPressureError as full:
                 return _error(429, f"every replica's queue is full: {full}",
                               "rate_limit_error")
@@ -372,7 +377,8 @@ def _router_config(cfg: ClusterConfig) -> dict | None:
 
     return {"request_router_class": ROUTER_PATH,
             "request_router_kwargs": {"imbalanced_threshold": cfg.imbalanced_threshold,
-                                      "min_match": cfg.min_match},
+                                      "min_match": cfg.min_match,
+                                      "report_grace_s": 5 * cfg.stats_period_s},
             "request_routing_stats_period_s": cfg.stats_period_s}
 
 
@@ -383,9 +389,14 @@ def serve_cluster(config: ClusterConfig, *, host: str = "127.0.0.1", port: int =
     import ray
 
     config.check()
+    if host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
+        print(f"promptlang serve --ray: listening on {host} with no --api-key: anyone who "
+              "can reach it can use the model", file=sys.stderr)
     if not ray.is_initialized():
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                 log_to_driver=True)
+        if os.environ.get("RAY_ADDRESS"):          # join the cluster it names
+            ray.init()
+        else:                                      # a local one, on this machine only
+            ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(dict(config.__dict__)), name="promptlang", route_prefix="/")
     stop = threading.Event()

@@ -7,7 +7,8 @@ returned ranks in order, within a rank the replica with the shortest queue that 
 What each replica holds comes from two sources: the router records where it sent each
 request (the replica will hold those modules), and each replica reports, every
 `request_routing_stats_period_s`, the routing keys whose KV is still in its memory tiers
-(`EngineReplica.record_routing_stats`), which replaces what was recorded of it. A replica
+(`EngineReplica.record_routing_stats`), which replaces what was recorded of it (but for
+what was sent to it in the last `report_grace_s`: a report can be older). A replica
 that dies, or leaves in a scale-down, is forgotten.
 
 Imported only where Ray Serve is installed (the `cluster` extra).
@@ -32,8 +33,10 @@ class ModuleAffinityRouter(RequestRouter):
 
     def initialize_state(self, imbalanced_threshold: float = DEFAULT_IMBALANCED_THRESHOLD,
                          min_match: float = DEFAULT_MIN_MATCH,
-                         replica_bytes: int = DEFAULT_REPLICA_BYTES) -> None:
+                         replica_bytes: int = DEFAULT_REPLICA_BYTES,
+                         report_grace_s: float = 5.0) -> None:
         self._table = AffinityTable(int(replica_bytes))
+        self._grace = float(report_grace_s)
         self._threshold = float(imbalanced_threshold)
         self._min_match = float(min_match)
         self._reports: dict[ReplicaID, Any] = {}     # the report last taken, per replica
@@ -73,7 +76,7 @@ class ModuleAffinityRouter(RequestRouter):
         if held is None or self._reports.get(replica.replica_id) is stats:
             return
         self._reports[replica.replica_id] = stats
-        self._table.observe(replica.replica_id, held)
+        self._table.observe(replica.replica_id, held, self._grace)
 
 
 def request_keys(pending_request: Optional[PendingRequest]) -> dict[str, int]:

@@ -82,3 +82,15 @@ def test_a_shared_module_alone_does_not_pull_new_modules_to_its_replica():
     # one document of two held is over the threshold: affinity
     assert rank_replicas({"system": MB // 20, "doc1": MB, "doc5": MB}, ["a", "b"], {},
                          table)[0] == ["a"]
+
+
+def test_a_report_older_than_a_recent_routing_keeps_what_was_just_sent():
+    now = [100.0]
+    table = AffinityTable(clock=lambda: now[0])
+    table.record("a", {"doc1": MB})
+    now[0] += 0.5
+    table.observe("a", {"doc0": MB}, grace=3.0)       # taken before doc1 arrived there
+    assert table.held_bytes("a", {"doc1": MB, "doc0": MB}) == 2 * MB
+    now[0] += 5.0
+    table.observe("a", {"doc0": MB}, grace=3.0)       # doc1 was evicted since
+    assert table.held_bytes("a", {"doc1": MB}) == 0
