@@ -173,6 +173,30 @@ def _run_serve(run: _Run):
     return report, parts
 
 
+def _cluster_options(args):
+    from promptlang.bench.cluster import ClusterOptions
+
+    return _options(ClusterOptions, args, {
+        "replicas": "replicas", "cluster_docs": "docs", "cluster_k": "k",
+        "cluster_requests": "requests", "cluster_clients": "clients",
+        "routers": "routers", "memory_share": "memory_share"})
+
+
+def _run_cluster(run: _Run):
+    from promptlang.bench import cluster
+    from promptlang.bench.report import render_markdown, render_text, write_csv, \
+        write_json
+
+    report = cluster.run_cluster(run.llm, _cluster_options(run.args),
+                                 model_name=run.model_name)
+    parts = cluster.sections(report)
+    print(render_text(parts))
+    run.write("cluster.csv", lambda p: write_csv(p, [r.row() for r in report.runs]))
+    run.write("cluster.json", lambda p: write_json(p, cluster.to_json(report)))
+    run.write("cluster.md", lambda p: p.write_text(render_markdown(parts)))
+    return report, parts
+
+
 def _run_structured(run: _Run):
     from promptlang.bench import structured
     from promptlang.bench.report import render_markdown, render_text, write_json
@@ -357,6 +381,7 @@ def _done(run: _Run) -> None:
 COMMANDS = {"latency": _one(_run_latency), "memory": _one(_run_memory),
             "accuracy": _one(_run_accuracy), "serve": _one(_run_serve),
             "structured": _one(_run_structured), "peers": _one(_run_peers),
+            "cluster": _one(_run_cluster),
             "all": _all}    # name -> runner(args, command)
 
 

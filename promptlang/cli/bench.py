@@ -13,6 +13,11 @@
     promptlang bench serve    [--clients 1,4,16,32] [--requests N] [--max-tokens N]
     promptlang bench structured  (decode time with and without a JSON Schema constraint)
     promptlang bench peers    [--gguf FILE]  (beside llama.cpp and transformers' full prefill)
+    promptlang bench cluster  [--replicas N] [--cluster-docs N] [--cluster-k K]
+                              [--cluster-requests R] [--cluster-clients C]
+                              [--routers pow2,prefix,affinity] [--memory-share F]
+                              (routers on a local Ray Serve cluster; the `cluster` extra)
+    promptlang bench scaling  [--costs FILE] (project 2-64 replicas, 1e3-1e6 modules)
     promptlang bench all      (latency, memory, accuracy: one model load, one folder,
                               one report.md)
 
@@ -130,6 +135,28 @@ def register(subparsers: Any) -> None:
                             "OpenAI server, when installed (the [peers] extra and its server "
                             "dependencies)")
 
+    cluster = argparse.ArgumentParser(add_help=False)
+    cluster.add_argument("--replicas", type=_positive, metavar="N",
+                         help="engine replicas (default 2)")
+    cluster.add_argument("--cluster-docs", type=_positive, metavar="N",
+                         help="documents in the RAG schema (default 24)")
+    cluster.add_argument("--cluster-k", type=_positive, metavar="K",
+                         help="documents per request (default 3)")
+    cluster.add_argument("--cluster-requests", type=_positive, metavar="R",
+                         help="requests per router (default 96)")
+    cluster.add_argument("--cluster-clients", type=_positive, metavar="C",
+                         help="concurrent streams (default 4)")
+    cluster.add_argument("--routers", type=_routers, metavar="R,R,...",
+                         help="routers to compare, in order (default pow2,prefix,affinity)")
+    cluster.add_argument("--memory-share", type=float, metavar="F",
+                         help="each replica's memory tier, as a share of all the documents' "
+                              "KV (default 0.6)")
+
+    scaling = argparse.ArgumentParser(add_help=False)
+    scaling.add_argument("--costs", metavar="FILE",
+                         help="the cluster.json whose measured costs drive the projection "
+                              "(default OUT/cluster.json)")
+
     peers = argparse.ArgumentParser(add_help=False)
     peers.add_argument("--gguf", metavar="FILE",
                        help="the GGUF llama.cpp loads (default: the default model's own)")
@@ -171,6 +198,19 @@ def register(subparsers: Any) -> None:
              "process of its own, when installed) and transformers' full prefill: a ~6.4k "
              "document with new questions (llama.cpp's prefix hit), decode at that "
              "context, and RAG k of N documents; the issue-20 goals."),
+            ("cluster", [common, cluster], _handler("cluster"),
+             "routers compared on a local Ray Serve cluster",
+             "A RAG workload (k of N documents) served by engine replicas on a local Ray "
+             "Serve cluster, once per router (Ray's power of two choices, Ray Serve LLM's "
+             "prefix-cache router, promptlang's module affinity): hits by tier, TTFT "
+             "p50/p99, requests/s, requests lost; and the per-request costs the scaling "
+             "projection uses. Needs the `cluster` extra."),
+            ("scaling", [common, scaling], _handler("scaling"),
+             "project hit rates and TTFT to 64 replicas and 1e6 modules",
+             "A simulation of the routers (the module-affinity rule itself, and random "
+             "choice) over 2 to 64 replicas and 1e3 to 1e6 distinct modules with LRU "
+             "memory tiers and a shared disk tier of finite bandwidth, driven by the costs "
+             "`bench cluster` measured (docs/SCALING.md)."),
             ("all", [common, latency, accuracy], _handler("all"),
              "latency, memory and accuracy into one folder",
              "memory, latency and accuracy in one run (about 20 minutes on 2 cores at the "
@@ -233,6 +273,14 @@ def _recompute_list(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} names no recompute policy: use 'none' "
                                          "alone for no recompute settings")
     return specs
+
+
+def _routers(text: str) -> tuple[str, ...]:
+    routers = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [r for r in routers if r not in ("pow2", "prefix", "affinity")]
+    if not routers or unknown:
+        raise argparse.ArgumentTypeError(f"routers are pow2, prefix and affinity, got {text!r}")
+    return routers
 
 
 def _rules(text: str) -> tuple[str, ...]:

@@ -166,13 +166,22 @@ class EngineReplica:
             yield message
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve's routing stats: {"held": routing key -> weight}, least recently used
-        first, for the keys whose units are still in this replica's memory tiers."""
+        """Ray Serve's routing stats: "held", routing key -> weight, least recently used
+        first, for the keys whose units are all in this replica's memory tiers; and
+        "capacity", its memory budget in the same weight units (converted at the bytes per
+        weight of what it holds; None: unlimited, or nothing held yet)."""
         with self._lock:
-            held = list(self._held.items())
+            entries = list(self._held.items())
         store = self.llm.store
-        return {"held": {key: weight for key, (stored, weight) in held
-                         if stored and all(store.in_memory(k) for k in stored)}}
+        held, weights, nbytes = {}, 0, 0
+        for key, (stored, weight) in entries:
+            sizes = [store.memory_bytes(k) for k in stored]
+            if sizes and all(sizes):
+                held[key] = weight
+                weights, nbytes = weights + weight, nbytes + sum(sizes)
+        budget = store.memory_budget_bytes
+        capacity = None if budget is None or not nbytes else budget * weights / nbytes
+        return {"held": held, "capacity": capacity}
 
     def _opened(self, generation, extensions: Mapping) -> None:
         """On the engine thread, for each request opened: its modules' routing keys now

@@ -76,7 +76,7 @@ class ModuleAffinityRouter(RequestRouter):
         if held is None or self._reports.get(replica.replica_id) is stats:
             return
         self._reports[replica.replica_id] = stats
-        self._table.observe(replica.replica_id, held, self._grace)
+        self._table.observe(replica.replica_id, held, self._grace, stats.get("capacity"))
 
 
 def request_keys(pending_request: Optional[PendingRequest]) -> dict[str, int]:

@@ -175,11 +175,22 @@ class ModuleStore:
             return None, None
         return self._for_caller(entry), tier
 
-    def in_memory(self, key: str) -> bool:
-        """Whether the device or host tier holds `key` (no disk lookup, no counters)."""
+    def memory_bytes(self, key: str) -> int:
+        """The bytes the device or host tier holds of `key`; 0 if neither does (no disk
+        lookup, no counters, no change to recency)."""
         check_key(key)
         with self._lock:
-            return any(tier.contains(key) for tier in self._memory)
+            for tier in self._memory:
+                entry = tier.entries.get(key)
+                if entry is not None:
+                    return entry.nbytes
+        return 0
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """The device and host tiers' budgets together; None when one is unlimited."""
+        budgets = [tier.budget for tier in self._memory if tier.budget != 0]
+        return None if any(b is None for b in budgets) else sum(budgets)
 
     def put(self, key: str, kv: ModuleKV, meta: Mapping[str, str] | None = None) -> None:
         """Store `kv` under `key` in the device tier and write it through to disk.

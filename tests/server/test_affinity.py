@@ -94,3 +94,20 @@ def test_a_report_older_than_a_recent_routing_keeps_what_was_just_sent():
     now[0] += 5.0
     table.observe("a", {"doc0": MB}, grace=3.0)       # doc1 was evicted since
     assert table.held_bytes("a", {"doc1": MB}) == 0
+
+
+def test_new_modules_go_where_there_is_room_not_where_they_would_evict():
+    table = AffinityTable()
+    table.observe("a", {"doc1": MB, "doc2": MB, "doc3": MB}, capacity=3 * MB)   # full
+    table.observe("b", {"doc4": MB}, capacity=3 * MB)
+    assert table.free("a") == 0 and table.free("b") == 2 * MB
+    # a holds one of three, but the other two would evict two it holds: b costs less
+    need = {"doc1": MB, "doc8": MB, "doc9": MB}
+    assert rank_replicas(need, ["a", "b"], {}, table)[0] == ["b"]
+    # two of three held on a: a costs 1 MB to load + 1 MB evicted, b 3 MB to load + 1 evicted
+    assert rank_replicas({"doc1": MB, "doc2": MB, "doc9": MB}, ["a", "b"], {},
+                         table)[0] == ["a"]
+    # unknown capacity is unlimited room
+    table.observe("a", {"doc1": MB, "doc2": MB, "doc3": MB})
+    assert table.free("a") == float("inf")
+    assert rank_replicas(need, ["a", "b"], {}, table)[0] == ["a"]

@@ -70,8 +70,9 @@ def test_cluster_settings_are_checked(tmp_path):
 
 def test_a_replica_runs_the_server_app_and_reports_the_modules_it_holds(schemas, tmp_path):
     """In this process, outside Ray: the ASGI bridge and the routing report."""
+    budget = 64 << 20
     replica = EngineReplica({"store": str(tmp_path / "kv"), "schemas": [str(schemas)],
-                             "replicas": 1, "threads": 2})
+                             "replicas": 1, "threads": 2, "device_budget_bytes": budget})
     body = pml_body([1, 0])
     found = route(body, False, SchemaBook([_parsed(schemas)]))
     call = Call("POST", "/v1/completions", [("content-type", "application/json")],
@@ -86,8 +87,14 @@ def test_a_replica_runs_the_server_app_and_reports_the_modules_it_holds(schemas,
         assert (kind, status) == ("start", 200) and (REPLICA_HEADER, "r1") in headers
         answer = json.loads(b"".join(chunk for _, chunk, _ in chunks))
         assert answer["promptlang"]["units"] == {"encoded": 3}       # system, d1, d0
-        held = replica.record_routing_stats()["held"]
+        stats = replica.record_routing_stats()
+        held, capacity = stats["held"], stats["capacity"]
         assert held == found.keys
+        units = {key for keys, _ in replica._held.values() for key in keys}
+        stored = sum(replica.llm.store.memory_bytes(key) for key in units)
+        assert len(units) == 3 and stored > 0
+        # the memory budget in the ingress's weight units, at the bytes per weight held
+        assert capacity == pytest.approx(budget * sum(held.values()) / stored)
         replica.llm.store.clear(tiers=["device", "host"])             # evicted: not held
         assert replica.record_routing_stats()["held"] == {}
         again = json.loads(b"".join(c for _, c, _ in asyncio.run(collect())[1:]))
