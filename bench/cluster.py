@@ -131,6 +131,7 @@ def run_cluster(llm, options: ClusterOptions = ClusterOptions(), *,
               for r in plan]
     work = Path(tempfile.mkdtemp(prefix="promptlang-bench-cluster-"))
     try:
+        _say("measuring the per-request costs on one engine")
         report.costs = measure_costs(llm, schema, plan, questions, options, work / "costs")
         (work / "schemas").mkdir()
         (work / "schemas" / "rag.pml").write_text(write(schema))
@@ -152,7 +153,11 @@ def run_cluster(llm, options: ClusterOptions = ClusterOptions(), *,
                                      "device_budget_bytes": budget,
                                      "max_batch": max(4, options.clients)}),
                           name="cluster-bench", route_prefix="/")
+                _say(f"{router}: serving {len(bodies)} requests, {options.clients} at a time")
                 report.runs.append(_serve_all(router, port, bodies, options))
+                row = report.runs[-1].row()
+                _say(f"{router}: {row['answered']} answered, {row['lost']} lost, "
+                     f"{row['memory hits %']}% memory hits, TTFT p50 {row['ttft p50 ms']} ms")
                 serve.delete("cluster-bench")
         finally:
             serve.shutdown()
@@ -161,6 +166,12 @@ def run_cluster(llm, options: ClusterOptions = ClusterOptions(), *,
         shutil.rmtree(work, ignore_errors=True)
     report.goals = goals(report)
     return report
+
+
+def _say(message: str) -> None:
+    import sys
+
+    print(f"promptlang bench cluster: {message}", file=sys.stderr, flush=True)
 
 
 def _documents(llm, options: ClusterOptions) -> tuple[list[str], list[str]]:

@@ -197,6 +197,33 @@ def _run_cluster(run: _Run):
     return report, parts
 
 
+def _run_scaling(run: _Run):
+    import json
+
+    from promptlang.bench import scaling
+    from promptlang.bench.report import render_markdown, render_text, write_csv, \
+        write_json
+    from promptlang.errors import PromptLangError
+
+    source = Path(run.args.costs) if run.args.costs else run.out / "cluster.json"
+    try:
+        costs = json.loads(source.read_text())["costs"]
+    except (OSError, ValueError, KeyError) as error:
+        raise PromptLangError(f"{source}: no measured costs to project from ({error}); run "
+                              "`promptlang bench cluster` first, or pass --costs FILE") from None
+    options = scaling.ScalingOptions.quick() if run.args.quick else scaling.ScalingOptions()
+    result = scaling.run_scaling(costs, options, progress=lambda row: _say(
+        f"{row['router']} x{row['replicas']}, {row['modules']:,} modules: "
+        f"{row['memory hit %']}% memory hits"))
+    result["costs_file"] = str(source)
+    parts = scaling.sections(result)
+    print(render_text(parts))
+    run.write("scaling.csv", lambda p: write_csv(p, result["rows"]))
+    run.write("scaling.json", lambda p: write_json(p, result))
+    run.write("scaling.md", lambda p: p.write_text(render_markdown(parts)))
+    return result, parts
+
+
 def _run_structured(run: _Run):
     from promptlang.bench import structured
     from promptlang.bench.report import render_markdown, render_text, write_json
@@ -381,7 +408,7 @@ def _done(run: _Run) -> None:
 COMMANDS = {"latency": _one(_run_latency), "memory": _one(_run_memory),
             "accuracy": _one(_run_accuracy), "serve": _one(_run_serve),
             "structured": _one(_run_structured), "peers": _one(_run_peers),
-            "cluster": _one(_run_cluster),
+            "cluster": _one(_run_cluster), "scaling": _one(_run_scaling),
             "all": _all}    # name -> runner(args, command)
 
 

@@ -45,6 +45,7 @@ class AffinityTable:
     _held: dict[Hashable, OrderedDict] = field(default_factory=dict)
     _sent: dict[Hashable, dict[str, float]] = field(default_factory=dict)   # key -> when
     _capacity: dict[Hashable, float] = field(default_factory=dict)
+    _totals: dict[Hashable, int] = field(default_factory=dict)   # bytes held, per replica
 
     def __post_init__(self):
         if self.max_bytes <= 0:
@@ -62,6 +63,7 @@ class AffinityTable:
         kept = {key: size for key, size in self._held.get(replica, {}).items()
                 if key in recent and key not in held}
         self._held[replica] = OrderedDict()
+        self._totals[replica] = 0
         self._sent[replica] = recent
         if capacity is None:
             self._capacity.pop(replica, None)
@@ -83,18 +85,21 @@ class AffinityTable:
 
     def _put(self, replica: Hashable, keys: Mapping[str, int]) -> None:
         table = self._held.setdefault(replica, OrderedDict())
+        total = self._totals.get(replica, 0)
         for key, size in keys.items():
-            table.pop(key, None)
-            table[key] = max(0, int(size))
-        total = sum(table.values())
+            total -= table.pop(key, 0)
+            table[key] = size = max(0, int(size))
+            total += size
         while table and total > self.max_bytes:
             total -= table.popitem(last=False)[1]
+        self._totals[replica] = total
 
     def drop(self, replica: Hashable) -> None:
         """`replica` died or was removed: it holds nothing any more."""
         self._held.pop(replica, None)
         self._sent.pop(replica, None)
         self._capacity.pop(replica, None)
+        self._totals.pop(replica, None)
 
     def keep_only(self, replicas: Sequence[Hashable]) -> None:
         """Forget every replica not in `replicas` (the current set)."""
@@ -104,11 +109,11 @@ class AffinityTable:
     def held_bytes(self, replica: Hashable, keys: Mapping[str, int] | None = None) -> int:
         """The bytes `replica` holds of `keys` (key -> bytes, as the request weighs them, so
         that every replica is measured alike), or in all if `keys` is None."""
+        if keys is None:
+            return self._totals.get(replica, 0)
         table = self._held.get(replica)
         if not table:
             return 0
-        if keys is None:
-            return sum(table.values())
         return sum(size for k, size in keys.items() if k in table)
 
 

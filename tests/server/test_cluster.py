@@ -2,8 +2,8 @@
 127.0.0.1 with 2 engine replicas of the default model, driven over HTTP.
 
 Skipped only where Ray Serve is not installed (the `cluster` extra; CI installs it). Every
-request loop is bounded in count and has a client timeout. The kill test runs last: it
-leaves Serve starting a replacement replica.
+request loop is bounded in count and has a client timeout. The kill test is the last to use
+the cluster: it leaves Serve starting a replacement replica.
 """
 
 from __future__ import annotations
@@ -229,3 +229,21 @@ def test_killing_a_replica_mid_load_loses_no_request(cluster):
     entries = store.entries()
     assert entries and all(store.get(entry.key) is not None for entry in entries)
     assert store.stats.corrupt_files == 0
+
+
+def test_the_documented_serve_config_builds(monkeypatch):
+    """examples/serve-cluster.yaml: its import path is build_app and its args are valid."""
+    import importlib
+    import pathlib
+
+    import yaml
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    config = yaml.safe_load((root / "examples" / "serve-cluster.yaml").read_text())
+    (app,) = config["applications"]
+    module, _, name = app["import_path"].partition(":")
+    assert getattr(importlib.import_module(module), name) is build_app
+    settings = ClusterConfig.from_args(app["args"])
+    assert settings.router == "affinity" and config["http_options"]["host"] == "127.0.0.1"
+    monkeypatch.chdir(root)
+    assert all(pathlib.Path(s).exists() for s in settings.schemas)
