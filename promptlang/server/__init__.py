@@ -8,6 +8,10 @@
     load.py     what `--schemas` names (PML files, folders of them, @prompt files)
     affinity.py module affinity: ranks replicas by the stored units a request needs
                 (the routing rule of a multi-replica deployment; no Ray in it)
+    routing.py  a request's modules named from its body, without the model (routing keys)
+    cluster.py  promptlang on Ray Serve: the ingress, the engine replicas, `serve --ray`
+    router.py   ModuleAffinityRouter: affinity.py on Ray Serve's RequestRouter
+                (cluster.py and router.py import Ray: the `cluster` extra; docs/SCALING.md)
 
 Importing this package imports FastAPI, not torch; `serve` loads the model.
 """
