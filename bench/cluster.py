@@ -322,7 +322,7 @@ def goals(report: ClusterReport) -> list[Goal]:
                 f"{lost} lost of {sum(r['sent'] for r in rows.values())} sent")]
     if "affinity" in rows and "pow2" in rows:
         a, p = rows["affinity"], rows["pow2"]
-        out.append(Goal("module affinity: more memory-tier hits than power-of-two",
+        out.append(Goal("module affinity keeps more in memory than power-of-two",
                         a["memory hits %"] > p["memory hits %"],
                         f"{a['memory hits %']}% against {p['memory hits %']}%"))
     return out

@@ -38,7 +38,7 @@ def test_cluster_quick_compares_the_routers_and_scaling_projects_from_its_costs(
     assert costs["ttft_encoded_s"] > costs["ttft_memory_s"] > 0 and costs["bytes_per_doc"] > 0
     verdicts = goals(out)
     assert verdicts["no request lost"] == "PASS"
-    assert "module affinity: more memory-tier hits than power-of-two" in verdicts
+    assert "module affinity keeps more in memory than power-of-two" in verdicts
 
     out = bench(capsys, "scaling", "--out", str(tmp_path))
     projected = read_csv(tmp_path / "scaling.csv")
