@@ -393,26 +393,40 @@ def _router_config(cfg: ClusterConfig) -> dict | None:
 
 def serve_cluster(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
                   num_cpus: int | None = None) -> None:
-    """Start a local Ray cluster (unless one is running), serve the application on
-    host:port until SIGINT/SIGTERM, then shut it down."""
+    """Start a local Ray cluster (or join the one RAY_ADDRESS names, or this process is
+    connected to), serve the application on host:port until SIGINT/SIGTERM, then shut the
+    local cluster down (on a joined one: delete the application)."""
     import ray
 
     config.check()
     if host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         print(f"promptlang serve --ray: listening on {host} with no --api-key: anyone who "
               "can reach it can use the model", file=sys.stderr)
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):          # join the cluster it names
-            ray.init()
-        else:                                      # a local one, on this machine only
-            ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False)
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(dict(config.__dict__)), name="promptlang", route_prefix="/")
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+
+    def on_signal(*_):
+        stop.set()
+    for sig in (signal.SIGINT, signal.SIGTERM):    # before the slow start: a stop request
+        signal.signal(sig, on_signal)             # during it is kept, not lost
+    joined = bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
     try:
+        if not ray.is_initialized():
+            if joined:                                 # join the cluster RAY_ADDRESS names
+                ray.init()
+            else:                                      # a local one, on this machine only
+                ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False)
+        for sig in (signal.SIGINT, signal.SIGTERM):    # Ray's own handlers replaced ours
+            signal.signal(sig, on_signal)
+        if not stop.is_set():
+            serve.start(http_options={"host": host, "port": port})
+            serve.run(build_app(dict(config.__dict__)), name="promptlang", route_prefix="/")
+            print(f"promptlang serve --ray: ready on http://{host}:{port}/v1", file=sys.stderr,
+                  flush=True)
         stop.wait()
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():
+            if joined:                # someone else's cluster: take away only this app
+                serve.delete("promptlang")
+            else:
+                serve.shutdown()
+                ray.shutdown()

@@ -33,8 +33,11 @@ def test_serve_ray_serves_the_api_and_stops_on_sigterm(tmp_path):
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_S
-        while True:
+        while "promptlang serve --ray: ready on" not in (tmp_path / "serve.log").read_text():
             assert process.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the cluster did not come up"
+            time.sleep(1)
+        while True:
             try:
                 with urllib.request.urlopen(base + "/health", timeout=10) as response:
                     if json.loads(response.read())["status"] == "ok":
