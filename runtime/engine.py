@@ -437,7 +437,7 @@ def _read_prompt(source) -> nodes.PromptDoc:
 def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
          dtype: torch.dtype = torch.float32, isolate: bool = False, store=None,
          store_dtype: torch.dtype | None = None, recompute: "str | Recompute" = DEFAULT_POLICY,
-         exact_reuse: bool = True) -> LLM:
+         exact_reuse: bool = True, quantized: bool = True) -> LLM:
     """Load a causal LM (None: the embedded default, SmolLM2-135M-Instruct) ready to serve.
 
     store_dtype (e.g. torch.bfloat16): keep cached KV at that precision (half the bytes).
@@ -446,10 +446,16 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     request's buffer. Ignored if `store` is given. recompute: the default recompute policy
     of requests whose schema names none ("seams": exact at module seams; docs/RECOMPUTE.md).
     exact_reuse: keep the units a request makes exact and serve them to later requests with the same tokens
-    before them (docs/RECOMPUTE.md, "Exact reuse")."""
-    from promptlang.runtime.loading import load_hf_model
+    before them (docs/RECOMPUTE.md, "Exact reuse"). quantized: a model from a GGUF (the
+    default one included) has the fused layers read its Q4_1 linear weights as stored (the
+    same values as the float copy, ~6.4x fewer bytes per pass: fast/fused.py attach_q4)."""
+    from promptlang.runtime.loading import gguf_source, load_hf_model, q4_blocks
     hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)
     adapter = adapt(hf_model)
+    decoder = adapter.fast.decoder if adapter.fast is not None else None
+    source = gguf_source(name_or_path) if quantized and decoder is not None else None
+    if source is not None and dtype == torch.float32:
+        decoder.attach_q4(q4_blocks(source, hf_model.config))
     if store is None and store_dtype is not None:
         from promptlang.runtime.store import ModuleStore
         # get() hands out the stored tensors as they are: no per-request conversion copy

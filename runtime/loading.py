@@ -56,6 +56,48 @@ def load_hf_model(name_or_path: str | Path | None = None, *, device: str | torch
     return model, tokenizer
 
 
+def gguf_source(name_or_path: str | Path | None) -> Path | None:
+    """The GGUF file a model loaded from `name_or_path` was converted from (the default
+    model's own, or a `.gguf` path), or None."""
+    if name_or_path is None:
+        from promptlang import default_model
+
+        return Path(default_model.default_model_files()) / default_model.GGUF_FILE
+    return Path(name_or_path) if str(name_or_path).endswith(".gguf") else None
+
+
+# GGUF tensor names of a Llama-family layer's linear weights -> the transformers parameter
+GGUF_LINEARS = {"attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj.weight",
+                "attn_v": "self_attn.v_proj.weight", "attn_output": "self_attn.o_proj.weight",
+                "ffn_gate": "mlp.gate_proj.weight", "ffn_up": "mlp.up_proj.weight",
+                "ffn_down": "mlp.down_proj.weight"}
+
+
+def q4_blocks(gguf: Path, config) -> dict[tuple[int, str], torch.Tensor]:
+    """The Q4_1 linear weights of a Llama-family GGUF as stored ({(layer, parameter name):
+    [rows, k / 32 * 20] uint8}), their rows in transformers' order: llama.cpp stores the
+    q and k projections' rows permuted for its rotary layout, and transformers' GGUF loader
+    permutes them back (the same permutation is applied here, to whole block rows). Other
+    quantization types are left out (they stay float)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    found = {}
+    for tensor in GGUFReader(str(gguf)).tensors:
+        parts = tensor.name.split(".")
+        if (len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LINEARS
+                or tensor.tensor_type != GGMLQuantizationType.Q4_1):
+            continue
+        rows = torch.from_numpy(tensor.data.copy())          # [n, k / 32 * 20] uint8
+        if parts[2] in ("attn_q", "attn_k"):
+            n_head = heads if parts[2] == "attn_q" else kv_heads
+            half = rows.shape[0] // n_head // 2
+            rows = rows.reshape(n_head, half, 2, -1).transpose(1, 2).reshape(rows.shape)
+        found[(int(parts[1]), GGUF_LINEARS[parts[2]])] = rows.contiguous()
+    return found
+
+
 def _from_pretrained(source: str, dtype: torch.dtype, **kwargs: Any) -> Any:
     from transformers import AutoModelForCausalLM
 

@@ -237,11 +237,30 @@ def _bind(library: Path) -> ctypes.CDLL:
         lib.pl_attend.restype = ctypes.c_int
         lib.pl_decoder.argtypes = [_P, _L, _P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _L,
                                    _P, _P, _P, _P, _P, _P, _P, _L, _P, _L, _P, _P, _L, _P,
-                                   _P, _P, ctypes.c_float, ctypes.c_float, ctypes.c_int]
+                                   _P, _P, ctypes.c_float, ctypes.c_float, _P, ctypes.c_int]
         lib.pl_decoder.restype = ctypes.c_int
+        lib.pl_q4_dequant.argtypes = [_P, _L, _L, _P]
+        lib.pl_q4_dequant.restype = None
     except AttributeError as exc:                 # "...: undefined symbol: pl_attend"
         raise _Unavailable(f"{library} lacks a kernel ({exc})") from None
     return lib
+
+
+# --- Q4_1 weights ---------------------------------------------------------------------------------
+
+Q4_BYTES = 20            # kernels.c: bytes per block of 32 weights (float16 d and m, 16 bytes)
+Q4_MAX_K = 8192          # kernels.c: the longest row pl_decoder dequantizes
+
+
+def q4_dequant(blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """The float32 weights [rows, k] of Q4_1 `blocks` ([rows, k / 32 * 20] uint8), as
+    pl_decoder computes them (d * q + m, multiply then add: gguf's values exactly)."""
+    if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or k % 32
+            or blocks.shape[1] != k // 32 * Q4_BYTES or not blocks.is_contiguous()):
+        raise ValueError("q4_dequant takes contiguous [rows, k / 32 * 20] uint8 blocks")
+    out = torch.empty(blocks.shape[0], k)
+    (_lib or _load()).pl_q4_dequant(blocks.data_ptr(), blocks.shape[0], k, out.data_ptr())
+    return out
 
 
 # --- linear ---------------------------------------------------------------------------------------
@@ -337,7 +356,8 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
             key_positions: torch.Tensor | None = None,
             query_positions: torch.Tensor | None = None,
             requests: list[tuple[int, int]] | None = None,
-            contexts: tuple[list[bool], float, float] | None = None) -> None:
+            contexts: tuple[list[bool], float, float] | None = None,
+            quantized: ctypes.Array | None = None) -> None:
     """Every decoder layer of a Llama-family model over x ([Q, hidden], replaced by the last
     layer's output) by pl_decoder; see fast/fused.py, which checks what it passes.
 
@@ -353,6 +373,8 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     new tokens only, and query_positions increase within a request only. None: one request.
     contexts: APE (runtime/model/adapter.py, ParallelContexts) -- (each piece a context or
     not, temperature, scale); None: plain attention.
+    quantized: pointers like `weights` to Q4_1 blocks of the linear weights with the same
+    values (fused.py checks them; NULL where a weight has none); None: float weights only.
     """
     layers, nseg = shape[5], len(pieces)
     spans = requests if requests is not None else [(int(x.shape[0]), nseg)]
@@ -398,6 +420,7 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
         x.data_ptr(), x.shape[0], shape, eps, scale, weights, cos.data_ptr(), sin.data_ptr(),
         nseg, keys, kstride, values, vstride, lens, half, newk, new_keys.stride(1), newv,
         new_values.stride(1), kpos, qpos, nreq, (ctypes.c_long * (nreq + 1))(*tok),
-        (ctypes.c_long * (nreq + 1))(*seg), ctx, invt, mixc, torch.get_num_threads())
+        (ctypes.c_long * (nreq + 1))(*seg), ctx, invt, mixc, quantized,
+        torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"pl_decoder failed ({status})")
