@@ -447,15 +447,19 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     of requests whose schema names none ("seams": exact at module seams; docs/RECOMPUTE.md).
     exact_reuse: keep the units a request makes exact and serve them to later requests with the same tokens
     before them (docs/RECOMPUTE.md, "Exact reuse"). quantized: a model from a GGUF (the
-    default one included) has the fused layers read its Q4_1 linear weights as stored (the
-    same values as the float copy, ~6.4x fewer bytes per pass: fast/fused.py attach_q4)."""
-    from promptlang.runtime.loading import gguf_source, load_hf_model, q4_blocks
+    default one included) has the fused layers read its Q4_1 linear weights and Q8_0 LM head
+    as stored for decode steps (the same values as the float copy, bit for bit; ~6.4x and
+    ~3.8x fewer bytes: fast/fused.py attach_q4, attach_q8_head)."""
+    from promptlang.runtime.loading import gguf_source, load_hf_model, q4_blocks, q8_head_blocks
     hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)
     adapter = adapt(hf_model)
     decoder = adapter.fast.decoder if adapter.fast is not None else None
     source = gguf_source(name_or_path) if quantized and decoder is not None else None
     if source is not None and dtype == torch.float32:
         decoder.attach_q4(q4_blocks(source, hf_model.config))
+        head = q8_head_blocks(source)
+        if head is not None:
+            decoder.attach_q8_head(head)
     if store is None and store_dtype is not None:
         from promptlang.runtime.store import ModuleStore
         # get() hands out the stored tensors as they are: no per-request conversion copy

@@ -98,6 +98,18 @@ def q4_blocks(gguf: Path, config) -> dict[tuple[int, str], torch.Tensor]:
     return found
 
 
+def q8_head_blocks(gguf: Path) -> torch.Tensor | None:
+    """The Q8_0 blocks of a GGUF's LM head as stored ([vocab, hidden / 32 * 34] uint8): its
+    `output.weight`, or the token embedding a tied head shares; None if not Q8_0."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
+    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    if head is None or head.tensor_type != GGMLQuantizationType.Q8_0:
+        return None
+    return torch.from_numpy(head.data.copy())
+
+
 def _from_pretrained(source: str, dtype: torch.dtype, **kwargs: Any) -> Any:
     from transformers import AutoModelForCausalLM
 

@@ -57,6 +57,10 @@ _WEIGHTS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_pr
             "mlp.up_proj.bias", "mlp.down_proj.bias")     # kernels.c's W_LN1 .. B_DOWN
 
 
+# passes of up to this many rows read quantized weights (kernels.c Q4_MAX_ROWS): beyond it
+# dequantizing costs more than the bytes it saves
+Q_MAX_ROWS = 3
+
 _switch = native.Switch()
 
 # Inside `with disabled():` every pass takes the transformers path (for A/B and tests); the
@@ -88,6 +92,7 @@ class FusedDecoder:
         self._q4: dict[int, torch.Tensor] = {}
         self._q4_seen: tuple = ()
         self._q4_table: ctypes.Array | None = None
+        self._q8_head: tuple[torch.Tensor, tuple] | None = None   # (Q8_0 blocks, checked)
         self._slots = [_slot(layer, name) for layer in layers for name in _WEIGHTS]
         self._shape = (ctypes.c_long * 6)(self.hidden, self.heads, self.kv_heads, self.head_dim,
                                           self.inter, len(layers))
@@ -151,7 +156,7 @@ class FusedDecoder:
         native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
                        new_values, key_positions, None if key_positions is None else positions,
                        contexts=contexts, quantized=self._quantized())
-        return self.lm_head(self.norm(x[rows]))
+        return self._head(self.norm(x[rows]))
 
     def forward_batch(self, requests: list[BatchRequest]) -> list[torch.Tensor] | None:
         """One pass over several requests' new tokens: the linear layers read each weight
@@ -205,7 +210,7 @@ class FusedDecoder:
             r.new_values.copy_(new_values[:, :, at:at + n])
             rows.append(r.rows.to(torch.int64) + at)
             at += n
-        logits = self.lm_head(self.norm(x[torch.cat(rows)]))   # one LM head for the batch
+        logits = self._head(self.norm(x[torch.cat(rows)]))     # one LM head for the batch
         return list(logits.split([int(r.shape[0]) for r in rows]))
 
     def _prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, pieces: list[Piece]):
@@ -249,7 +254,7 @@ class FusedDecoder:
         """Serve linear weights from Q4_1 blocks (a GGUF's, as stored: `{(layer index,
         parameter name as in _WEIGHTS, e.g. "mlp.up_proj.weight"): [n, k / 32 * 20] uint8}`)
         instead of their float32 copies: ~6.4x fewer bytes per pass. Each is checked to
-        dequantize to the float weight the layer holds now, bit for bit (native.q4_dequant);
+        dequantize to the float weight the layer holds now, bit for bit (native.q_dequant);
         one that does not stays float. A float weight replaced or changed in place later
         turns every quantized weight off. Returns how many weights are served quantized."""
         self._q4, self._q4_seen, self._q4_table = {}, (), None
@@ -269,7 +274,7 @@ class FusedDecoder:
                     or tuple(q.shape) != (weight.shape[0], weight.shape[1] // 32 * native.Q4_BYTES)):
                 continue
             q = q.contiguous()
-            if torch.equal(native.q4_dequant(q, weight.shape[1]), weight):
+            if torch.equal(native.q_dequant(q, weight.shape[1]), weight):
                 self._q4[slot] = q
         if self._q4:
             self._q4_seen = self._q4_state()
@@ -277,6 +282,38 @@ class FusedDecoder:
                 self._q4[i].data_ptr() if i in self._q4 else None
                 for i in range(len(self._slots))])
         return len(self._q4)
+
+    def attach_q8_head(self, blocks: torch.Tensor) -> bool:
+        """Serve the LM head from Q8_0 blocks ([vocab, hidden / 32 * 34] uint8: a GGUF's
+        output or tied embedding, as stored) for up to 3 rows (a decode step): ~3.8x fewer
+        bytes than its float32 copy, the largest single read of a step. Checked to
+        dequantize to the head's weight bit for bit (the logits then differ from torch's
+        head by summation order only); False (float stays) otherwise."""
+        self._q8_head = None
+        weight = self.lm_head.weight
+        if (self.lm_head.bias is not None or weight.dtype != torch.float32
+                or self.hidden % 32 or self.hidden > native.Q4_MAX_K
+                or blocks.dtype != torch.uint8
+                or tuple(blocks.shape) != (weight.shape[0], self.hidden // 32 * native.Q8_BYTES)
+                or not native.enabled() or not native.available()):
+            return False
+        blocks = blocks.contiguous()
+        same = all(torch.equal(native.q_dequant(blocks[i:i + 4096], self.hidden, kind=8),
+                               weight[i:i + 4096]) for i in range(0, weight.shape[0], 4096))
+        if same:
+            self._q8_head = (blocks, (weight.data_ptr(), weight._version))
+        return same
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits of h [R, hidden]: from its Q8_0 blocks for up to 3 rows
+        while the float weight is unchanged, else the model's own."""
+        head = self._q8_head
+        if head is not None and 0 < h.shape[0] <= Q_MAX_ROWS and native.enabled():
+            weight = self.lm_head.weight
+            if (weight.data_ptr(), weight._version) == head[1]:
+                return native.linear_q8(h, head[0])
+            self._q8_head = None
+        return self.lm_head(h)
 
     def _q4_state(self) -> tuple:
         return tuple((t.data_ptr(), t._version) for t in

@@ -177,6 +177,8 @@ static void dots(const float* a, long lda, long m, const float* b, long ldb, lon
             c[i * ldc + j] = dot1(a + i * lda, b + j * ldb, k);
 }
 
+#define LIN_BLOCK 16      /* weight rows per task: 16 x k floats stay hot while every x row uses them */
+
 /* ---- Q4_1 weights, read as the GGUF stores them --------------------------------------------- *
  * A row of k weights is k / 32 blocks of 20 bytes: d and m (float16), then 16 bytes whose low
  * nibbles are the block's weights 0-15 and high nibbles 16-31; weight = d * q + m. The dot
@@ -213,21 +215,45 @@ static void q4_row(const uint8_t* row, long k, float* dst) {
     }
 }
 
-/* out[r][0:k] = the weights of rows [0, rows) of Q4_1 blocks w (k % 32 == 0): for tests */
-void pl_q4_dequant(const uint8_t* w, long rows, long k, float* out) {
-    for (long r = 0; r < rows; r++)
-        q4_row(w + r * (k / 32) * Q4_BYTES, k, out + r * k);
+/* Q8_0 (the default model's tied embedding and LM head): 34 bytes per block of 32, d
+ * (float16) then 32 int8; weight = d * q (one float32 multiply: exact) */
+#define Q8_BYTES 34
+
+static void q8_row(const uint8_t* row, long k, float* dst) {
+    for (long b = 0; b < k / 32; b++, row += Q8_BYTES, dst += 32) {
+        uint16_t hd;
+        memcpy(&hd, row, 2);
+        __m256 d = _mm256_set1_ps(_cvtsh_ss(hd));
+        __m128i q0 = _mm_loadu_si128((const __m128i*)(row + 2));
+        __m128i q1 = _mm_loadu_si128((const __m128i*)(row + 18));
+        _mm256_storeu_ps(dst, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0))));
+        _mm256_storeu_ps(dst + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8)))));
+        _mm256_storeu_ps(dst + 16, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1))));
+        _mm256_storeu_ps(dst + 24, _mm256_mul_ps(d, _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8)))));
+    }
 }
 
-/* dots with b as Q4_1 rows (row stride k / 32 * Q4_BYTES bytes): the same tiles, in the same
- * order, over each group of 4 rows dequantized into this thread's buffer */
-static void dots_q4(const float* a, long lda, long m, const uint8_t* b, long n, long k,
-                    float* c, long ldc) {
-    long stride = k / 32 * Q4_BYTES;
+typedef void (*RowFn)(const uint8_t*, long, float*);
+
+/* out[r][0:k] = the weights of rows [0, rows) of blocks w (kind 4: Q4_1, 8: Q8_0; k % 32 ==
+ * 0): for tests and checks */
+void pl_q_dequant(const uint8_t* w, long rows, long k, int kind, float* out) {
+    RowFn row = kind == 8 ? q8_row : q4_row;
+    long stride = k / 32 * (kind == 8 ? Q8_BYTES : Q4_BYTES);
+    for (long r = 0; r < rows; r++)
+        row(w + r * stride, k, out + r * k);
+}
+
+/* dots with b as quantized rows (`row` dequantizes one; row stride `stride` bytes): the same
+ * tiles, in the same order, over each group of 4 rows dequantized into this thread's buffer */
+static void dots_q(const float* a, long lda, long m, const uint8_t* b, long n, long k,
+                   float* c, long ldc, RowFn row, long stride) {
     float* buf = q4_buf;
     long j = 0;
     for (; j + 4 <= n; j += 4) {
-        for (long r = 0; r < 4; r++) q4_row(b + (j + r) * stride, k, buf + r * k);
+        for (long r = 0; r < 4; r++) row(b + (j + r) * stride, k, buf + r * k);
         if (j + 8 <= n)
             for (long o = 0; o < 4 * stride; o += 64)
                 _mm_prefetch((const char*)(b + (j + 4) * stride + o), _MM_HINT_T0);
@@ -246,9 +272,21 @@ static void dots_q4(const float* a, long lda, long m, const uint8_t* b, long n, 
         }
     }
     for (; j < n; j++) {
-        q4_row(b + j * stride, k, buf);
+        row(b + j * stride, k, buf);
         for (long i = 0; i < m; i++)
             c[i * ldc + j] = dot1(a + i * lda, buf, k);
+    }
+}
+
+/* y[m][n] = x[m][k] . w^T for Q8_0 rows w (k % 32 == 0, k <= Q4_MAX_K): the LM head of a
+ * decode step from the GGUF's own blocks */
+void pl_linear_q8(const float* x, long m, long k, const uint8_t* w, long n, float* y,
+                  int threads) {
+    long tasks = (n + LIN_BLOCK - 1) / LIN_BLOCK, stride = k / 32 * Q8_BYTES;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long t = 0; t < tasks; t++) {
+        long j0 = t * LIN_BLOCK, j1 = j0 + LIN_BLOCK < n ? j0 + LIN_BLOCK : n;
+        dots_q(x, k, m, w + j0 * stride, j1 - j0, k, y + j0, n, q8_row, stride);
     }
 }
 
@@ -261,7 +299,6 @@ static void linear_cols(const float* x, long m, long k, const float* w, long n, 
             for (long j = j0; j < j1; j++) y[i * ldy + j] += bias[j];
 }
 
-#define LIN_BLOCK 16      /* weight rows per task: 16 x k floats stay hot while every x row uses them */
 
 void pl_linear(const float* x, long m, long k, const float* w, long n, const float* bias,
                float* y, int threads) {
@@ -842,7 +879,8 @@ static void linear_any(const float* x, long m, long k, const float* w, const uin
         linear_cols(x, m, k, w, n, b, j0, j1, y, ldy);
         return;
     }
-    dots_q4(x, k, m, wq + j0 * (k / 32) * Q4_BYTES, j1 - j0, k, y + j0, ldy);
+    dots_q(x, k, m, wq + j0 * (k / 32) * Q4_BYTES, j1 - j0, k, y + j0, ldy, q4_row,
+           k / 32 * Q4_BYTES);
     if (b)
         for (long i = 0; i < m; i++)
             for (long j = j0; j < j1; j++) y[i * ldy + j] += b[j];

@@ -239,28 +239,49 @@ def _bind(library: Path) -> ctypes.CDLL:
                                    _P, _P, _P, _P, _P, _P, _P, _L, _P, _L, _P, _P, _L, _P,
                                    _P, _P, ctypes.c_float, ctypes.c_float, _P, ctypes.c_int]
         lib.pl_decoder.restype = ctypes.c_int
-        lib.pl_q4_dequant.argtypes = [_P, _L, _L, _P]
-        lib.pl_q4_dequant.restype = None
+        lib.pl_q_dequant.argtypes = [_P, _L, _L, ctypes.c_int, _P]
+        lib.pl_q_dequant.restype = None
+        lib.pl_linear_q8.argtypes = [_P, _L, _L, _P, _L, _P, ctypes.c_int]
+        lib.pl_linear_q8.restype = None
     except AttributeError as exc:                 # "...: undefined symbol: pl_attend"
         raise _Unavailable(f"{library} lacks a kernel ({exc})") from None
     return lib
 
 
-# --- Q4_1 weights ---------------------------------------------------------------------------------
+# --- quantized weights (a GGUF's blocks, as stored) -----------------------------------------------
 
-Q4_BYTES = 20            # kernels.c: bytes per block of 32 weights (float16 d and m, 16 bytes)
-Q4_MAX_K = 8192          # kernels.c: the longest row pl_decoder dequantizes
+Q4_BYTES = 20            # kernels.c: Q4_1 bytes per block of 32 weights (float16 d and m, 16 bytes)
+Q8_BYTES = 34            # kernels.c: Q8_0 bytes per block of 32 weights (float16 d, 32 int8)
+Q4_MAX_K = 8192          # kernels.c: the longest row the kernels dequantize
+_KINDS = {4: Q4_BYTES, 8: Q8_BYTES}
 
 
-def q4_dequant(blocks: torch.Tensor, k: int) -> torch.Tensor:
-    """The float32 weights [rows, k] of Q4_1 `blocks` ([rows, k / 32 * 20] uint8), as
-    pl_decoder computes them (d * q + m, multiply then add: gguf's values exactly)."""
-    if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or k % 32
-            or blocks.shape[1] != k // 32 * Q4_BYTES or not blocks.is_contiguous()):
-        raise ValueError("q4_dequant takes contiguous [rows, k / 32 * 20] uint8 blocks")
+def q_dequant(blocks: torch.Tensor, k: int, kind: int = 4) -> torch.Tensor:
+    """The float32 weights [rows, k] of `blocks` ([rows, k / 32 * bytes] uint8; kind 4: Q4_1,
+    8: Q8_0) as the kernels compute them: gguf's dequantized values exactly (Q4_1: d * q + m,
+    multiply then add; Q8_0: d * q)."""
+    if (kind not in _KINDS or blocks.dtype != torch.uint8 or blocks.dim() != 2 or k % 32
+            or k > Q4_MAX_K or blocks.shape[1] != k // 32 * _KINDS[kind]
+            or not blocks.is_contiguous()):
+        raise ValueError("q_dequant takes contiguous [rows, k / 32 * block bytes] uint8 "
+                         f"blocks, k a multiple of 32 up to {Q4_MAX_K}")
     out = torch.empty(blocks.shape[0], k)
-    (_lib or _load()).pl_q4_dequant(blocks.data_ptr(), blocks.shape[0], k, out.data_ptr())
+    (_lib or _load()).pl_q_dequant(blocks.data_ptr(), blocks.shape[0], k, kind, out.data_ptr())
     return out
+
+
+def linear_q8(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """x [m, k] float32 . W^T for W given as Q8_0 `blocks` ([n, k / 32 * 34] uint8): the same
+    values as W's float copy, the same tiles as pl_linear, ~3.8x fewer weight bytes."""
+    m, k = x.shape
+    if (x.dtype != torch.float32 or k % 32 or k > Q4_MAX_K or blocks.dtype != torch.uint8
+            or blocks.shape[1] != k // 32 * Q8_BYTES or not blocks.is_contiguous()):
+        raise ValueError("linear_q8 takes float32 rows and contiguous Q8_0 blocks of their width")
+    x = x.contiguous()
+    y = torch.empty(m, blocks.shape[0])
+    (_lib or _load()).pl_linear_q8(x.data_ptr(), m, k, blocks.data_ptr(), blocks.shape[0],
+                                   y.data_ptr(), torch.get_num_threads())
+    return y
 
 
 # --- linear ---------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def passes(adapter, new: int, past_len: int = 40):
 def test_dequantized_blocks_are_gguf_s_values_bit_for_bit():
     w = torch.randn(48, 96)
     q = quantize(w.numpy(), GGMLQuantizationType.Q4_1)
-    ours = native.q4_dequant(torch.from_numpy(np.ascontiguousarray(q)), 96)
+    ours = native.q_dequant(torch.from_numpy(np.ascontiguousarray(q)), 96)
     assert torch.equal(ours, torch.from_numpy(dequantize(q, GGMLQuantizationType.Q4_1)))
 
 
@@ -87,6 +87,24 @@ def test_a_float_weight_changed_later_turns_the_blocks_off():
     assert not torch.equal(changed[0], passes(adapter, 5)[0])      # the change was seen
 
 
+def test_q8_0_blocks_dequantize_to_gguf_s_values_and_serve_the_lm_head():
+    w = torch.randn(70, 64)
+    q = torch.from_numpy(np.ascontiguousarray(quantize(w.numpy(), GGMLQuantizationType.Q8_0)))
+    exact = torch.from_numpy(dequantize(q.numpy(), GGMLQuantizationType.Q8_0))
+    assert torch.equal(native.q_dequant(q, 64, kind=8), exact)
+    model, _ = q4_model()
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(torch.randn(VOCAB, 64))
+        head = quantize(model.lm_head.weight.numpy(), GGMLQuantizationType.Q8_0)
+        model.lm_head.weight.copy_(torch.from_numpy(dequantize(head, GGMLQuantizationType.Q8_0)))
+    adapter = adapt(model)
+    float_pass = passes(adapter, 2)
+    assert adapter.fast.decoder.attach_q8_head(torch.from_numpy(np.ascontiguousarray(head)))
+    # the same weight values; torch's head sums in an order of its own
+    torch.testing.assert_close(passes(adapter, 2)[0], float_pass[0], rtol=0, atol=1e-5)
+    assert not adapter.fast.decoder.attach_q8_head(torch.zeros_like(torch.from_numpy(head)))
+
+
 def test_passes_of_up_to_three_rows_are_handed_the_blocks(monkeypatch):
     model, blocks = q4_model()
     adapter = adapt(model)
@@ -108,6 +126,7 @@ def test_the_default_model_serves_its_gguf_s_q4_1_weights():
     quantized, plain = engine.load(), engine.load(quantized=False)
     config = quantized.adapter.model.config
     assert quantized.adapter.fast.decoder.quantized_weights == 7 * config.num_hidden_layers
+    assert quantized.adapter.fast.decoder._q8_head is not None      # the tied Q8_0 head
     assert plain.adapter.fast.decoder.quantized_weights == 0
     prompt = "<prompt schema='q4'><doc/><user>Where is the tower?</user><assistant></prompt>"
     schema = ("<schema name='q4'><system>Answer briefly.</system><module name='doc'>The tower "
