@@ -20,6 +20,7 @@ Anything else takes the transformers path; both are held to the same oracle
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from typing import NamedTuple
 
@@ -328,6 +329,16 @@ class FusedDecoder:
             self._q4, self._q4_seen, self._q4_table = {}, (), None
             return None
         return self._q4_table
+
+    @contextlib.contextmanager
+    def quantized_off(self):
+        """Inside: every pass reads the float weights (A/B measurements, checks)."""
+        saved = self._q4_table, self._q8_head
+        self._q4_table, self._q8_head = None, None
+        try:
+            yield
+        finally:
+            self._q4_table, self._q8_head = saved
 
     @property
     def quantized_weights(self) -> int:
