@@ -21,8 +21,10 @@ What differs between callers is a hook, not another loop:
   (bit-exact up to the last-ulp differences of a wider pass), greedy or seeded.
 
 Generated tokens take positions `position, position + 1, ...` and attend to everything
-before them. Units the prefill read in place are copied into the buffer before the
-first step (`materialize`): every step reads all of the KV, and one piece is cheaper.
+before them. Units the prefill read in place stay read in place by every step where the
+fused layers serve the steps (they read stored units as pieces, 16-bit ones at their own
+width: a bfloat16 store halves the bytes a step reads); elsewhere they are copied into the
+buffer before the first step (`materialize`: transformers' layers read one buffer).
 """
 
 from __future__ import annotations
@@ -97,11 +99,14 @@ class Decoder:
     def __init__(self, adapter: ModelAdapter, buffer: KVBuffer, decoding: Decoding,
                  position: int, *, limit: int | None = None, draft: int = 0,
                  drafter: Drafter | None = None, constrain: Constrain | None = None,
-                 keep: int = 0, materialize: bool = True):
+                 keep: int = 0, materialize: bool | None = None):
         self.adapter, self.buffer, self.decoding = adapter, buffer, decoding
         self.position, self.limit = position, limit
         self.draft, self.drafter = draft, drafter
         self.constrain = constrain
+        if materialize is None:          # the fused layers read stored units in place
+            fused = getattr(getattr(adapter, "fast", None), "decoder", None)
+            materialize = fused is None or not fused.available()
         self.materialize = materialize
         self.start_length, self.start_position = buffer.length, position
         self.fed = 0                     # generated tokens fed to the model and kept
