@@ -133,7 +133,7 @@ def _document(llm, options: PeersOptions, report: PeersReport) -> list[list[int]
     ids = [llm.bind(p).token_ids() for p in prompts]
     report.doc["transformers"] = [_full_prefill(llm, ids[-1])]
     report.decode["promptlang"] = _per_token(llm, prompts[-1], options.decode_tokens)
-    decoder = llm.adapter.fast.decoder if llm.adapter.fast is not None else None
+    decoder = llm.adapter.fast.decoder
     if decoder is not None and decoder.quantized_weights:
         with decoder.quantized_off():
             report.decode["promptlang (float32 weights)"] = _per_token(
@@ -169,7 +169,7 @@ def quantized_check(llm) -> tuple[int, float | None]:
     pass over a 200-token past between the quantized and the float weights)."""
     from promptlang.runtime.model import Past
 
-    decoder = llm.adapter.fast.decoder if llm.adapter.fast is not None else None
+    decoder = llm.adapter.fast.decoder
     count = decoder.quantized_weights if decoder is not None else 0
     if not count:
         return 0, None

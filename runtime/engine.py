@@ -450,14 +450,14 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     default one included) has the fused layers read its Q4_1 linear weights and Q8_0 LM head
     as stored for decode steps (the same values as the float copy, bit for bit; ~6.4x and
     ~3.8x fewer bytes: fast/fused.py attach_q4, attach_q8_head)."""
-    from promptlang.runtime.loading import gguf_source, load_hf_model, q4_blocks, q8_head_blocks
+    from promptlang.runtime.loading import gguf_source, load_hf_model, quantized_blocks
     hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)
     adapter = adapt(hf_model)
-    decoder = adapter.fast.decoder if adapter.fast is not None else None
+    decoder = adapter.fast.decoder
     source = gguf_source(name_or_path) if quantized and decoder is not None else None
     if source is not None and dtype == torch.float32:
-        decoder.attach_q4(q4_blocks(source, hf_model.config))
-        head = q8_head_blocks(source)
+        linears, head = quantized_blocks(source, hf_model.config)
+        decoder.attach_q4(linears)
         if head is not None:
             decoder.attach_q8_head(head)
     if store is None and store_dtype is not None:

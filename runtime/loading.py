@@ -73,18 +73,25 @@ GGUF_LINEARS = {"attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj
                 "ffn_down": "mlp.down_proj.weight"}
 
 
-def q4_blocks(gguf: Path, config) -> dict[tuple[int, str], torch.Tensor]:
-    """The Q4_1 linear weights of a Llama-family GGUF as stored ({(layer, parameter name):
-    [rows, k / 32 * 20] uint8}), their rows in transformers' order: llama.cpp stores the
-    q and k projections' rows permuted for its rotary layout, and transformers' GGUF loader
-    permutes them back (the same permutation is applied here, to whole block rows). Other
-    quantization types are left out (they stay float)."""
+def quantized_blocks(gguf: Path, config) -> tuple[dict[tuple[int, str], torch.Tensor],
+                                                   torch.Tensor | None]:
+    """A Llama-family GGUF's quantized weights as stored, read in one pass over the file:
+
+    - its Q4_1 linear weights, {(layer, parameter name): [rows, k / 32 * 20] uint8}, rows in
+      transformers' order: llama.cpp stores the q and k projections' rows permuted for its
+      rotary layout, and transformers' GGUF loader permutes them back (the same permutation
+      is applied here, to whole block rows); other quantization types are left out (they
+      stay float);
+    - its LM head's Q8_0 blocks ([vocab, hidden / 32 * 34] uint8: `output.weight`, or the
+      token embedding a tied head shares), or None if not Q8_0."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    found = {}
+    linears, heads_by_name = {}, {}
     for tensor in GGUFReader(str(gguf)).tensors:
+        if tensor.name in ("output.weight", "token_embd.weight"):
+            heads_by_name[tensor.name] = tensor
         parts = tensor.name.split(".")
         if (len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LINEARS
                 or tensor.tensor_type != GGMLQuantizationType.Q4_1):
@@ -94,20 +101,11 @@ def q4_blocks(gguf: Path, config) -> dict[tuple[int, str], torch.Tensor]:
             n_head = heads if parts[2] == "attn_q" else kv_heads
             half = rows.shape[0] // n_head // 2
             rows = rows.reshape(n_head, half, 2, -1).transpose(1, 2).reshape(rows.shape)
-        found[(int(parts[1]), GGUF_LINEARS[parts[2]])] = rows.contiguous()
-    return found
-
-
-def q8_head_blocks(gguf: Path) -> torch.Tensor | None:
-    """The Q8_0 blocks of a GGUF's LM head as stored ([vocab, hidden / 32 * 34] uint8): its
-    `output.weight`, or the token embedding a tied head shares; None if not Q8_0."""
-    from gguf import GGMLQuantizationType, GGUFReader
-
-    tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
-    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+        linears[(int(parts[1]), GGUF_LINEARS[parts[2]])] = rows.contiguous()
+    head = heads_by_name.get("output.weight") or heads_by_name.get("token_embd.weight")
     if head is None or head.tensor_type != GGMLQuantizationType.Q8_0:
-        return None
-    return torch.from_numpy(head.data.copy())
+        return linears, None
+    return linears, torch.from_numpy(head.data.copy())
 
 
 def _from_pretrained(source: str, dtype: torch.dtype, **kwargs: Any) -> Any:

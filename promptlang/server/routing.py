@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from promptlang.pml import nodes
-from promptlang.server.prompts import (COMPLETION_SCHEMA, RequestError, extension_prompt,
+from promptlang.server.prompts import (COMPLETION_SCHEMA, extension_prompt,
                                        parse_messages)
 
 
@@ -159,4 +159,4 @@ def _own_text(children) -> str:
     return "".join(child.text for child in children if isinstance(child, nodes.Text))
 
 
-__all__ = ["RequestRoute", "SchemaBook", "route", "routing_key", "RequestError"]
+__all__ = ["RequestRoute", "SchemaBook", "route", "routing_key"]
