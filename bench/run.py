@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -67,19 +66,12 @@ class _Run:
     def machine(self):
         if self._machine is None:
             from promptlang.bench import floor
+            from promptlang.runtime.passing import on_passing_thread
 
-            # on a thread of its own that then ends: torch's parallel sgemm and copy leave an
-            # OpenMP thread pool with the thread that ran them, and while more OpenMP threads
-            # exist than cores libgomp stops spinning at barriers -- `bench serve`'s engine
-            # thread then decoded ~30% slower (measured). The pool goes with its thread.
-            found = []
-            helper = threading.Thread(target=lambda: found.append(floor.measure_machine()),
-                                      name="promptlang-measure")
-            helper.start()
-            helper.join()
-            if not found:
-                raise RuntimeError("measuring the machine failed (see the error above)")
-            self._machine = found[0]
+            # on a thread of its own that then ends (runtime/passing.py): torch's parallel
+            # sgemm and copy leave an OpenMP thread pool with the thread that ran them, and
+            # `bench serve`'s engine thread then decoded ~30% slower (measured)
+            self._machine = on_passing_thread(floor.measure_machine, name="promptlang-measure")
         return self._machine
 
     def machine_lines(self) -> list[str]:

@@ -449,7 +449,18 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     before them (docs/RECOMPUTE.md, "Exact reuse"). quantized: a model from a GGUF (the
     default one included) has the fused layers read its Q4_1 linear weights and Q8_0 LM head
     as stored for decode steps (the same values as the float copy, bit for bit; ~6.4x and
-    ~3.8x fewer bytes: fast/fused.py attach_q4, attach_q8_head)."""
+    ~3.8x fewer bytes: fast/fused.py attach_q4, attach_q8_head).
+
+    The loading runs on a thread that then ends (runtime/passing.py), so that the caller's
+    thread keeps no OpenMP pool: a server's engine thread is then the only one that has one."""
+    from promptlang.runtime.passing import on_passing_thread
+    return on_passing_thread(lambda: _load(name_or_path, device, dtype, isolate, store,
+                                           store_dtype, recompute, exact_reuse, quantized),
+                             name="promptlang-load")
+
+
+def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, exact_reuse,
+          quantized) -> LLM:
     from promptlang.runtime.loading import gguf_source, load_hf_model, quantized_blocks
     hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)
     adapter = adapt(hf_model)

@@ -148,8 +148,97 @@ static inline float dot1(const float* a, const float* b, long k) {
  * prefetched group until its turn; 16 x 576 x 50000: ~100 -> ~115 GFLOP/s, 4 rows ~+60%. */
 #define PREFETCH_GROUPS 8
 
+/* ---- the same tiles on 512-bit vectors (AVX-512F; chosen at run time, pl_wide) -------------- *
+ * 16-lane accumulators along k, reduced to 8 lanes (low half + high half) and then as hsum4:
+ * every (row, column) is summed in one fixed order whatever tile computes it, so a row's
+ * results do not depend on how many rows a pass has (a request alone and in a batch get the
+ * same numbers). Rows of a in tiles of 6 (24 accumulators: ~1.8x the 256-bit tiles' GFLOP/s
+ * at 32-64 rows, ~1.5x at 16, the same at 1-3 where the weight stream bounds it). Taken for
+ * k % 16 == 0 only, so the choice depends on the layer, never on the pass. */
+#define WIDE __attribute__((target("avx512f")))
+#define AIW static inline __attribute__((always_inline, target("avx512f")))
+
+static int wide = 0;           /* pl_wide: the 512-bit tiles are on */
+
+AIW __m256 half_sum(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+/* R rows of a x 4 rows of b (R constant at each call: the accumulators stay in registers) */
+AIW void tile_w(const int R, const float* a, long lda, const float* b, long ldb, long k,
+                float* c, long ldc) {
+    __m512 acc[6][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    for (long i = 0; i < k; i += 16) {
+        __m512 x[6];
+        for (int r = 0; r < R; r++) x[r] = _mm512_loadu_ps(a + r * lda + i);
+        for (int j = 0; j < 4; j++) {
+            __m512 y = _mm512_loadu_ps(b + j * ldb + i);
+            for (int r = 0; r < R; r++) acc[r][j] = _mm512_fmadd_ps(x[r], y, acc[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        _mm_storeu_ps(c + r * ldc, hsum4(half_sum(acc[r][0]), half_sum(acc[r][1]),
+                                         half_sum(acc[r][2]), half_sum(acc[r][3])));
+}
+
+WIDE static float dot1_w(const float* a, const float* b, long k) {
+    __m512 c = _mm512_setzero_ps();
+    for (long i = 0; i < k; i += 16)
+        c = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), c);
+    return hsum(half_sum(c));
+}
+
+/* every row of a against one group of 4 rows of b; while the tiles compute, `ahead` (NULL:
+ * nothing) is pulled into L2 a `slice` per tile, not past `end` (as dots) */
+WIDE static void group_w(const float* a, long lda, long m, const float* b, long ldb, long k,
+                         float* c, long ldc, const char* ahead, long slice, const char* end) {
+    for (long i = 0; i < m; ) {
+        if (ahead) {
+            for (long o = 0; o < slice && ahead + o < end; o += 64)
+                _mm_prefetch(ahead + o, _MM_HINT_T1);
+            ahead += slice;
+        }
+        long left = m - i;
+        if (left >= 6) { tile_w(6, a + i * lda, lda, b, ldb, k, c + i * ldc, ldc); i += 6; }
+        else if (left >= 4) { tile_w(4, a + i * lda, lda, b, ldb, k, c + i * ldc, ldc); i += 4; }
+        else if (left == 3) { tile_w(3, a + i * lda, lda, b, ldb, k, c + i * ldc, ldc); i += 3; }
+        else if (left == 2) { tile_w(2, a + i * lda, lda, b, ldb, k, c + i * ldc, ldc); i += 2; }
+        else { tile_w(1, a + i * lda, lda, b, ldb, k, c + i * ldc, ldc); i += 1; }
+    }
+}
+
+WIDE static void dots_w(const float* a, long lda, long m, const float* b, long ldb, long n,
+                        long k, float* c, long ldc, const float* b_end) {
+    long tiles = (m + 5) / 6;
+    long slice = (4 * ldb * (long)sizeof(float) / tiles + 63) & ~63L;
+    long j = 0;
+    for (; j + 4 <= n; j += 4)
+        group_w(a, lda, m, b + j * ldb, ldb, k, c + j, ldc,
+                (const char*)(b + (j + 4 * PREFETCH_GROUPS) * ldb), slice, (const char*)b_end);
+    for (; j < n; j++)
+        for (long i = 0; i < m; i++)
+            c[i * ldc + j] = dot1_w(a + i * lda, b + j * ldb, k);
+}
+
+/* 1: the 512-bit tiles where the CPU (and its OS) has AVX-512F, 0: the 256-bit ones, -1: no
+ * change; returns whether they are on */
+int pl_wide(int on) {
+    if (on >= 0)
+        wide = on && __builtin_cpu_supports("avx512f");
+    return wide;
+}
+
+static inline int use_wide(long k) { return wide && k % 16 == 0; }
+
 static void dots(const float* a, long lda, long m, const float* b, long ldb, long n, long k,
                  float* c, long ldc, const float* b_end) {
+    if (use_wide(k)) {
+        dots_w(a, lda, m, b, ldb, n, k, c, ldc, b_end);
+        return;
+    }
     long tiles = (m + 2) / 3;
     long slice = (4 * ldb * (long)sizeof(float) / tiles + 63) & ~63L;
     const char* end = (const char*)b_end;
@@ -191,6 +280,10 @@ static void dots(const float* a, long lda, long m, const float* b, long ldb, lon
 #define Q4_MAX_ROWS 3         /* passes of more rows take the float weights: for them the
                                  dequantizing costs more than the bytes it saves (measured:
                                  1-3 rows 1.3-1.7x faster a pass, 4-64 rows 0.92-1.0x) */
+#define Q4_MAX_ROWS_WIDE 8    /* ... with the 512-bit tiles (dots_w), whose faster arithmetic
+                                 leaves the weight stream the bound for longer: 16 decode
+                                 steps of the default model, 4 requests 25.7 -> 20.2 ms a step,
+                                 8 requests 33.2 -> 32.6 ms, 16 requests 47.4 -> 55.1 ms */
 
 static __thread float q4_buf[4 * Q4_MAX_K];     /* one group of rows, per thread */
 
@@ -251,12 +344,17 @@ void pl_q_dequant(const uint8_t* w, long rows, long k, int kind, float* out) {
 static void dots_q(const float* a, long lda, long m, const uint8_t* b, long n, long k,
                    float* c, long ldc, RowFn row, long stride) {
     float* buf = q4_buf;
+    int w = use_wide(k);
     long j = 0;
     for (; j + 4 <= n; j += 4) {
         for (long r = 0; r < 4; r++) row(b + (j + r) * stride, k, buf + r * k);
         if (j + 8 <= n)
             for (long o = 0; o < 4 * stride; o += 64)
                 _mm_prefetch((const char*)(b + (j + 4) * stride + o), _MM_HINT_T0);
+        if (w) {
+            group_w(a, lda, m, buf, k, k, c + j, ldc, NULL, 0, NULL);
+            continue;
+        }
         long i = 0, threes = m % 3 == 1 && m >= 4 ? m - 4 : m;   /* as dots */
         while (i < m) {
             if (i + 3 <= threes) {
@@ -274,7 +372,7 @@ static void dots_q(const float* a, long lda, long m, const uint8_t* b, long n, l
     for (; j < n; j++) {
         row(b + j * stride, k, buf);
         for (long i = 0; i < m; i++)
-            c[i * ldc + j] = dot1(a + i * lda, buf, k);
+            c[i * ldc + j] = w ? dot1_w(a + i * lda, buf, k) : dot1(a + i * lda, buf, k);
     }
 }
 
@@ -600,40 +698,100 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
  * request: request i has the tokens tok[i] .. tok[i+1] (n_i of them) and groups * n_i rows,
  * head-major (its local row r is query head r / n_i of the group at token tok[i] + r % n_i),
  * and sees its own past segments seg[i] .. seg[i+1] and its own new tokens only. A unit is
- * (KV head, request, block of at most MAXR of its rows); a task is a unit over a range of
- * whole key blocks of its request's keys, enough tasks for every thread to have two. So a
- * request's keys are read once per KV head for all of its rows, and a batch of requests
- * never computes a score that is masked out.
+ * (KV head, request, block of at most MAXR of its rows); a task is a unit over a range of its
+ * request's keys, enough tasks for every thread to have two. So a request's keys are read
+ * once per KV head for all of its rows, and a batch of requests never computes a score that
+ * is masked out.
  *
- * Requests that read the same stored unit in place (their first past segment is the same
- * memory) come one after another in a chain of tasks that one thread runs in a row, for
- * each KV head: the unit's keys and values, read from memory by the first, are still in
- * that core's cache for the next (~0.7 MB per KV head and layer for 1.3k keys of the
- * default model). A chain holds at most CHAIN tasks, so that threads stay balanced. */
-#define CHAIN 8
+ * Segments that several requests of a batch read in place (a stored unit: the same memory and
+ * length) are tasks of their own, and the tasks of one KV head over one such segment run one
+ * after another on one thread (a chain of at most CHAIN): the segment's keys and values, read
+ * from memory by the first, are still in that core's cache for the others (~0.15 MB per KV
+ * head and layer for a 300-token document of the default model). So the step reads each
+ * shared module about once, not once per request that holds it -- the paper's batched
+ * serving over shared modules. Task order within a unit stays by key range (merge_row). */
+#define CHAIN 16
 
 typedef struct {
     long heads, groups, rows, d, nreq, units, tasks, per_rows, chains;
     const long *tok, *seg;
     long *u_head, *u_req, *u_r0, *u_r1, *u_task;     /* per unit; u_task: its first task */
     long *t_unit, *t_a, *t_b;                        /* per task: unit, key range */
-    long *c_task;                                    /* per chain: its first task */
+    long *run;                                       /* the tasks in the order threads take them */
+    long *c_task;                                    /* per chain: its first place in run */
     long *koff;                                      /* per request: past keys before its own */
     long *mem;
 } Plan;
 
 static void plan_free(Plan* p) { free(p->mem); p->mem = NULL; }
 
+typedef struct { uintptr_t at; long len, g, req; } SegKey;
+
+static int segkey_cmp(const void* x, const void* y) {
+    const SegKey *a = (const SegKey*)x, *b = (const SegKey*)y;
+    if (a->at != b->at) return a->at < b->at ? -1 : 1;
+    if (a->len != b->len) return a->len < b->len ? -1 : 1;
+    return a->g < b->g ? -1 : (a->g > b->g);
+}
+
+/* sid[g] = the number of the memory segment g reads when another request reads it too, else
+ * -1 (first: NULL, or each segment's memory); returns how many such memories there are, or
+ * -1 when out of memory */
+static long shared_segments(long nreq, const long* seg, const long* lens, const void* const* first,
+                            long* sid) {
+    long nseg = seg[nreq], groups = 0;
+    for (long g = 0; g < nseg; g++) sid[g] = -1;
+    if (!first || nreq < 2 || nseg < 2) return 0;
+    SegKey* keys = (SegKey*)malloc(sizeof(SegKey) * nseg);
+    if (!keys) return -1;
+    for (long i = 0; i < nreq; i++)
+        for (long g = seg[i]; g < seg[i + 1]; g++)
+            keys[g] = (SegKey){(uintptr_t)first[g], lens[g], g, i};
+    qsort(keys, nseg, sizeof(SegKey), segkey_cmp);
+    for (long a = 0, b; a < nseg; a = b) {
+        int others = 0;
+        for (b = a + 1; b < nseg && keys[b].at == keys[a].at && keys[b].len == keys[a].len; b++)
+            others |= keys[b].req != keys[a].req;
+        if (others && keys[a].len > 0) {
+            for (long c = a; c < b; c++) sid[keys[c].g] = groups;
+            groups++;
+        }
+    }
+    free(keys);
+    return groups;
+}
+
+/* The key ranges of request i's tasks: runs of its own segments, each shared segment alone,
+ * each cut at multiples of span; (a, b, shared id or -1) into ra/rb/rs when given. Returns how
+ * many (at least one). */
+static long key_ranges(long i, const long* seg, const long* lens, const long* sid, long total,
+                       long span, long* ra, long* rb, long* rs) {
+    long count = 0, pos = 0, from = 0;
+    for (long g = seg[i]; g <= seg[i + 1]; g++) {
+        int last = g == seg[i + 1];
+        if (!last && sid[g] < 0) { pos += lens[g]; continue; }
+        long to = last ? total : pos;                 /* the own run before it, then it */
+        for (int part = 0; part < (last ? 1 : 2); part++) {
+            long a = part ? pos : from, b = part ? pos + lens[g] : to, id = part ? sid[g] : -1;
+            for (long x = a; x < b || (last && count == 0 && x == a); x += span, count++)
+                if (ra) { ra[count] = x; rb[count] = x + span < b ? x + span : b; rs[count] = id; }
+        }
+        if (!last) { pos += lens[g]; from = pos; }
+    }
+    return count;
+}
+
 /* Returns the floats the tasks' Partials need (0 when out of memory: p->mem is NULL). first:
- * NULL, or each segment's memory (the first past segment of two requests being the same
- * memory chains their tasks). */
+ * NULL, or each segment's memory (segments of two requests with the same memory and length
+ * are read in chains, above). */
 static long attend_plan(Plan* p, long heads, long groups, long d, long nreq, const long* tok,
                         const long* seg, const long* lens, long causal_new,
                         const void* const* first, int threads) {
     p->heads = heads; p->groups = groups; p->d = d; p->nreq = nreq; p->tok = tok; p->seg = seg;
     p->rows = groups * tok[nreq];
     p->units = p->tasks = p->chains = 0; p->per_rows = 1;
-    long units = 0, per_rows = 1;
+    p->mem = NULL;
+    long nseg = seg[nreq], units = 0, per_rows = 1;
     for (long i = 0; i < nreq; i++) {
         long rows = groups * (tok[i + 1] - tok[i]), blocks = (rows + MAXR - 1) / MAXR;
         long per = (rows + blocks - 1) / blocks;
@@ -643,52 +801,72 @@ static long attend_plan(Plan* p, long heads, long groups, long d, long nreq, con
     long splits = (2 * threads + units - 1) / units;
     if (splits < 1) splits = 1;
     if (splits > 64) splits = 64;
-    long most = units * splits;                      /* tasks, at most */
-    p->mem = (long*)malloc(sizeof(long) * (4 * nreq + 5 * units + 4 * most + 2));
-    if (!p->mem) return 0;
+    long* tmp = (long*)malloc(sizeof(long) * (3 * nreq + nseg + 1));
+    if (!tmp) return 0;
+    long *total = tmp, *span = total + nreq, *nranges = span + nreq, *sid = nranges + nreq;
+    long nshared = shared_segments(nreq, seg, lens, first, sid);
+    if (nshared < 0) { free(tmp); return 0; }
+    long most = 0, koff = 0, widest = 1;
+    for (long i = 0; i < nreq; i++) {
+        long n = tok[i + 1] - tok[i], rows = groups * n, blocks = (rows + MAXR - 1) / MAXR;
+        total[i] = causal_new ? n : 0;
+        for (long g = seg[i]; g < seg[i + 1]; g++) total[i] += lens[g];
+        span[i] = ((total[i] + splits - 1) / splits + BK - 1) / BK * BK;
+        if (span[i] < BK) span[i] = BK;
+        nranges[i] = key_ranges(i, seg, lens, sid, total[i], span[i], NULL, NULL, NULL);
+        widest = nranges[i] > widest ? nranges[i] : widest;
+        most += heads * blocks * nranges[i];
+    }
+    p->mem = (long*)malloc(sizeof(long) * (nreq + 5 * units + 6 * most + 1 + 3 * widest));
+    if (!p->mem) { free(tmp); return 0; }
     p->koff = p->mem; p->u_head = p->koff + nreq; p->u_req = p->u_head + units;
     p->u_r0 = p->u_req + units; p->u_r1 = p->u_r0 + units; p->u_task = p->u_r1 + units;
     p->t_unit = p->u_task + units; p->t_a = p->t_unit + most; p->t_b = p->t_a + most;
-    p->c_task = p->t_b + most;
-    long *total = p->c_task + most + 1, *order = total + nreq, *sig = order + nreq;
-    long koff = 0;
+    p->run = p->t_b + most; p->c_task = p->run + most;       /* chains <= tasks, + 1 */
+    long *t_sid = p->c_task + most + 1, *ra = t_sid + most, *rb = ra + widest, *rs = rb + widest;
     for (long i = 0; i < nreq; i++) {
-        long n = tok[i + 1] - tok[i];
-        total[i] = causal_new ? n : 0;
         p->koff[i] = koff;
-        for (long g = seg[i]; g < seg[i + 1]; g++) total[i] += lens[g];
-        koff += total[i] - (causal_new ? n : 0);
-        sig[i] = first && seg[i] < seg[i + 1] ? (long)(uintptr_t)first[seg[i]] : 0;
-        long j = i;                                  /* requests in order of their signature */
-        for (; j > 0 && sig[order[j - 1]] > sig[i]; j--) order[j] = order[j - 1];
-        order[j] = i;
+        koff += total[i] - (causal_new ? tok[i + 1] - tok[i] : 0);
     }
-    long u = 0, t = 0, c = 0, run = 0, last_sig = 0;
-    for (long h = 0; h < heads; h++, last_sig = 0)
-        for (long k = 0; k < nreq; k++) {
-            long i = order[k], rows = groups * (tok[i + 1] - tok[i]);
+    long u = 0, t = 0;
+    for (long h = 0; h < heads; h++)
+        for (long i = 0; i < nreq; i++) {
+            long rows = groups * (tok[i + 1] - tok[i]);
             long blocks = (rows + MAXR - 1) / MAXR, per = (rows + blocks - 1) / blocks;
-            long span = (total[i] + splits - 1) / splits;
-            span = (span + BK - 1) / BK * BK;
-            if (span < BK) span = BK;
-            int alone = span < total[i] || blocks > 1 || sig[i] == 0;
+            long nr = key_ranges(i, seg, lens, sid, total[i], span[i], ra, rb, rs);
             for (long r0 = 0; r0 < rows; r0 += per, u++) {
                 p->u_head[u] = h; p->u_req[u] = i; p->u_r0[u] = r0;
                 p->u_r1[u] = r0 + per < rows ? r0 + per : rows;
                 p->u_task[u] = t;
-                for (long a = 0; a < total[i] || a == 0; a += span, t++) {
-                    if (alone || sig[i] != last_sig || run == CHAIN) {
-                        p->c_task[c++] = t;           /* a new chain starts here */
-                        run = 0;
-                    }
-                    run++;
-                    last_sig = alone ? 0 : sig[i];
-                    p->t_unit[t] = u; p->t_a[t] = a;
-                    p->t_b[t] = a + span < total[i] ? a + span : total[i];
+                for (long k = 0; k < nr; k++, t++) {
+                    p->t_unit[t] = u; p->t_a[t] = ra[k]; p->t_b[t] = rb[k];
+                    t_sid[t] = rs[k] < 0 ? -1 : h * nshared + rs[k];
                 }
             }
         }
-    p->c_task[c] = t;
+    /* the order threads take them: tasks over one shared memory of one KV head together (in
+     * chains of at most CHAIN), then every other task alone */
+    long c = 0, at = 0;
+    if (nshared > 0) {
+        long keys = heads * nshared;
+        long* count = (long*)calloc(keys + 1, sizeof(long));
+        if (!count) { free(tmp); plan_free(p); return 0; }
+        for (long x = 0; x < t; x++) if (t_sid[x] >= 0) count[t_sid[x] + 1]++;
+        for (long k = 0; k < keys; k++) count[k + 1] += count[k];
+        long shared_tasks = count[keys];
+        for (long x = 0; x < t; x++) if (t_sid[x] >= 0) p->run[count[t_sid[x]]++] = x;
+        free(count);
+        for (long run = 0; at < shared_tasks; at++, run++) {
+            if (at == 0 || t_sid[p->run[at]] != t_sid[p->run[at - 1]] || run == CHAIN) {
+                p->c_task[c++] = at;
+                run = 0;
+            }
+        }
+    }
+    for (long x = 0; x < t; x++)
+        if (t_sid[x] < 0) { p->c_task[c++] = at; p->run[at++] = x; }
+    p->c_task[c] = at;
+    free(tmp);
     p->units = units; p->tasks = t; p->chains = c; p->per_rows = per_rows;
     return t * per_rows * (d + 2);
 }
@@ -719,8 +897,8 @@ static void attend_tasks(const Plan* p, const float* qs, const void* const* keys
     long d = p->d;
     #pragma omp for schedule(dynamic, 1)
     for (long c = 0; c < p->chains; c++)
-    for (long t = p->c_task[c]; t < p->c_task[c + 1]; t++) {
-        long u = p->t_unit[t], i = p->u_req[u], h = p->u_head[u];
+    for (long x = p->c_task[c]; x < p->c_task[c + 1]; x++) {
+        long t = p->run[x], u = p->t_unit[t], i = p->u_req[u], h = p->u_head[u];
         long t0 = p->tok[i], n = p->tok[i + 1] - t0, g0 = p->seg[i], ns = p->seg[i + 1] - g0;
         const char* kh[64]; const char* vh[64];
         long ln[64]; int cz[64], hf[64], cx[64];
@@ -935,7 +1113,7 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
     if (qw && (hidden % 32 || inter % 32 || (heads * d) % 32 || hidden > Q4_MAX_K
                || inter > Q4_MAX_K || heads * d > Q4_MAX_K))
         return -1;
-    if (q > Q4_MAX_ROWS)
+    if (q > (wide ? Q4_MAX_ROWS_WIDE : Q4_MAX_ROWS))
         qw = NULL;
     if (q <= 0 || d % 8 || d > MAXD || hidden % 8 || inter % 8 || (heads * d) % 8
             || kvh <= 0 || heads % kvh || tok[0] != 0 || tok[nreq] != q || seg[0] != 0

@@ -47,6 +47,7 @@ _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
 MAX_HEAD_DIM = 256     # kernels.c MAXD
 MAX_SEGMENTS = 64      # pl_attend's segment count limit (pl_decoder's per request)
 REQUIRE_ENV = "PROMPTLANG_REQUIRE_NATIVE"
+WIDE_ENV = "PROMPTLANG_AVX512"     # "0": the linear layers' dot tiles stay on 256-bit vectors
 _TRUE = ("1", "true", "yes", "on")
 
 _lock = threading.Lock()
@@ -243,9 +244,24 @@ def _bind(library: Path) -> ctypes.CDLL:
         lib.pl_q_dequant.restype = None
         lib.pl_linear_q8.argtypes = [_P, _L, _L, _P, _L, _P, ctypes.c_int]
         lib.pl_linear_q8.restype = None
+        lib.pl_wide.argtypes = [ctypes.c_int]
+        lib.pl_wide.restype = ctypes.c_int
     except AttributeError as exc:                 # "...: undefined symbol: pl_attend"
         raise _Unavailable(f"{library} lacks a kernel ({exc})") from None
+    lib.pl_wide(int(os.environ.get(WIDE_ENV, "1").strip().lower() not in ("0", "false", "no",
+                                                                            "off")))
     return lib
+
+
+def wide(on: bool | None = None) -> bool:
+    """Whether the linear layers' dot tiles run on 512-bit vectors (AVX-512F, where the CPU
+    has it and PROMPTLANG_AVX512 is not "0"); `on` turns them on (where supported) or off
+    for the whole process. Both give every row the same numbers however many rows a pass has;
+    the two differ from each other by summation order only."""
+    lib = _lib or _load()
+    if lib is None:
+        return False
+    return bool(lib.pl_wide(-1 if on is None else int(on)))
 
 
 # --- quantized weights (a GGUF's blocks, as stored) -----------------------------------------------
@@ -405,9 +421,9 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
                          f"{MAX_SEGMENTS - 1} past pieces each, covering every token and piece")
 
     def per_layer(tensors):                       # [layer][tensor] pointers
+        at = [(t.data_ptr(), t.stride(0) * t.element_size()) for t in tensors]
         return (ctypes.c_void_p * (layers * len(tensors)))(*[
-            t.data_ptr() + l * t.stride(0) * t.element_size()
-            for l in range(layers) for t in tensors])
+            base + l * step for l in range(layers) for base, step in at])
 
     keys = per_layer([p[0] for p in pieces])
     values = per_layer([p[1] for p in pieces])
