@@ -330,6 +330,39 @@ static void q8_row(const uint8_t* row, long k, float* dst) {
 
 typedef void (*RowFn)(const uint8_t*, long, float*);
 
+/* q4_row and q8_row on 512-bit vectors (16 weights an instruction; the same operations, so
+ * the same values bit for bit): the dequantizing bounds a 1-3 row pass, ~2x fewer
+ * instructions than the 256-bit ones */
+__attribute__((optimize("fp-contract=off"), target("avx512f")))
+static void q4_row_w(const uint8_t* row, long k, float* dst) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (long b = 0; b < k / 32; b++, row += Q4_BYTES, dst += 32) {
+        uint16_t hd, hm;
+        memcpy(&hd, row, 2);
+        memcpy(&hm, row + 2, 2);
+        __m512 d = _mm512_set1_ps(_cvtsh_ss(hd)), m = _mm512_set1_ps(_cvtsh_ss(hm));
+        __m128i qs = _mm_loadu_si128((const __m128i*)(row + 4));
+        __m128i lo = _mm_and_si128(qs, low), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low);
+        __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+        __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+        _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_mul_ps(d, q0), m));
+        _mm512_storeu_ps(dst + 16, _mm512_add_ps(_mm512_mul_ps(d, q1), m));
+    }
+}
+
+__attribute__((target("avx512f")))
+static void q8_row_w(const uint8_t* row, long k, float* dst) {
+    for (long b = 0; b < k / 32; b++, row += Q8_BYTES, dst += 32) {
+        uint16_t hd;
+        memcpy(&hd, row, 2);
+        __m512 d = _mm512_set1_ps(_cvtsh_ss(hd));
+        __m128i q0 = _mm_loadu_si128((const __m128i*)(row + 2));
+        __m128i q1 = _mm_loadu_si128((const __m128i*)(row + 18));
+        _mm512_storeu_ps(dst, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0))));
+        _mm512_storeu_ps(dst + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1))));
+    }
+}
+
 /* out[r][0:k] = the weights of rows [0, rows) of blocks w (kind 4: Q4_1, 8: Q8_0; k % 32 ==
  * 0): for tests and checks */
 void pl_q_dequant(const uint8_t* w, long rows, long k, int kind, float* out) {
@@ -345,6 +378,7 @@ static void dots_q(const float* a, long lda, long m, const uint8_t* b, long n, l
                    float* c, long ldc, RowFn row, long stride) {
     float* buf = q4_buf;
     int w = use_wide(k);
+    if (w) row = row == q4_row ? q4_row_w : (row == q8_row ? q8_row_w : row);
     long j = 0;
     for (; j + 4 <= n; j += 4) {
         for (long r = 0; r < 4; r++) row(b + (j + r) * stride, k, buf + r * k);
