@@ -158,7 +158,7 @@ static inline float dot1(const float* a, const float* b, long k) {
 #define WIDE __attribute__((target("avx512f")))
 #define AIW static inline __attribute__((always_inline, target("avx512f")))
 
-static int wide = 0;           /* pl_wide: the 512-bit tiles are on */
+static int wide_tiles = 0;     /* pl_wide: the 512-bit tiles are on */
 
 AIW __m256 half_sum(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v),
@@ -227,11 +227,11 @@ WIDE static void dots_w(const float* a, long lda, long m, const float* b, long l
  * change; returns whether they are on */
 int pl_wide(int on) {
     if (on >= 0)
-        wide = on && __builtin_cpu_supports("avx512f");
-    return wide;
+        wide_tiles = on && __builtin_cpu_supports("avx512f");
+    return wide_tiles;
 }
 
-static inline int use_wide(long k) { return wide && k % 16 == 0; }
+static inline int use_wide(long k) { return wide_tiles && k % 16 == 0; }
 
 static void dots(const float* a, long lda, long m, const float* b, long ldb, long n, long k,
                  float* c, long ldc, const float* b_end) {
@@ -521,6 +521,64 @@ AI void pv_tile(const int NR, const float* p, long nk, const float* v, long d, f
         for (int u = 0; u < 4; u++) _mm256_storeu_ps(acc + r * d + 8 * u, a[r][u]);
 }
 
+/* The same two tiles on 512-bit vectors (pl_wide): each lane does what a 256-bit lane does
+ * (the same multiply-adds in the same order), so the scores and outputs are the same bit for
+ * bit; twice the keys (QK) or rows (PV) per loaded vector. Not inlined into attend_part
+ * (which stays 256-bit code): one call per tile of hundreds of instructions. */
+AIW void qk_tile_w(const int NR, const int C, const float* q, long d, const float* kt,
+                   float* s) {
+    __m512 a[6][2];
+    for (int r = 0; r < NR; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (long c = 0; c < d; c++) {
+        __m512 k0 = _mm512_loadu_ps(kt + c * BK);
+        __m512 k1 = C > 1 ? _mm512_loadu_ps(kt + c * BK + 16) : k0;
+        for (int r = 0; r < NR; r++) {
+            __m512 b = _mm512_set1_ps(q[r * d + c]);
+            a[r][0] = _mm512_fmadd_ps(b, k0, a[r][0]);
+            if (C > 1) a[r][1] = _mm512_fmadd_ps(b, k1, a[r][1]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        _mm512_storeu_ps(s + r * BK, a[r][0]);
+        if (C > 1) _mm512_storeu_ps(s + r * BK + 16, a[r][1]);
+    }
+}
+
+/* s[r][0:16 * cols16] for nr (<= 6) rows: qk_tile for 16 or 32 keys */
+WIDE static void qk_w(long nr, int cols16, const float* q, long d, const float* kt, float* s) {
+    #define QK(n) case n: if (cols16 > 1) qk_tile_w(n, 2, q, d, kt, s); \
+                          else qk_tile_w(n, 1, q, d, kt, s); break;
+    switch (nr) { QK(1) QK(2) QK(3) QK(4) QK(5) QK(6) }
+    #undef QK
+}
+
+AIW void pv_tile_w(const int NR, const float* p, long nk, const float* v, long d, float* acc) {
+    __m512 a[6][2];
+    for (int r = 0; r < NR; r++) {
+        a[r][0] = _mm512_loadu_ps(acc + r * d);
+        a[r][1] = _mm512_loadu_ps(acc + r * d + 16);
+    }
+    for (long j = 0; j < nk; j++) {
+        __m512 v0 = _mm512_loadu_ps(v + j * d), v1 = _mm512_loadu_ps(v + j * d + 16);
+        for (int r = 0; r < NR; r++) {
+            __m512 b = _mm512_set1_ps(p[r * BK + j]);
+            a[r][0] = _mm512_fmadd_ps(b, v0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(b, v1, a[r][1]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        _mm512_storeu_ps(acc + r * d, a[r][0]);
+        _mm512_storeu_ps(acc + r * d + 16, a[r][1]);
+    }
+}
+
+/* acc[r][c0:c0+32] += ... for nr (<= 6) rows over the first nk keys: pv_tile */
+WIDE static void pv_w(long nr, const float* p, long nk, const float* v, long d, float* acc) {
+    #define PV(n) case n: pv_tile_w(n, p, nk, v, d, acc); break;
+    switch (nr) { PV(1) PV(2) PV(3) PV(4) PV(5) PV(6) }
+    #undef PV
+}
+
 /* acc[r][c0:c0+8] += ..., one row, for d % 32 != 0 */
 static void pv_col8(const float* p, long nk, const float* v, long d, float* acc) {
     __m256 a = _mm256_loadu_ps(acc);
@@ -590,6 +648,9 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
     float s[MAXR * BK] __attribute__((aligned(32)));
     float kt[MAXD * BK] __attribute__((aligned(32)));
     float wide[MAXD * BK] __attribute__((aligned(32)));
+    /* the 512-bit QK/PV tiles (the same numbers) where they pay: a decode step's few rows
+     * are bound by the keys' and values' memory stream, and measured slower on them */
+    int wt = wide_tiles && nr > 6;
     partial_reset(part, nr, d);
     if (ctx) partial_reset(cpart, nr, d);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
@@ -639,7 +700,25 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 transpose_block((const float*)(keys[g] + j0 * d * es), nk, d, kt);
                 vb = (const float*)(values[g] + j0 * d * es);
             }
-            for (long jb = 0; jb < nk16; jb += 16) {
+            for (long jb = 0; wt && jb < nk16; jb += 32) {           /* 512-bit: 32 keys */
+                int cols16 = nk16 - jb >= 32 ? 2 : 1;
+                int64_t lo32 = 0;                            /* the tile's lowest position */
+                if (kp)
+                    lo32 = cols16 > 1 && tmin[jb / 16 + 1] < tmin[jb / 16] ? tmin[jb / 16 + 1]
+                                                                           : tmin[jb / 16];
+                for (long r = 0; r < nr; r += 6) {
+                    long rows = nr - r < 6 ? nr - r : 6;
+                    pull(&kahead);
+                    if (cols16 > 1) pull(&kahead);
+                    if (kp) {              /* rows that see none of the tile's keys: skipped */
+                        int n = 0;
+                        for (long i = 0; i < rows; i++) n += lo32 <= qp[r + i];
+                        if (n == 0) continue;               /* scores masked below, never read */
+                    }
+                    qk_w(rows, cols16, qs + r * d, d, kt + jb, s + r * BK + jb);
+                }
+            }
+            for (long jb = 0; !wt && jb < nk16; jb += 16) {
                 long r = 0;
                 for (; r + 6 <= nr; r += 6) {
                     pull(&kahead);
@@ -706,7 +785,15 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 }
             }
             /* values only up to the last key a tile's rows see (the rest weigh 0) */
-            for (long c = 0; c + 32 <= d; c += 32) {
+            for (long c = 0; wt && c + 32 <= d; c += 32)
+                for (long r = 0; r < nr; r += 6) {
+                    long rows = nr - r < 6 ? nr - r : 6, n = 0;
+                    pull(&vahead);
+                    if (rows > 3) pull(&vahead);
+                    for (long i = 0; i < rows; i++) n = visr[r + i] > n ? visr[r + i] : n;
+                    if (n) pv_w(rows, s + r * BK, n, vb + c, d, acc + r * d + c);
+                }
+            for (long c = 0; !wt && c + 32 <= d; c += 32) {
                 long r = 0;
                 for (; r + 3 <= nr; r += 3) {
                     pull(&vahead);
@@ -1147,7 +1234,7 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
     if (qw && (hidden % 32 || inter % 32 || (heads * d) % 32 || hidden > Q4_MAX_K
                || inter > Q4_MAX_K || heads * d > Q4_MAX_K))
         return -1;
-    if (q > (wide ? Q4_MAX_ROWS_WIDE : Q4_MAX_ROWS))
+    if (q > (wide_tiles ? Q4_MAX_ROWS_WIDE : Q4_MAX_ROWS))
         qw = NULL;
     if (q <= 0 || d % 8 || d > MAXD || hidden % 8 || inter % 8 || (heads * d) % 8
             || kvh <= 0 || heads % kvh || tok[0] != 0 || tok[nreq] != q || seg[0] != 0

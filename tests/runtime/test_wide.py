@@ -74,3 +74,26 @@ def test_q4_blocks_give_the_float_pass_bit_for_bit(tiles, new):
     assert adapter.fast.decoder.attach_q4(blocks) == 3 * len(LINEARS)
     for a, b in zip(float_pass, passes(adapter, new)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("new,lengths", [(1, [300]), (3, [130, 47]), (20, [700, 5, 260])])
+def test_the_attention_s_wide_tiles_give_the_same_numbers_bit_for_bit(new, lengths):
+    """The 512-bit QK and PV tiles do each lane's multiply-adds in the 256-bit order: the
+    same outputs and log-sum-exps exactly (past segments of several lengths, causal new
+    tokens; 3 query rows per KV head per new token, so 20 tokens take the wide tiles)."""
+    if not native.wide():
+        pytest.skip("this CPU has no AVX-512F (or PROMPTLANG_AVX512=0)")
+    g = torch.Generator().manual_seed(new)
+    heads, groups, d = 3, 3, 64
+    rows = torch.randn(heads, groups * new, d, generator=g)
+    pieces = [(torch.randn(heads, n, d, generator=g), torch.randn(heads, n, d, generator=g), False)
+              for n in lengths]
+    pieces.append((torch.randn(heads, new, d, generator=g), torch.randn(heads, new, d, generator=g),
+                   True))
+    wide, wide_lse = native.attend(rows, pieces, new, 0.125, with_lse=True)
+    try:
+        native.wide(False)
+        narrow, narrow_lse = native.attend(rows, pieces, new, 0.125, with_lse=True)
+    finally:
+        native.wide(True)
+    assert torch.equal(wide, narrow) and torch.equal(wide_lse, narrow_lse)
