@@ -215,6 +215,7 @@ def _kernels() -> str:
         return "PyTorch's (PROMPTLANG_NATIVE=0)"
     if not native.available():
         return "PyTorch's (runtime/fast/kernels.c unavailable here)"
-    return ("runtime/fast/kernels.c (AVX2): whole decoder layers for Llama-family models "
+    tiles = "AVX2, 512-bit tiles" if native.wide() else "AVX2"
+    return (f"runtime/fast/kernels.c ({tiles}): whole decoder layers for Llama-family models "
             "(runtime/fast/fused.py), else small linears and unmasked attention; PyTorch's for the "
             "rest")

@@ -1,7 +1,7 @@
 """The CPU kernels' fast paths, installed on a model adapter by one call: `accelerate`.
 
     native.py     builds, checks and loads kernels.c; ctypes wrappers of its kernels
-    kernels.c     pl_linear, pl_attend, pl_decoder (AVX2/FMA, OpenMP)
+    kernels.c     pl_linear, pl_attend, pl_decoder (AVX2/FMA, OpenMP; 512-bit tiles on AVX-512F)
     linear.py     nn.Linear -> pl_linear for small inputs, during the runtime's passes only
     attention.py  pl_attend inside the RoPE attention (runtime/model/attention.py)
     fused.py      pl_decoder: every decoder layer of a Llama-family model in one call
@@ -15,7 +15,8 @@ the pass then runs on PyTorch; both are held to the oracle (tests/runtime/test_o
 test_fused.py, test_native.py, test_full_length.py).
 
 Switches: `PROMPTLANG_NATIVE=0` (every kernel off), `PROMPTLANG_REQUIRE_NATIVE=1` (missing
-kernels are an error), `native.disabled()` and `fused.disabled()` (context managers).
+kernels are an error), `PROMPTLANG_AVX512=0` (the 256-bit tiles even on an AVX-512 CPU;
+`native.wide()` at run time), `native.disabled()` and `fused.disabled()` (context managers).
 """
 
 from __future__ import annotations

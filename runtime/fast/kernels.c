@@ -1,4 +1,6 @@
-/* promptlang's CPU kernels (x86-64, AVX2 + FMA, float32), built on first use by
+/* promptlang's CPU kernels (x86-64, AVX2 + FMA, float32; the linear layers' dot tiles, the
+ * Q4_1/Q8_0 dequantizing and the attention's QK/PV tiles also on 512-bit vectors where the CPU
+ * has AVX-512F: `wide_tiles`, pl_wide, chosen at run time), built on first use by
  * runtime/fast/native.py and called through ctypes; every caller falls back to PyTorch when they
  * are unavailable.
  *
