@@ -59,10 +59,11 @@ _WEIGHTS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_pr
 
 
 # the LM head reads its Q8_0 blocks for up to this many rows (the decoder layers' Q4_1 limit
-# is kernels.c's Q4_MAX_ROWS / Q4_MAX_ROWS_WIDE): beyond it dequantizing costs more than the
-# bytes it saves (the default model's head, 512-bit tiles: 1 row 2.1 vs 2.9 ms, 4 rows 3.1
-# vs 3.2, 16 rows 8.8 vs 6.0)
-Q_MAX_ROWS = 3
+# is kernels.c's Q4_MAX_ROWS / Q4_MAX_ROWS_WIDE): the default model's head, 2 threads,
+# 512-bit tiles: 1 row 1.7 vs 4.1 ms, 16 rows 5.0 vs 7.4, 64 rows 15.3 vs 15.6 (float); with
+# the 256-bit tiles only up to 3 rows paid (measured in session 10)
+Q_MAX_ROWS = 64
+Q_MAX_ROWS_NARROW = 3
 
 _switch = native.Switch()
 
@@ -308,10 +309,11 @@ class FusedDecoder:
         return same
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        """The LM head's logits of h [R, hidden]: from its Q8_0 blocks for up to 3 rows
+        """The LM head's logits of h [R, hidden]: from its Q8_0 blocks for up to Q_MAX_ROWS rows
         while the float weight is unchanged, else the model's own."""
         head = self._q8_head
-        if head is not None and 0 < h.shape[0] <= Q_MAX_ROWS and native.enabled():
+        limit = Q_MAX_ROWS if native.wide() else Q_MAX_ROWS_NARROW
+        if head is not None and 0 < h.shape[0] <= limit and native.enabled():
             weight = self.lm_head.weight
             if (weight.data_ptr(), weight._version) == head[1]:
                 return native.linear_q8(h, head[0])

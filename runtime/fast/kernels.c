@@ -193,6 +193,15 @@ WIDE static float dot1_w(const float* a, const float* b, long k) {
     return hsum(half_sum(c));
 }
 
+/* each tile size a function of its own: inlined into one loop with several sizes, GCC
+ * spilled the 6-row tile's 24 accumulators to the stack in one of group_w's clones (the
+ * quantized weights' path ran at 56 against 129 GFLOP/s) */
+#define TILE_W(R) __attribute__((noinline, target("avx512f"))) \
+    static void tile##R##_w(const float* a, long lda, const float* b, long ldb, long k, \
+                            float* c, long ldc) { tile_w(R, a, lda, b, ldb, k, c, ldc); }
+TILE_W(1) TILE_W(2) TILE_W(3) TILE_W(4) TILE_W(6)
+#undef TILE_W
+
 /* every row of a against one group of 4 rows of b; while the tiles compute, `ahead` (NULL:
  * nothing) is pulled into L2 a `slice` per tile, not past `end` (as dots) */
 WIDE static void group_w(const float* a, long lda, long m, const float* b, long ldb, long k,
@@ -204,11 +213,11 @@ WIDE static void group_w(const float* a, long lda, long m, const float* b, long 
             ahead += slice;
         }
         long left = m - i;
-        if (left >= 6) { tile_w(6, a + i * lda, lda, b, ldb, k, c + i * ldc, ldc); i += 6; }
-        else if (left >= 4) { tile_w(4, a + i * lda, lda, b, ldb, k, c + i * ldc, ldc); i += 4; }
-        else if (left == 3) { tile_w(3, a + i * lda, lda, b, ldb, k, c + i * ldc, ldc); i += 3; }
-        else if (left == 2) { tile_w(2, a + i * lda, lda, b, ldb, k, c + i * ldc, ldc); i += 2; }
-        else { tile_w(1, a + i * lda, lda, b, ldb, k, c + i * ldc, ldc); i += 1; }
+        if (left >= 6) { tile6_w(a + i * lda, lda, b, ldb, k, c + i * ldc, ldc); i += 6; }
+        else if (left >= 4) { tile4_w(a + i * lda, lda, b, ldb, k, c + i * ldc, ldc); i += 4; }
+        else if (left == 3) { tile3_w(a + i * lda, lda, b, ldb, k, c + i * ldc, ldc); i += 3; }
+        else if (left == 2) { tile2_w(a + i * lda, lda, b, ldb, k, c + i * ldc, ldc); i += 2; }
+        else { tile1_w(a + i * lda, lda, b, ldb, k, c + i * ldc, ldc); i += 1; }
     }
 }
 
@@ -282,10 +291,12 @@ static void dots(const float* a, long lda, long m, const float* b, long ldb, lon
 #define Q4_MAX_ROWS 3         /* passes of more rows take the float weights: for them the
                                  dequantizing costs more than the bytes it saves (measured:
                                  1-3 rows 1.3-1.7x faster a pass, 4-64 rows 0.92-1.0x) */
-#define Q4_MAX_ROWS_WIDE 8    /* ... with the 512-bit tiles (dots_w), whose faster arithmetic
-                                 leaves the weight stream the bound for longer: 16 decode
-                                 steps of the default model, 4 requests 25.7 -> 20.2 ms a step,
-                                 8 requests 33.2 -> 32.6 ms, 16 requests 47.4 -> 55.1 ms */
+#define Q4_MAX_ROWS_WIDE 64   /* ... with the 512-bit tiles (dots_w; each tile size its own
+                                 function), every pass up to 64 rows: the dequantizing then
+                                 costs less than the weight bytes it saves (16 decode steps
+                                 of the default model over ~1.3k-token contexts: 83.7 ->
+                                 73.0 ms a step against the limit of 8; a 6.4k document's
+                                 question pass 100 -> 90 ms) */
 
 static __thread float q4_buf[4 * Q4_MAX_K];     /* one group of rows, per thread */
 

@@ -117,7 +117,8 @@ def test_passes_of_up_to_three_rows_are_handed_the_blocks(monkeypatch):
         return real(*args, **kwargs)
     monkeypatch.setattr(native, "decoder", spy)
     passes(adapter, 1)
-    assert handed == [True]             # (kernels.c takes float weights above 3 rows itself)
+    assert handed == [True]     # (kernels.c takes float weights above 3 rows -- 64 with the
+                                # 512-bit tiles -- itself)
 
 
 def test_the_default_model_serves_its_gguf_s_q4_1_weights():
