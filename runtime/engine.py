@@ -448,8 +448,8 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     exact_reuse: keep the units a request makes exact and serve them to later requests with the same tokens
     before them (docs/RECOMPUTE.md, "Exact reuse"). quantized: a model from a GGUF (the
     default one included) has the fused layers read its Q4_1 linear weights and Q8_0 LM head
-    as stored for decode steps (the same values as the float copy, bit for bit; ~6.4x and
-    ~3.8x fewer bytes: fast/fused.py attach_q4, attach_q8_head).
+    as stored for decode steps and short passes (the same values as the float copy, bit for
+    bit; ~6.4x and ~3.8x fewer bytes: fast/fused.py attach_q4, attach_q8_head).
 
     The loading runs on a thread that then ends (runtime/passing.py), so that the caller's
     thread keeps no OpenMP pool: a server's engine thread is then the only one that has one."""

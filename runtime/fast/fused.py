@@ -289,7 +289,7 @@ class FusedDecoder:
 
     def attach_q8_head(self, blocks: torch.Tensor) -> bool:
         """Serve the LM head from Q8_0 blocks ([vocab, hidden / 32 * 34] uint8: a GGUF's
-        output or tied embedding, as stored) for up to 3 rows (a decode step): ~3.8x fewer
+        output or tied embedding, as stored) for up to Q_MAX_ROWS rows: ~3.8x fewer
         bytes than its float32 copy, the largest single read of a step. Checked to
         dequantize to the head's weight bit for bit (the logits then differ from torch's
         head by summation order only); False (float stays) otherwise."""
