@@ -88,6 +88,8 @@ class Level:
     sent: int = 0
     identical: int = 0
     again: bool = False              # the one-client level run a second time, at the end
+    steps: int | None = None         # the engine's decode steps during the level (/metrics)
+    busy: float | None = None        # ... and its busy seconds (None: not a promptlang server)
 
     def answered(self) -> list[Sample]:
         return [s for s in self.samples if s.lost is None]
@@ -114,7 +116,10 @@ class Level:
                 "lost": len(self.samples) - len(answered), "ttft p50 ms": ms(self.ttft(0.5)),
                 "ttft p99 ms": ms(self.ttft(0.99)), "ms/token": ms(self.per_token()),
                 "tokens/s": round(self.tokens_per_s(), 2), "identical": self.identical,
-                "wall s": round(self.wall, 2)}
+                "wall s": round(self.wall, 2),
+                **({} if self.busy is None else {
+                    "engine steps": self.steps,
+                    "engine busy %": round(100 * self.busy / self.wall, 1) if self.wall else None})}
 
 
 @dataclass
@@ -149,10 +154,14 @@ def run_serve(llm, options: ServeOptions = ServeOptions(), *, model_name: str = 
         if 1 in levels and len(levels) > 1:                       # the baseline, once more
             levels.append(1)
         for i, count in enumerate(levels):
+            before = engine_counters(server.url)
             level = clients.submit(_level, server.url, bodies, references, count, options)
             report.levels.append(level.result(options.level_timeout + options.request_timeout
                                               + CHILD_START_SECONDS))
             report.levels[-1].again = i == len(options.clients)
+            after = engine_counters(server.url)
+            report.levels[-1].steps = int(after[0] - before[0])
+            report.levels[-1].busy = after[1] - before[1]
         server.stop()
         if options.llama_server:
             _llama_levels(report, plain, clients, options)
@@ -249,6 +258,17 @@ def _one(client, body: dict) -> Sample:
     return Sample(ttft, time.perf_counter() - began, tokens, "".join(parts), lost)
 
 
+def engine_counters(url: str) -> tuple[float, float]:
+    """(decode steps, engine busy seconds) so far, from the server's /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line and not line.startswith("#") and len(line.split()) == 2}
+    return (values["promptlang_steps_total"], values["promptlang_engine_busy_seconds_total"])
+
+
 def _level(url: str, bodies: Sequence[dict], references: Sequence[str], clients: int,
            options: ServeOptions) -> Level:
     """One level, in the clients' child process: `clients` threads, each sending its
@@ -336,7 +356,10 @@ def sections(report: ServeReport) -> list[Section]:
              "concurrent requests decode together (continuous batching, up to 16 per step); "
              "a new request's short prefill runs in the next step: alone while fewer than 8 "
              "decode, else with the decoders' tokens in one pass",
-             "lost: an error or a stream without its end; identical: equal to the reference"]
+             "lost: an error or a stream without its end; identical: equal to the reference",
+             "engine steps / busy %: the engine thread's decode steps during the level and "
+             "the share of the level's wall time it spent opening requests and stepping "
+             "(the server's /metrics)"]
     lost = [s.lost for level in report.levels for s in level.samples if s.lost]
     if lost:
         lines.append(f"first loss: {lost[0]}")

@@ -415,7 +415,11 @@ def _prometheus(state: ServerState) -> str:
                 ("first_token_seconds_count", "Requests timed to their first token.",
                  m.first_token_count),
                 ("jobs_cancelled_total", "Requests stopped because the client went away.",
-                 w.stats.cancelled)]
+                 w.stats.cancelled),
+                ("steps_total", "Decode steps the engine ran (one pass each).", w.stats.steps),
+                ("engine_busy_seconds_total", "Seconds the engine thread spent opening "
+                 "requests and running steps (against wall time: its utilisation).",
+                 round(w.stats.busy_seconds, 6))]
     for name, help_, value in counters:
         lines += [f"# HELP promptlang_{name} {help_}", f"# TYPE promptlang_{name} counter",
                   f"promptlang_{name} {value}"]

@@ -241,6 +241,7 @@ def test_serve_quick_loads_a_real_server_and_loses_nothing(tmp_path, capsys, tin
     for row in rows:
         assert row["lost"] == "0" and row["answered"] == row["sent"] == row["identical"]
         assert float(row["tokens/s"]) > 0 and float(row["ttft p50 ms"]) > 0
+        assert int(row["engine steps"]) > 0 and 0 < float(row["engine busy %"]) <= 100
     verdicts = goals(out)
     assert set(verdicts) == SERVE_GOALS
     assert verdicts["no request lost"] == "PASS"

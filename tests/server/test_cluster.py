@@ -197,13 +197,20 @@ def test_requests_follow_the_replica_holding_their_modules(cluster):
 
 
 def test_load_imbalance_outweighs_affinity(cluster):
-    """12 long requests at once for modules one replica holds: past the imbalance
-    threshold (4 queued) some go to the other replica. Long enough (160 tokens each) for the
-    pile-up to last while they are routed: at 48 tokens, once the engine got faster (session
-    11), all 12 went to the holder in 2 of 3 runs; at 160, 3 of 3 passed."""
+    """12 long requests (160 tokens) for modules one replica holds, sent 0.1 s apart: past
+    the imbalance threshold (4 queued) some go to the other replica. The router reads
+    Serve's cached queue lengths, which lag the requests just sent, so the requests are
+    spaced for the cache to see the pile-up; sent all at the same instant (as this test did
+    until session 11) all 12 went to the holder in 3 of 4 runs of the suite once the engine
+    got faster."""
     holder, _ = cluster.ask([0, 1])
+
+    def ask(i: int) -> str:
+        time.sleep(0.1 * i)
+        return cluster.ask([0, 1], max_tokens=160)[0]
+
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        replicas = list(pool.map(lambda _: cluster.ask([0, 1], max_tokens=160)[0], range(12)))
+        replicas = list(pool.map(ask, range(12)))
     assert replicas.count(holder) >= 4 and replicas.count(holder) < 12, replicas
 
 

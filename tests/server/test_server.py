@@ -337,6 +337,7 @@ def test_metrics_count_requests_tokens_and_cache_hits(served):
               if line and not line.startswith("#")}
     assert values["promptlang_cached_tokens_total"] > 0
     assert values["promptlang_queue_length"] == 0
+    assert values["promptlang_steps_total"] >= 1 and values["promptlang_engine_busy_seconds_total"] > 0
     assert sum(v for k, v in values.items() if k.startswith("promptlang_store_hits_total")) > 0
 
 
