@@ -40,7 +40,10 @@ from promptlang.runtime.model import ModelAdapter, ParallelContexts, Past, Share
 from promptlang.runtime.recompute.plan import NO_RECOMPUTE, RecomputePlan
 
 SHARE_MIN_TOKENS = 256     # shorter units are copied: cheaper than one more attention piece
-MAX_SHARED_RUNS = 4        # a unit with more holes (recomputed tokens) is copied instead
+MAX_SHARED_RUNS = 48       # runs read in place per request (each an attention piece; the
+                           # fused layers take < 64 per request, fast/native.MAX_SEGMENTS):
+                           # a unit whose runs (holes: recomputed tokens) exceed what is
+                           # left is copied instead
 POOL_BUDGET_ENV = "PROMPTLANG_POOL_BYTES"
 DEFAULT_POOL_BUDGET = 1 << 30   # bytes of request buffers (in use + idle) the pool keeps within
 KEEP_IDLE = 2              # idle buffers kept for the next requests, at most
@@ -251,7 +254,10 @@ class Assembler:
         reuse = _common_prefix(buffer.held, [p.key for p in pieces])
         held = buffer.held[:reuse]
         at = held[-1][1] if held else 0
-        shares = [self._shares(buffer, p) for p in pieces[reuse:]]
+        shares, budget = [], MAX_SHARED_RUNS
+        for piece in pieces[reuse:]:               # in order, while the runs fit the budget
+            shares.append(self._shares(buffer, piece) and len(piece.runs) <= budget)
+            budget -= len(piece.runs) if shares[-1] else 0
         shared = [p for p, share in zip(pieces[reuse:], shares) if share]
         copied = [p for p, share in zip(pieces[reuse:], shares) if not share]
         buffer.shared, buffer.shared_keys = [], []
@@ -288,14 +294,15 @@ class Assembler:
         return at
 
     def _shares(self, buffer: KVBuffer, piece: "_ServedUnit") -> bool:
-        """Whether a unit is served in place: long, without placeholders, in a few runs
-        (each run is one more attention piece), on the buffer's device and in a dtype the
-        adapter reads in place (the buffer's, or bfloat16 for the fused layers)."""
+        """Whether a unit may be served in place: long, without placeholders, on the
+        buffer's device and in a dtype the adapter reads in place (the buffer's, or
+        bfloat16 for the fused layers). `assemble` also keeps the request's runs read in
+        place within MAX_SHARED_RUNS (each run is one more attention piece)."""
         kv = piece.kv
         return (self.share_min_tokens is not None and piece.count >= self.share_min_tokens
                 and self.adapter.reads_shared and self.adapter.shares_dtype(kv.keys.dtype)
                 and kv.keys.device == buffer.slot_keys.device
-                and not bool(kv.placeholder.any()) and len(piece.runs) <= MAX_SHARED_RUNS)
+                and not bool(kv.placeholder.any()))
 
 
 @dataclass

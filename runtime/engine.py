@@ -37,6 +37,7 @@ from promptlang.runtime.model import ModelAdapter, adapt
 from promptlang.runtime.recompute import (DEFAULT_POLICY, NO_RECOMPUTE, Recompute,
                                           RecomputePlan, candidates, choose_positions, exact,
                                           parallel_contexts, schema_policy)
+from promptlang.runtime.recompute.query import probe_choice
 from promptlang.runtime.prefill import baseline_prefill, prefill, take_last, uncached_tokens
 from promptlang.runtime.results import Opened, PendingPrefill, Prefilled, Result, Timings
 from promptlang.runtime.sampling import SamplingParams, options_to_params
@@ -277,7 +278,11 @@ class LLM:
         units = [served.get(u, (keys[u], kv)) for u, kv in by_unit.items() if kv.length]
         context_of = exact.context_with(context_of, bound, list(served))
         plan = NO_RECOMPUTE
-        if policy:
+        if policy.kind == "query":                     # a probe pass ranks the candidates
+            chosen = probe_choice(self.adapter, self.assembler, bound, units,
+                                  candidates(bound, context_of), int(policy.amount))
+            plan = RecomputePlan.of(bound, chosen)
+        elif policy:
             chosen = choose_positions(self.adapter, bound, by_unit, policy, context_of)
             plan = RecomputePlan.of(bound, chosen)
         approximate = sum(p not in plan.positions for u, found in missed.items()

@@ -33,7 +33,7 @@ def register(subparsers: Any) -> None:
                      help="each module attends only to itself (the paper's rule); give "
                           "--recompute none with it, or the default seams recomputes it all")
     run.add_argument("--recompute", metavar="POLICY", default=None,
-                     help="cached tokens to compute again: seams, none, first:K, deviation:F, "
+                     help="cached tokens to compute again: seams, none, first:K, query:K, deviation:F, "
                           "exact or ape[:T[:S]] (default: the schema's recompute attribute, else seams: "
                           "exact at module seams; see docs/RECOMPUTE.md)")
     run.add_argument("--temperature", type=float, default=0.0, metavar="T",

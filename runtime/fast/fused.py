@@ -141,14 +141,16 @@ class FusedDecoder:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pieces: list[Piece],
                 new_keys: torch.Tensor, new_values: torch.Tensor, rows: torch.Tensor,
                 key_positions: torch.Tensor | None = None,
-                contexts: tuple[list[bool], float, float] | None = None) -> torch.Tensor | None:
+                contexts: tuple[list[bool], float, float] | None = None,
+                query_out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [R, V] of `rows` after running the Q new tokens (input_ids, positions: [Q])
         over the past `pieces` and causally over themselves; their keys/values are written to
         new_keys/new_values ([L, H_kv, Q, D] views into the buffer). key_positions ([S], the
         pieces' keys in order; positions then increasing): each token sees only the past keys
         at positions <= its own (recomputed tokens); None: every past key. contexts: APE's
         (whether each piece is a context, temperature, scale; runtime/model/adapter.py,
-        ParallelContexts). None (nothing written) where pl_decoder does not apply."""
+        ParallelContexts). query_out: [L, heads, D], receives the last token's rotated query
+        of every layer. None (nothing written) where pl_decoder does not apply."""
         if len(pieces) >= native.MAX_SEGMENTS or not all(
                 _readable(t, self.kv_heads, self.head_dim, (torch.float32,))
                 for t in (new_keys, new_values)):
@@ -159,7 +161,7 @@ class FusedDecoder:
         table, x, cos, sin = prepared
         native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
                        new_values, key_positions, None if key_positions is None else positions,
-                       contexts=contexts, quantized=self._quantized())
+                       contexts=contexts, quantized=self._quantized(), query_out=query_out)
         return self._head(self.norm(x[rows]))
 
     def forward_batch(self, requests: list[BatchRequest]) -> list[torch.Tensor] | None:

@@ -1231,6 +1231,8 @@ static void linear_residual(const float* x, long m, long k, const float* w, cons
  * temperature; L the parts' log-sum-exps).
  * qw (NULL: none): Q4_1 blocks of the linear weights, [layers][W_COUNT] like w (NULL where a
  * weight is float only): read instead of w, giving the same values (fused.py checks them).
+ * qout (NULL: none): the last token's rotated query rows of every layer, [layers][heads][d]
+ * (before the softmax scale): the recompute policy query:K ranks cached tokens by them.
  * Returns 0, -1 for unsupported shapes, -2 when out of memory. */
 int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                const float* const* w, const float* cos, const float* sin,
@@ -1239,7 +1241,7 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                float* const* newk, long nkstride, float* const* newv, long nvstride,
                const int64_t* kpos, const int64_t* qpos, long nreq, const long* tok,
                const long* seg, const int* ctx, float invt, float mixc,
-               const uint8_t* const* qw, int threads) {
+               const uint8_t* const* qw, float* qout, int threads) {
     long hidden = shape[0], heads = shape[1], kvh = shape[2], d = shape[3], inter = shape[4],
          layers = shape[5];
     long tok1[2] = {0, q}, seg1[2] = {0, nseg};
@@ -1308,6 +1310,9 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                 rope(row + hq * d, c, s, d, scale * LOG2E,
                      qs + ((hq / groups) * groups * q + groups * t0 + (hq % groups) * n
                            + t - t0) * d);
+            if (qout && t == q - 1)
+                for (long hq = 0; hq < heads; hq++)
+                    rope(row + hq * d, c, s, d, 1.f, qout + (l * heads + hq) * d);
             for (long hk = 0; hk < kvh; hk++) {
                 rope(row + nq + hk * d, c, s, d, 1.f, newk[l] + hk * nkstride + t * d);
                 memcpy(newv[l] + hk * nvstride + t * d, row + nq + nkv + hk * d, sizeof(float) * d);

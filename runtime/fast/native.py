@@ -238,7 +238,7 @@ def _bind(library: Path) -> ctypes.CDLL:
         lib.pl_attend.restype = ctypes.c_int
         lib.pl_decoder.argtypes = [_P, _L, _P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _L,
                                    _P, _P, _P, _P, _P, _P, _P, _L, _P, _L, _P, _P, _L, _P,
-                                   _P, _P, ctypes.c_float, ctypes.c_float, _P, ctypes.c_int]
+                                   _P, _P, ctypes.c_float, ctypes.c_float, _P, _P, ctypes.c_int]
         lib.pl_decoder.restype = ctypes.c_int
         lib.pl_q_dequant.argtypes = [_P, _L, _L, ctypes.c_int, _P]
         lib.pl_q_dequant.restype = None
@@ -394,7 +394,8 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
             query_positions: torch.Tensor | None = None,
             requests: list[tuple[int, int]] | None = None,
             contexts: tuple[list[bool], float, float] | None = None,
-            quantized: ctypes.Array | None = None) -> None:
+            quantized: ctypes.Array | None = None,
+            query_out: torch.Tensor | None = None) -> None:
     """Every decoder layer of a Llama-family model over x ([Q, hidden], replaced by the last
     layer's output) by pl_decoder; see fast/fused.py, which checks what it passes.
 
@@ -412,6 +413,8 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     not, temperature, scale); None: plain attention.
     quantized: pointers like `weights` to Q4_1 blocks of the linear weights with the same
     values (fused.py checks them; NULL where a weight has none); None: float weights only.
+    query_out: [L, heads, D] float32, contiguous: receives the last token's rotated query
+    of every layer (before the softmax scale); None: not wanted.
     """
     layers, nseg = shape[5], len(pieces)
     spans = requests if requests is not None else [(int(x.shape[0]), nseg)]
@@ -453,11 +456,18 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
             raise ValueError("pl_decoder's contexts need a flag per piece and a temperature > 0")
         ctx = (ctypes.c_int * max(nseg, 1))(*[int(bool(f)) for f in flags])
         invt, mixc = 1.0 / temperature, mix * temperature
+    qout = None
+    if query_out is not None:
+        if (query_out.dtype != torch.float32 or not query_out.is_contiguous()
+                or tuple(query_out.shape) != (layers, shape[1], shape[3])):
+            raise ValueError("pl_decoder's query_out must be [layers, heads, head_dim] float32, "
+                             "contiguous")
+        qout = query_out.data_ptr()
     status = (_lib or _load()).pl_decoder(
         x.data_ptr(), x.shape[0], shape, eps, scale, weights, cos.data_ptr(), sin.data_ptr(),
         nseg, keys, kstride, values, vstride, lens, half, newk, new_keys.stride(1), newv,
         new_values.stride(1), kpos, qpos, nreq, (ctypes.c_long * (nreq + 1))(*tok),
-        (ctypes.c_long * (nreq + 1))(*seg), ctx, invt, mixc, quantized,
+        (ctypes.c_long * (nreq + 1))(*seg), ctx, invt, mixc, quantized, qout,
         torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"pl_decoder failed ({status})")

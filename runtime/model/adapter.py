@@ -18,8 +18,9 @@ model from outside the runtime.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -205,6 +206,25 @@ class ModelAdapter:
         return [Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
                 for logits, (past, s, q) in zip(out, slots)]
 
+    @contextlib.contextmanager
+    def capture_query(self) -> Iterator[torch.Tensor]:
+        """Within: every pass of this thread writes its last new token's rotated query of
+        every layer (before the softmax scale) into the yielded [L, heads, D] float32
+        tensor -- the recompute policy query:K ranks cached tokens by it. RoPE models with
+        promptlang's attention only (`attends_in_parallel`)."""
+        if not self.attends_in_parallel:
+            raise ModelError(f"{self.model_type}: capturing queries needs a RoPE model with "
+                             f"promptlang's attention")
+        heads = self.config.num_attention_heads
+        sink = torch.zeros(self.kv_shape.layers, heads, self.kv_shape.key_dim,
+                           dtype=torch.float32, device=self.device)
+        state = self.state
+        before, state.query_sink = state.query_sink, sink
+        try:
+            yield sink
+        finally:
+            state.query_sink = before
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, past: Past | None,
                 allowed: torch.Tensor | None, logits_rows: torch.Tensor | None = None, *,
@@ -254,12 +274,14 @@ class ModelAdapter:
                     pieces, contexts = _pieces(past, s)
                     logits = decoder.forward(
                         input_ids, positions, pieces, past.keys[:, :, s:s + q],
-                        past.values[:, :, s:s + q], rows, contexts=contexts)
+                        past.values[:, :, s:s + q], rows, contexts=contexts,
+                        query_out=state.query_sink)
                     if logits is not None:
                         return Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
                 if (by_position and in_place and decoder is not None
                         and self.sliding_window is None and q <= FUSED_BY_POSITION_MAX):
-                    logits = _fused_by_position(decoder, input_ids, positions, past, rows)
+                    logits = _fused_by_position(decoder, input_ids, positions, past, rows,
+                                                state.query_sink)
                     if logits is not None:
                         return Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
                 past = _widened(past)
@@ -324,7 +346,8 @@ class ModelAdapter:
         return int(window) if window else None
 
 
-def _fused_by_position(decoder, input_ids, positions, past: Past, rows) -> torch.Tensor | None:
+def _fused_by_position(decoder, input_ids, positions, past: Past, rows,
+                       query_out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Logits of `rows` for Q new tokens under the positional rule (a recompute pass), by the
     fused layers in runs of at most their MAX_TOKENS, each run attending to the past and the
     runs before it (exact: positions increase). None, with nothing written, where the fused
@@ -345,7 +368,7 @@ def _fused_by_position(decoder, input_ids, positions, past: Past, rows) -> torch
         out = decoder.forward(input_ids[start:end], positions[start:end], pieces,
                               past.keys[:, :, at:s + end], past.values[:, :, at:s + end], mine,
                               key_positions=torch.cat([past.positions, positions[:start]]),
-                              contexts=contexts)
+                              contexts=contexts, query_out=query_out)
         if out is None:
             if start == 0:
                 return None

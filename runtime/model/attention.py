@@ -41,6 +41,9 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if kwargs.get("promptlang_masks") is None:
         return _outside_attention(module, query, key, value, attention_mask, dropout, scaling,
                                   is_causal, kwargs)
+    sink = kwargs.get("promptlang_query")
+    if sink is not None:                # the last token's rotated query (capture_query)
+        sink[module.layer_idx] = query[-1, :, -1].float()
     shared = kwargs.get("promptlang_shared")
     if not shared and (kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
                        or kwargs.get("output_attentions")):

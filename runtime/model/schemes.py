@@ -55,6 +55,9 @@ class RopeAdapter(ModelAdapter):
         if attention_implementation(self.config) != ATTENTION:
             return super()._run(input_ids, positions, key_positions, mask, cache, rows)
         extra = {"promptlang_shared": shared} if shared else {}
+        sink = self.state.query_sink
+        if sink is not None:
+            extra["promptlang_query"] = sink
         if contexts is not None:            # every key slot: the past's flags, new keys not
             flags = torch.zeros(key_positions.shape[0], dtype=torch.bool, device=self.device)
             n = min(int(contexts.context.shape[0]), int(flags.shape[0]))

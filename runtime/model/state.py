@@ -24,6 +24,16 @@ class ModelState:
         self.mask: torch.Tensor | None = None      # [1, 1, Q, K]
 
     @property
+    def query_sink(self) -> torch.Tensor | None:
+        """Where this thread's passes write their last token's rotated query of every layer
+        ([L, heads, D] float32; ModelAdapter.capture_query), or None."""
+        return getattr(self._thread, "query_sink", None)
+
+    @query_sink.setter
+    def query_sink(self, sink: torch.Tensor | None) -> None:
+        self._thread.query_sink = sink
+
+    @property
     def in_runtime_pass(self) -> bool:
         """Whether this thread is inside an adapter's forward (the kernels may run); per
         thread, so that a call from another thread meanwhile stays on transformers' layers."""

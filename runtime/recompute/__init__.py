@@ -1,13 +1,15 @@
 """Selective recompute (docs/RECOMPUTE.md): cached tokens a request computes again.
 
-policy.py   the policy as text ("none", "seams", "first:K", "deviation:F", "exact",
-            "ape[:T[:S]]") ->
+policy.py   the policy as text ("none", "seams", "first:K", "query:K", "deviation:F",
+            "exact", "ape[:T[:S]]") ->
             `Recompute` (DEFAULT_POLICY: "seams"),
             and a schema's `recompute` attribute read with its location
 choose.py   a policy -> the positions it recomputes for one request (`choose_positions`),
             and APE's contexts (`parallel_contexts`: which tokens the request's new ones
             attend to with APE's temperature and scale)
 deviation.py  the deviation policy's measure: one pass stopped after layer 1
+query.py    the query policy's measure: a probe pass, the last token's attention to each
+            cached token (the engine calls `probe_choice` instead of choose_positions)
 plan.py     those positions -> a `RecomputePlan`: the request's extra uncached segments,
             and the stored copies the assembler leaves out
 exact.py    exact reuse: units a request made exact, stored under the request's

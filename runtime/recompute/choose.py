@@ -8,6 +8,8 @@ into a RecomputePlan (plan.py).
   full prefill are exact already, and recomputing them changes nothing).
 - deviation:F -- the ceil(F x candidates) candidates whose layer-1 KV differs most from a
   full prefill's (deviation.py).
+- query:K -- not here: its choice needs a probe pass over the assembled request, which the
+  engine runs (query.py, `probe_choice`).
 - exact -- every candidate: what the full prefill computes, without deviation's pass.
 - seams -- every candidate that missed another module or text computed per request, not
   one that missed only an argument (`candidates(..., arguments=False)`).

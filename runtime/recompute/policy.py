@@ -1,5 +1,5 @@
-"""Recompute policies as text: "none", "seams", "first:K", "deviation:F", "exact", "ape[:T[:S]]"
--> a `Recompute`.
+"""Recompute policies as text: "none", "seams", "first:K", "query:K", "deviation:F", "exact",
+"ape[:T[:S]]" -> a `Recompute`.
 
 A policy is written wherever one is given: a request's `recompute=`, `load(recompute=)`,
 or a schema's `recompute` attribute (PML keeps that attribute's text as written and
@@ -13,6 +13,9 @@ one is an error located at the attribute). What each policy chooses: choose.py.
   first:K         the first K cached tokens of every unit that missed a request token
                   before it (EPIC's LegoLink, arXiv 2410.15332: a module's first tokens
                   otherwise become spurious attention sinks; exact tokens are skipped)
+  query:K         the K cached tokens (of those that missed a request token before them)
+                  the request's last token attends to most, over every layer and head, in
+                  a probe pass of the request's own tokens over its cached ones
   deviation:F     the fraction F (0 < F <= 1) of the non-root units' cached tokens whose
                   layer-1 keys and values differ most from a pass over the whole request
                   (in the spirit of CacheBlend, arXiv 2405.16444); `F%` also works
@@ -34,8 +37,8 @@ from typing import Literal
 
 from promptlang.errors import PromptLangError, Span
 
-Kind = Literal["none", "seams", "first", "deviation", "exact", "ape"]
-KINDS = ("none", "seams", "first", "deviation", "exact", "ape")
+Kind = Literal["none", "seams", "first", "query", "deviation", "exact", "ape"]
+KINDS = ("none", "seams", "first", "query", "deviation", "exact", "ape")
 DEFAULT_POLICY = "seams"    # docs/RECOMPUTE.md, "What to use, and the default": why
 MAX_SPEC_CHARS = 64         # longer policy text is refused before it is read
 MAX_TOKENS_DIGITS = 9       # digits of K in first:K (int() of them stays cheap)
@@ -50,7 +53,7 @@ class RecomputeSpecError(PromptLangError):
 @dataclass(frozen=True)
 class Recompute:
     kind: Kind = "none"
-    amount: float = 0          # tokens per unit (first) or a fraction (deviation)
+    amount: float = 0          # tokens per unit (first), per request (query), or a fraction
     temperature: float = 1     # ape: the contexts' attention temperature
     scale: float = 1           # ape: the scale on the contexts' log-sum-exp
 
@@ -74,19 +77,19 @@ class Recompute:
         if spec == "seams":
             return cls("seams", 1)
         kind, colon, amount = spec.partition(":")
-        expected = ("expected none, seams, first:K (K tokens per module), deviation:F "
-                    "(0 < F <= 1), exact or ape[:T[:S]]")
+        expected = ("expected none, seams, first:K (K tokens per module), query:K (K tokens "
+                    "per request), deviation:F (0 < F <= 1), exact or ape[:T[:S]]")
         if kind == "ape" and not (colon and not amount):
             return cls._ape(amount, fail)
-        if kind not in ("first", "deviation") or not amount:
+        if kind not in ("first", "query", "deviation") or not amount:
             raise fail(expected)
-        if kind == "first":
+        if kind in ("first", "query"):
             digits = amount.lstrip("0")
             if not amount.isascii() or not amount.isdigit():
                 raise fail("K must be a whole number of tokens")
             if len(digits) > MAX_TOKENS_DIGITS:
                 raise fail(f"K has more than {MAX_TOKENS_DIGITS} digits")
-            return cls("first", int(digits)) if digits else cls()
+            return cls(kind, int(digits)) if digits else cls()
         percent = amount.endswith("%")
         try:
             fraction = float(amount[:-1] if percent else amount) / (100 if percent else 1)
@@ -118,8 +121,8 @@ class Recompute:
     def __str__(self) -> str:
         if self.kind == "none":
             return "none"
-        if self.kind == "first":
-            return f"first:{int(self.amount)}"
+        if self.kind in ("first", "query"):
+            return f"{self.kind}:{int(self.amount)}"
         if self.kind in ("exact", "seams"):
             return self.kind
         if self.kind == "ape":

@@ -70,16 +70,21 @@ class OracleResult:
     positions: torch.Tensor   # [N] sorted
     token_ids: torch.Tensor   # [N]
     cached: torch.Tensor      # [N] bool: served from a unit (else computed per request)
+    # every token occurrence of the pass, in pass order: position, in the request's tokens,
+    # computed per request (the pass's query rows)
+    occurrences: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def oracle_prefill(adapter, bound: BoundPrompt, isolate: bool = False,
                    recomputed: Collection[int] = frozenset(),
-                   parallel: "Parallel | None" = None) -> OracleResult:
+                   parallel: "Parallel | None" = None,
+                   attention: str | None = None) -> OracleResult:
     """The reference prefill of `bound` for the model behind `adapter` (a ModelAdapter or
     the transformers model itself; only its weights and config are read). `recomputed`:
     positions of served tokens the request computes again (their uncached copies).
     `parallel`: APE (see `Parallel`) -- every uncached token attends to the request's served
-    tokens at `parallel.positions` as contexts."""
+    tokens at `parallel.positions` as contexts. `attention`: the reference's attention
+    implementation where `parallel` is None (a test's recording one; default: stock)."""
     layout = bound.layout
     units: list[str] = []
 
@@ -147,8 +152,8 @@ def oracle_prefill(adapter, bound: BoundPrompt, isolate: bool = False,
     queries = queries[torch.argsort(position[queries])]
     hf_model = getattr(adapter, "model", adapter)
     if parallel is None:
-        logits, keys, values = reference_pass(reference_model(hf_model), torch.tensor(ids),
-                                              position, allowed, queries)
+        logits, keys, values = reference_pass(reference_model(hf_model, attention),
+                                              torch.tensor(ids), position, allowed, queries)
     else:
         served_token = in_request & (code != uncached)
         context = served_token & torch.isin(position, torch.tensor(sorted(parallel.positions),
@@ -159,7 +164,8 @@ def oracle_prefill(adapter, bound: BoundPrompt, isolate: bool = False,
                                         parallel.scale))
     order = torch.tensor(request)[torch.argsort(position[request])]
     return OracleResult(logits, keys[:, :, order], values[:, :, order], position[order],
-                        torch.tensor(ids)[order], code[order] != uncached)
+                        torch.tensor(ids)[order], code[order] != uncached,
+                        (position, in_request, code == uncached))
 
 
 def oracle_over_stored(adapter, expected: OracleResult, store_dtype: torch.dtype) -> OracleResult:

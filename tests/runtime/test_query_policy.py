@@ -1,0 +1,121 @@
+"""The recompute policy query:K (docs/RECOMPUTE.md): the K candidates the request's last
+token attends to most, recomputed.
+
+Two contracts, each against the unmodified reference model:
+- the choice: in one masked pass of the request as served by `none` (the DESIGN.md
+  oracle's pass, with an attention that records its weights), the chosen positions are the
+  K candidates whose stored tokens get the most attention from the request's last token,
+  summed over layers and heads;
+- the answer: with those positions recomputed, the prefill equals the oracle's pass in
+  which they are uncached tokens (as for every policy, test_recompute.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from promptlang.errors import PromptLangError
+from promptlang.runtime.recompute import Recompute, candidates
+
+from .oracle import oracle_prefill
+from .test_oracle import PROMPTS, make_llm, tiny_model
+from .test_recompute import CASES, assert_matches_oracle
+
+RECORDING = "oracle_recording"
+WEIGHTS: dict[int, torch.Tensor] = {}        # layer -> [heads, n, n] of the last recorded pass
+
+
+def _recording_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                         **kwargs):
+    """Eager attention over the mask (float64), keeping each layer's weights."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1).double()
+    value = value.repeat_interleave(groups, dim=1).double()
+    scores = query.double() @ key.transpose(-1, -2) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask.double()
+    weights = torch.softmax(scores, dim=-1)
+    WEIGHTS[module.layer_idx] = weights[0]
+    out = (weights @ value).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+transformers.AttentionInterface.register(RECORDING, _recording_attention)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {kind: tiny_model(kind) for kind in ("llama", "gpt2")}
+
+
+def reference_choice(llm, prompt: str, k: int) -> list[int]:
+    """query:K's positions from the reference model: the request as `none` serves it, one
+    masked pass, the last token's attention weights to the candidates' stored tokens."""
+    served = llm.prefill(prompt, recompute="none")
+    bound = served.bound
+    context_of = lambda unit: llm.encoder.context_of(bound.layout.units[unit])  # noqa: E731
+    wanted = {p for found in candidates(bound, context_of).values() for p in found}
+    WEIGHTS.clear()
+    expected = oracle_prefill(llm.adapter, bound, attention=RECORDING)
+    position, in_request, computed = expected.occurrences
+    rows = torch.nonzero(computed)[:, 0]
+    last = int(rows[torch.argmax(position[rows])])
+    mass = sum(w[:, last].sum(0) for w in WEIGHTS.values())                   # [n]
+    stored = [i for i in range(position.shape[0])
+              if in_request[i] and not computed[i] and int(position[i]) in wanted]
+    ranked = sorted(stored, key=lambda i: (-float(mass[i]), int(position[i])))
+    return sorted(int(position[i]) for i in ranked[:k])
+
+
+def test_query_parses_and_prints_back():
+    assert Recompute.parse("query:8") == Recompute("query", 8)
+    assert Recompute.parse(" Query:016") == Recompute("query", 16)
+    assert Recompute.parse("query:0") == Recompute()
+    assert str(Recompute("query", 32)) == "query:32"
+    for bad in ("query", "query:", "query:-1", "query:2.5", "query:x"):
+        with pytest.raises(PromptLangError, match="recompute policy"):
+            Recompute.parse(bad)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_query_recomputes_what_the_last_token_attends_to_most(models, tmp_path, kernels, k):
+    llm = make_llm(models["llama"], tmp_path)
+    llm.exact_reuse = False
+    chose = 0
+    for case in CASES:
+        cached = llm.prefill(PROMPTS[case], recompute=f"query:{k}")
+        expected = reference_choice(llm, PROMPTS[case], k)
+        assert sorted(cached.recompute.positions) == expected, case
+        chose += bool(expected)
+    assert chose >= 4, "too few cases with candidates to test the choice"
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["copied", "read in place"])
+@pytest.mark.parametrize("isolate", [False, True], ids=["guaranteed", "isolate"])
+def test_query_prefill_equals_one_masked_pass(models, tmp_path, kernels, isolate, shared):
+    llm = make_llm(models["llama"], tmp_path, isolate=isolate)
+    llm.exact_reuse = False
+    if shared:
+        llm.assembler.share_min_tokens = 1
+    for case in CASES:
+        cached = assert_matches_oracle(llm, PROMPTS[case], isolate, recompute="query:3")
+        assert len(cached.recompute.positions) <= 3
+        assert_matches_oracle(llm, PROMPTS[case], isolate, recompute="query:3")  # buffer reused
+
+
+def test_query_leaves_the_probe_buffer_to_the_pool_and_decodes(models, tmp_path):
+    llm = make_llm(models["llama"], tmp_path)
+    llm.exact_reuse = False
+    prompt = PROMPTS["two modules with a gap"]
+    plain = llm.generate(prompt, max_new_tokens=4, temperature=0, recompute="query:2")
+    again = llm.generate(prompt, max_new_tokens=4, temperature=0, recompute="query:2")
+    assert plain.text == again.text and plain.recomputed_tokens == 2
+    assert llm.assembler.in_use_bytes == 0
+
+
+def test_query_needs_a_rope_model_and_says_so(models, tmp_path):
+    llm = make_llm(models["gpt2"], tmp_path)
+    with pytest.raises(PromptLangError, match="needs a RoPE model"):
+        llm.prefill(PROMPTS["two modules with a gap"], recompute="query:2")
