@@ -1,0 +1,174 @@
+"""Study (not a test): which cached tokens, recomputed, bring the answer back?
+
+    python tests/studies/seam_tokens.py --kinds single,dependent,same-shape --items 12 --seed 7
+
+For each `promptlang bench accuracy` item (default model, 4 documents as modules), the gold
+answer's teacher-forced log-probability in ONE masked pass of the unmodified model (the
+DESIGN.md oracle's rule, tests/runtime/oracle.py, with the gold tokens appended as uncached
+tokens): the full prefill (every candidate recomputed), `none`, and recompute sets chosen
+by different rules. The `none` pass records the attention weights of the request's own
+tokens (question and generation prompt), which rank the candidates:
+
+    last K      the K candidates the last token attends to most, over every layer and head
+                (what the runtime's query:K recomputes)
+    all K       the same, summed over every question row
+    deep K      `all K` from the upper half of the layers only
+    first16     EPIC's first 16 candidates of every unit (first:16)
+    f16+last32  both; last_eq: `last` with as many tokens as f16+last32 recomputes
+
+Prints each item as JSON and, per kind, the mean log-probability minus the full
+prefill's. docs/BENCHMARKS.md, "Which cached tokens matter", has a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+import oracle  # noqa: E402  (the DESIGN.md oracle's reference model)
+
+import promptlang  # noqa: E402
+from promptlang.bench import qa  # noqa: E402
+from promptlang.runtime.recompute.deviation import candidates  # noqa: E402
+
+WEIGHTS: dict[int, torch.Tensor] = {}       # layer -> [heads, rows, keys] of the probe pass
+
+
+def _probing_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                       **kwargs):
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = query @ key.transpose(-1, -2) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = torch.softmax(scores.float(), dim=-1)
+    rows = kwargs.get("probe_rows")
+    if rows is not None:
+        WEIGHTS[module.layer_idx] = weights[0][:, rows]
+    return (weights.to(value.dtype) @ value).transpose(1, 2).contiguous(), None
+
+
+transformers.AttentionInterface.register("study_probe", _probing_attention)
+
+
+def occurrences(bound, recomputed: set[int], gold: list[int]):
+    """The oracle's token occurrences and mask (tests/runtime/oracle.py) with the gold
+    tokens (but the last) appended after the request as uncached tokens."""
+    layout, units = bound.layout, []
+
+    def need(unit):
+        if unit not in units:
+            for context in layout.units[unit].context:
+                need(context)
+            units.append(unit)
+    for unit in bound.units:
+        need(unit)
+    uncached = len(units)
+    ids, pos, owner, placeholder = [], [], [], []
+    for i, unit in enumerate(units):
+        for seg in layout.units[unit].segments:
+            n = len(seg.token_ids)
+            ids += seg.token_ids; pos += range(seg.start, seg.start + n)
+            owner += [i] * n; placeholder += [seg.kind == "param"] * n
+    tail = [(seg.token_ids, seg.start) for seg in bound.uncached]
+    tail.append((gold[:-1], bound.end))
+    for tokens, start in tail:
+        ids += tokens; pos += range(start, start + len(tokens))
+        owner += [uncached] * len(tokens); placeholder += [False] * len(tokens)
+    served = {units.index(unit) for unit in bound.units}
+    copies = [i for i in range(len(ids))
+              if owner[i] in served and not placeholder[i] and pos[i] in recomputed]
+    for i in copies:
+        ids.append(ids[i]); pos.append(pos[i]); owner.append(uncached); placeholder.append(False)
+    request = [i for i in range(len(ids)) if owner[i] == uncached
+               or (owner[i] in served and not placeholder[i] and pos[i] not in recomputed)]
+    in_request = torch.zeros(len(ids), dtype=torch.bool)
+    in_request[request] = True
+    position, code = torch.tensor(pos), torch.tensor(owner)
+    sees = torch.eye(uncached + 1, dtype=torch.bool)
+    for a, unit in enumerate(units):
+        for context in layout.units[unit].context:
+            sees[a, units.index(context)] = True
+    allowed = sees[code][:, code]
+    allowed[code == uncached] = in_request
+    allowed &= position[None, :] <= position[:, None]
+    return ids, position, code == uncached, allowed
+
+
+@torch.inference_mode()
+def gold_logprob(reference, bound, recomputed: set[int], gold: list[int], probe=False):
+    ids, position, computed, allowed = occurrences(bound, recomputed, gold)
+    rows = torch.nonzero(computed)[:, 0]
+    rows = rows[torch.argsort(position[rows])]
+    scored = rows[position[rows] >= bound.end - 1]          # the rows predicting gold
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    extra = {"probe_rows": rows[position[rows] < bound.end]} if probe else {}
+    out = reference(input_ids=torch.tensor(ids)[None], position_ids=position[None],
+                    attention_mask=mask[None, None], use_cache=False, logits_to_keep=scored,
+                    **extra)
+    logprobs = torch.log_softmax(out.logits[0].double(), -1)
+    return float(logprobs[torch.arange(len(gold)), torch.tensor(gold)].sum()), position, computed
+
+
+def study(kinds, items: int, seed: int, k: int) -> list[dict]:
+    llm = promptlang.load(exact_reuse=False)
+    reference = oracle.reference_model(llm.adapter.model, "study_probe")
+    rows = []
+    for kind in kinds:
+        for item in qa.generate(items, seed=seed, kind=kind):
+            schema, prompt = qa.to_pml(item, f"qa-{item.id}")
+            bound = llm.bind(prompt, schema=schema, add_generation_prompt=True)
+            layout = bound.layout
+            gold = list(llm.tokenizer.encode(item.answer))
+            found = candidates(bound, lambda unit: layout.units[unit].context)
+            wanted = sorted(p for positions in found.values() for p in positions)
+            full, _, _ = gold_logprob(reference, bound, set(wanted), gold)
+            WEIGHTS.clear()
+            none, position, computed = gold_logprob(reference, bound, set(), gold, probe=True)
+            stored = {int(position[i]): i for i in range(position.shape[0])
+                      if not computed[i] and int(position[i]) in set(wanted)}
+            layers = len(WEIGHTS)
+            last = sum(w[:, -1].sum(0) for w in WEIGHTS.values())
+            every = sum(w.sum((0, 1)) for w in WEIGHTS.values())
+            deep = sum(w.sum((0, 1)) for layer, w in WEIGHTS.items() if layer >= layers // 2)
+
+            def top(score, n):
+                return set(sorted(wanted, key=lambda p: -float(score[stored[p]]))[:n])
+            first = lambda n: {p for ps in found.values() for p in ps[:n]}  # noqa: E731
+            measure = lambda chosen: gold_logprob(reference, bound, chosen, gold)[0]  # noqa: E731
+            both = first(16) | top(last, 2 * k)
+            row = {"kind": kind, "id": item.id, "candidates": len(wanted), "full": full,
+                   "none": none, f"last{k}": measure(top(last, k)),
+                   f"all{k}": measure(top(every, k)), f"deep{k}": measure(top(deep, k)),
+                   f"last{2 * k}": measure(top(last, 2 * k)), "first16": measure(first(16)),
+                   f"f16+last{2 * k}": measure(both), "last_eq": measure(top(last, len(both)))}
+            rows.append(row)
+            print(json.dumps({key: round(v, 3) if isinstance(v, float) else v
+                              for key, v in row.items()}), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kinds", default="single,cross,dependent,needle,same-shape")
+    parser.add_argument("--items", type=int, default=12)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--k", type=int, default=16)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    rows = study(args.kinds.split(","), args.items, args.seed, args.k)
+    settings = [key for key in rows[0] if key not in ("kind", "id", "candidates", "full")]
+    for kind in args.kinds.split(",") + ["all"]:
+        mine = [r for r in rows if kind in ("all", r["kind"])]
+        means = {s: sum(r[s] - r["full"] for r in mine) / len(mine) for s in settings}
+        print(f"{kind:11s} n={len(mine):3d} " + " ".join(f"{s} {v:+.3f}" for s, v in means.items()))
+
+
+if __name__ == "__main__":
+    main()
