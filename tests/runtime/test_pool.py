@@ -137,3 +137,41 @@ def test_the_budget_is_read_from_the_environment(monkeypatch, adapter):
     assert Assembler(adapter).budget_bytes == 1024
     assert Assembler(adapter, budget_bytes=7).budget_bytes == 7      # the argument wins
 
+
+
+def _unit(adapter, start: int, n: int):
+    import torch
+
+    from promptlang.runtime.kv import UnitKV
+
+    keys, values = adapter.empty_kv(n)
+    keys.copy_(torch.randn(keys.shape))
+    values.copy_(torch.randn(values.shape))
+    return UnitKV(keys, values, torch.arange(start, start + n), torch.arange(n) % 7 + 3,
+                  torch.zeros(n, dtype=torch.bool))
+
+
+def test_holes_keep_units_read_in_place_up_to_the_run_budget(adapter, monkeypatch):
+    """Recomputed tokens split a unit read in place into runs (one attention piece each);
+    the request keeps at most MAX_SHARED_RUNS of them in place, in unit order, and copies a
+    unit whose runs would pass that -- the same slots, positions and KV either way."""
+    from promptlang.runtime.recompute import RecomputePlan
+    from promptlang.runtime.recompute.plan import Segment
+
+    monkeypatch.setattr(assembler_mod, "MAX_SHARED_RUNS", 6)
+    units = [(f"u{i}", _unit(adapter, 100 * i, 40)) for i in range(3)]
+    holes = [5, 15, 25] + [110, 120] + [205, 210, 215, 220]      # runs: 4, 3, 5
+    plan = RecomputePlan(frozenset(holes), tuple(Segment((1,), p, "recompute") for p in holes))
+    pool = Assembler(adapter, share_min_tokens=1)
+    buffer = pool.acquire(200)
+    assert pool.assemble(buffer, units, plan) == 120 - len(holes)
+    runs = [(seg.start, seg.end) for seg in buffer.shared]
+    assert len(runs) == 4                            # the first unit's 4 runs; 4 + 3 > 6
+    kept = [p for _, kv in units for p in kv.positions.tolist() if p not in holes]
+    slots = buffer.positions[:buffer.length].tolist()
+    assert sorted(slots) == kept                                 # no token lost or doubled
+    read = buffer.keys[:, :, :buffer.length]                      # shared runs copied in
+    for at, p in enumerate(slots):
+        kv = units[p // 100][1]
+        assert bool((read[:, :, at] == kv.keys[:, :, p % 100]).all())
+    pool.release(buffer)
