@@ -15,6 +15,9 @@ tokens (question and generation prompt), which rank the candidates:
     deep K      `all K` from the upper half of the layers only
     first16     EPIC's first 16 candidates of every unit (first:16)
     f16+last32  both; last_eq: `last` with as many tokens as f16+last32 recomputes
+    primed      (--primer TEXT) every module but the first encoded after TEXT, at the
+                positions just before it (cheap conditioning: the module "knows" it is
+                not the first); the request never sees TEXT. primed+lastK: and last K.
 
 Prints each item as JSON and, per kind, the mean log-probability minus the full
 prefill's. docs/BENCHMARKS.md, "Which cached tokens matter", has a run.
@@ -57,9 +60,12 @@ def _probing_attention(module, query, key, value, attention_mask, scaling=None, 
 transformers.AttentionInterface.register("study_probe", _probing_attention)
 
 
-def occurrences(bound, recomputed: set[int], gold: list[int]):
+def occurrences(bound, recomputed: set[int], gold: list[int], primer: list[int] = ()):
     """The oracle's token occurrences and mask (tests/runtime/oracle.py) with the gold
-    tokens (but the last) appended after the request as uncached tokens."""
+    tokens (but the last) appended after the request as uncached tokens. `primer`: token
+    ids every module but the first was encoded after (at the positions just before it,
+    seeing the schema's text; a context of the module's encoding only -- the request's
+    own tokens never see it)."""
     layout, units = bound.layout, []
 
     def need(unit):
@@ -81,6 +87,15 @@ def occurrences(bound, recomputed: set[int], gold: list[int]):
     for tokens, start in tail:
         ids += tokens; pos += range(start, start + len(tokens))
         owner += [uncached] * len(tokens); placeholder += [False] * len(tokens)
+    primed = []                      # (module's index, its primer's code)
+    if primer:
+        starts = {i: min(seg.start for seg in layout.units[unit].segments)
+                  for i, unit in enumerate(units) if layout.units[unit].context}
+        for i in sorted(starts, key=starts.get)[1:]:
+            mark = uncached + 1 + len(primed)
+            primed.append((i, mark))
+            ids += list(primer); pos += range(starts[i] - len(primer), starts[i])
+            owner += [mark] * len(primer); placeholder += [False] * len(primer)
     served = {units.index(unit) for unit in bound.units}
     copies = [i for i in range(len(ids))
               if owner[i] in served and not placeholder[i] and pos[i] in recomputed]
@@ -91,10 +106,14 @@ def occurrences(bound, recomputed: set[int], gold: list[int]):
     in_request = torch.zeros(len(ids), dtype=torch.bool)
     in_request[request] = True
     position, code = torch.tensor(pos), torch.tensor(owner)
-    sees = torch.eye(uncached + 1, dtype=torch.bool)
+    sees = torch.eye(uncached + 1 + len(primed), dtype=torch.bool)
     for a, unit in enumerate(units):
         for context in layout.units[unit].context:
             sees[a, units.index(context)] = True
+    for a, p in primed:              # the module sees its primer; the primer, its contexts
+        sees[a, p] = True
+        sees[p] = sees[a] & (torch.arange(sees.shape[1]) < uncached)
+        sees[p, a], sees[p, p] = False, True
     allowed = sees[code][:, code]
     allowed[code == uncached] = in_request
     allowed &= position[None, :] <= position[:, None]
@@ -102,8 +121,9 @@ def occurrences(bound, recomputed: set[int], gold: list[int]):
 
 
 @torch.inference_mode()
-def gold_logprob(reference, bound, recomputed: set[int], gold: list[int], probe=False):
-    ids, position, computed, allowed = occurrences(bound, recomputed, gold)
+def gold_logprob(reference, bound, recomputed: set[int], gold: list[int], probe=False,
+                 primer: list[int] = ()):
+    ids, position, computed, allowed = occurrences(bound, recomputed, gold, primer)
     rows = torch.nonzero(computed)[:, 0]
     rows = rows[torch.argsort(position[rows])]
     scored = rows[position[rows] >= bound.end - 1]          # the rows predicting gold
@@ -116,9 +136,10 @@ def gold_logprob(reference, bound, recomputed: set[int], gold: list[int], probe=
     return float(logprobs[torch.arange(len(gold)), torch.tensor(gold)].sum()), position, computed
 
 
-def study(kinds, items: int, seed: int, k: int) -> list[dict]:
+def study(kinds, items: int, seed: int, k: int, primer: str = "") -> list[dict]:
     llm = promptlang.load(exact_reuse=False)
     reference = oracle.reference_model(llm.adapter.model, "study_probe")
+    primer_ids = list(llm.tokenizer.encode(primer)) if primer else []
     rows = []
     for kind in kinds:
         for item in qa.generate(items, seed=seed, kind=kind):
@@ -148,6 +169,10 @@ def study(kinds, items: int, seed: int, k: int) -> list[dict]:
                    f"all{k}": measure(top(every, k)), f"deep{k}": measure(top(deep, k)),
                    f"last{2 * k}": measure(top(last, 2 * k)), "first16": measure(first(16)),
                    f"f16+last{2 * k}": measure(both), "last_eq": measure(top(last, len(both)))}
+            if primer_ids:
+                row["primed"] = gold_logprob(reference, bound, set(), gold, primer=primer_ids)[0]
+                row[f"primed+last{k}"] = gold_logprob(reference, bound, top(last, k), gold,
+                                                      primer=primer_ids)[0]
             rows.append(row)
             print(json.dumps({key: round(v, 3) if isinstance(v, float) else v
                               for key, v in row.items()}), flush=True)
@@ -160,9 +185,12 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=12)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--k", type=int, default=16)
+    parser.add_argument("--primer", default="", help="text every module but the first is "
+                        "encoded after (not seen by the request): settings primed, primed+lastK")
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(2)
-    rows = study(args.kinds.split(","), args.items, args.seed, args.k)
+    torch.set_num_threads(args.threads)
+    rows = study(args.kinds.split(","), args.items, args.seed, args.k, args.primer)
     settings = [key for key in rows[0] if key not in ("kind", "id", "candidates", "full")]
     for kind in args.kinds.split(",") + ["all"]:
         mine = [r for r in rows if kind in ("all", r["kind"])]
