@@ -15,8 +15,11 @@ from __future__ import annotations
 import torch
 
 from promptlang.errors import PromptLangError
+from promptlang.runtime.assembler import request_keys
 from promptlang.runtime.fast.pieces import past_pieces
 from promptlang.runtime.model import Past
+from promptlang.runtime.prefill import prefill, take_last, uncached_tokens
+from promptlang.runtime.recompute.plan import NO_RECOMPUTE
 
 
 def attention_mass(query: torch.Tensor, past: Past, length: int,
@@ -52,10 +55,6 @@ def probe_choice(adapter, assembler, bound, units, found: dict[str, list[int]],
     its last token attends to most when its own tokens are computed over the cached ones
     as stored. `units`: the (key, UnitKV) pairs the request serves (engine.py), assembled
     into a buffer of the assembler's for the probe and released after it."""
-    from promptlang.runtime.assembler import request_keys
-    from promptlang.runtime.prefill import prefill, take_last, uncached_tokens
-    from promptlang.runtime.recompute.plan import NO_RECOMPUTE
-
     if not adapter.attends_in_parallel:
         raise PromptLangError(f"recompute policy 'query:{k}' needs a RoPE model (Llama "
                               f"family) with promptlang's attention; this one is "
