@@ -288,7 +288,7 @@ class LLM:
         approximate = sum(p not in plan.positions for u, found in missed.items()
                           if u not in served for p in found)
         contexts = parallel_contexts(bound, by_unit, policy,
-                                     [u for u in missed if u not in served])
+                                     [u for u in missed if u not in served], plan.positions)
         if contexts is not None and not self.adapter.attends_in_parallel:
             raise PromptLangError(f"recompute policy {str(policy)!r} needs a RoPE model "
                                   f"(Llama family) with promptlang's attention; this one is "

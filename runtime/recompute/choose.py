@@ -56,16 +56,20 @@ ROOT = module_unit_id(())           # the schema's own text
 
 
 def parallel_contexts(bound: BoundPrompt, units: dict[str, UnitKV], policy: Recompute,
-                      approximate: Sequence[str]) -> ParallelContexts | None:
-    """APE's contexts for `bound` under the "ape" policy: every token of the modules' units
-    (all but the root), by position; None -- plain attention -- unless some module is
-    served as encoded apart (`approximate`: the units whose missed tokens stay as stored)."""
-    if policy.kind != "ape" or not any(unit != ROOT for unit in approximate):
+                      approximate: Sequence[str],
+                      recomputed: frozenset[int] = frozenset()) -> ParallelContexts | None:
+    """APE's contexts for `bound` under "ape" (or "query:K+ape"): every token of the
+    modules' units (all but the root) but the `recomputed` ones, by position; None --
+    plain attention -- unless some module is served as encoded apart (`approximate`: the
+    units whose missed tokens stay as stored)."""
+    if not policy.parallel or not any(unit != ROOT for unit in approximate):
         return None
     context = torch.zeros(bound.end, dtype=torch.bool)
     for unit, kv in units.items():
         if unit != ROOT:
             context[kv.positions[~kv.placeholder].cpu()] = True
+    if recomputed:               # computed per request: they attend and are seen as usual
+        context[torch.tensor(sorted(recomputed))] = False
     return ParallelContexts(context, policy.temperature, policy.scale)
 
 

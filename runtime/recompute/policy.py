@@ -15,7 +15,9 @@ one is an error located at the attribute). What each policy chooses: choose.py.
                   otherwise become spurious attention sinks; exact tokens are skipped)
   query:K         the K cached tokens (of those that missed a request token before them)
                   the request's last token attends to most, over every layer and head, in
-                  a probe pass of the request's own tokens over its cached ones
+                  a probe pass of the request's own tokens over its cached ones;
+                  query:K+ape[:T[:S]]: and the request then attends to the modules' other
+                  tokens as APE's contexts (below)
   deviation:F     the fraction F (0 < F <= 1) of the non-root units' cached tokens whose
                   layer-1 keys and values differ most from a pass over the whole request
                   (in the spirit of CacheBlend, arXiv 2405.16444); `F%` also works
@@ -76,6 +78,12 @@ class Recompute:
             return cls("exact", 1)
         if spec == "seams":
             return cls("seams", 1)
+        if spec.startswith("query:") and "+" in spec:       # query:K+ape[:T[:S]]
+            head, _, tail = spec.partition("+")
+            base, ape = cls.parse(head, span), cls.parse(tail, span)
+            if base.kind != "query" or ape.kind != "ape":
+                raise fail("expected query:K+ape[:T[:S]]")
+            return cls("query", base.amount, ape.temperature, ape.scale)
         kind, colon, amount = spec.partition(":")
         expected = ("expected none, seams, first:K (K tokens per module), query:K (K tokens "
                     "per request), deviation:F (0 < F <= 1), exact or ape[:T[:S]]")
@@ -118,9 +126,19 @@ class Recompute:
     def __bool__(self) -> bool:
         return self.kind != "none"
 
+    @property
+    def parallel(self) -> bool:
+        """Whether the request attends to its modules as APE's contexts (`ape`, and
+        `query:K+ape`; at T = S = 1 APE is plain attention)."""
+        return self.kind == "ape" or (self.kind == "query"
+                                      and (self.temperature, self.scale) != (1, 1))
+
     def __str__(self) -> str:
         if self.kind == "none":
             return "none"
+        if self.kind == "query" and self.parallel:
+            ape = str(Recompute("ape", 1, self.temperature, self.scale))
+            return f"query:{int(self.amount)}+{ape}"
         if self.kind in ("first", "query"):
             return f"{self.kind}:{int(self.amount)}"
         if self.kind in ("exact", "seams"):

@@ -90,7 +90,7 @@ def test_units_read_in_place_and_an_early_finish(llm):
 
 
 @pytest.mark.parametrize("first", [0, 8], ids=["with the decoders", "prefills first"])
-@pytest.mark.parametrize("recompute", ["none", "seams", "ape:0.6:1.4"])
+@pytest.mark.parametrize("recompute", ["none", "seams", "ape:0.6:1.4", "query:2"])
 def test_prefills_that_join_a_step_decode_as_alone(llm, monkeypatch, recompute, first):
     """Requests whose prefill runs inside a decode step (BatchStepper.join: LLM.start with
     `defer`), one joining while the others are already decoding; under `seams` a new
@@ -108,7 +108,7 @@ def test_prefills_that_join_a_step_decode_as_alone(llm, monkeypatch, recompute, 
     generations = [llm.start(p, sampling=s, recompute=recompute, defer=64)
                    for p, s in zip(PROMPTS, params)]
     assert all(g.opened.pending is not None and g.opened.logits is None for g in generations)
-    if recompute == "seams":
+    if recompute in ("seams", "query:2"):      # query:2: the probe ran in start()
         assert generations[2].opened.recomputed_tokens > 0
     if recompute.startswith("ape"):     # <long/><short/>: short was encoded apart
         assert generations[2].opened.buffer.contexts is not None

@@ -119,3 +119,62 @@ def test_query_needs_a_rope_model_and_says_so(models, tmp_path):
     llm = make_llm(models["gpt2"], tmp_path)
     with pytest.raises(PromptLangError, match="needs a RoPE model"):
         llm.prefill(PROMPTS["two modules with a gap"], recompute="query:2")
+
+
+
+def test_a_session_opens_with_the_policy_applied(models, tmp_path):
+    from .test_oracle import TOL
+
+    llm = make_llm(models["llama"], tmp_path)
+    llm.exact_reuse = False
+    prompt = PROMPTS["two modules with a gap"]
+    expected = llm.prefill(prompt, recompute="query:2")
+    assert len(expected.recompute.positions) == 2
+    with llm.session(prompt, recompute="query:2", add_generation_prompt=True) as session:
+        assert (session.logits - expected.logits[-1]).abs().max() < TOL
+
+
+@pytest.mark.parametrize("text, parsed", [
+    ("query:8+ape", Recompute("query", 8, 0.9, 0.9)),
+    ("Query:4+APE:0.8", Recompute("query", 4, 0.8, 0.9)),
+    ("query:4+ape:0.7:1.2", Recompute("query", 4, 0.7, 1.2)),
+])
+def test_query_with_ape_parses_and_prints_back(text, parsed):
+    assert Recompute.parse(text) == parsed and parsed.parallel
+    assert Recompute.parse(str(parsed)) == parsed
+    assert not Recompute.parse("query:4").parallel
+    for bad in ("query:4+", "query:4+first:2", "query:x+ape", "query:4+ape:9"):
+        with pytest.raises(PromptLangError, match="recompute policy"):
+            Recompute.parse(bad)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["copied", "read in place"])
+def test_query_with_ape_equals_the_reference_pass(models, tmp_path, kernels, shared):
+    """query:K+ape: the K tokens are computed per request (attending, and attended to, as
+    usual); every other token of the modules is an APE context of the request's tokens --
+    in the prefill and in each decode step."""
+    from .oracle import Parallel
+    from .test_oracle import TOL
+    from .test_parallel_contexts import module_positions
+
+    llm = make_llm(models["llama"], tmp_path)
+    llm.exact_reuse = False
+    if shared:
+        llm.assembler.share_min_tokens = 1
+    applied = 0
+    for case in CASES:
+        cached = llm.prefill(PROMPTS[case], all_logits=True, recompute="query:2+ape:0.6:1.3")
+        parallel = None
+        if cached.parallel:
+            recomputed = cached.recompute.positions
+            assert cached.parallel == module_positions(cached.bound) - recomputed
+            parallel = Parallel(cached.parallel, 0.6, 1.3)
+            applied += bool(recomputed)
+        expected = oracle_prefill(llm.adapter, cached.bound,
+                                  recomputed=cached.recompute.positions, parallel=parallel)
+        order = torch.argsort(cached.positions)
+        assert torch.equal(cached.positions[order], expected.positions)
+        assert (cached.logits - expected.logits).abs().max() < TOL, case
+        assert (cached.keys[:, :, order] - expected.keys).abs().max() < TOL
+        assert (cached.values[:, :, order] - expected.values).abs().max() < TOL
+    assert applied >= 3, "APE with recomputed tokens applied to too few of the cases"

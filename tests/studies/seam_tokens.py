@@ -136,7 +136,8 @@ def gold_logprob(reference, bound, recomputed: set[int], gold: list[int], probe=
     return float(logprobs[torch.arange(len(gold)), torch.tensor(gold)].sum()), position, computed
 
 
-def study(kinds, items: int, seed: int, k: int, primer: str = "") -> list[dict]:
+def study(kinds, items: int, seed: int, k: int, primer: str = "",
+          primer_only: bool = False) -> list[dict]:
     llm = promptlang.load(exact_reuse=False)
     reference = oracle.reference_model(llm.adapter.model, "study_probe")
     primer_ids = list(llm.tokenizer.encode(primer)) if primer else []
@@ -165,7 +166,9 @@ def study(kinds, items: int, seed: int, k: int, primer: str = "") -> list[dict]:
             measure = lambda chosen: gold_logprob(reference, bound, chosen, gold)[0]  # noqa: E731
             both = first(16) | top(last, 2 * k)
             row = {"kind": kind, "id": item.id, "candidates": len(wanted), "full": full,
-                   "none": none, f"last{k}": measure(top(last, k)),
+                   "none": none, f"last{k}": measure(top(last, k))}
+            if not primer_only:
+                row |= {
                    f"all{k}": measure(top(every, k)), f"deep{k}": measure(top(deep, k)),
                    f"last{2 * k}": measure(top(last, 2 * k)), "first16": measure(first(16)),
                    f"f16+last{2 * k}": measure(both), "last_eq": measure(top(last, len(both)))}
@@ -187,10 +190,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=16)
     parser.add_argument("--primer", default="", help="text every module but the first is "
                         "encoded after (not seen by the request): settings primed, primed+lastK")
+    parser.add_argument("--primer-only", action="store_true",
+                        help="with --primer: only none, last K and the primed settings")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = study(args.kinds.split(","), args.items, args.seed, args.k, args.primer)
+    rows = study(args.kinds.split(","), args.items, args.seed, args.k, args.primer,
+                 args.primer_only)
     settings = [key for key in rows[0] if key not in ("kind", "id", "candidates", "full")]
     for kind in args.kinds.split(",") + ["all"]:
         mine = [r for r in rows if kind in ("all", r["kind"])]
