@@ -1,5 +1,5 @@
-"""Recompute policies as text: "none", "seams", "first:K", "query:K", "deviation:F", "exact",
-"ape[:T[:S]]" -> a `Recompute`.
+"""Recompute policies as text: "none", "seams", "first:K", "query:K[+ape[:T[:S]]]", "deviation:F",
+"exact", "ape[:T[:S]]" -> a `Recompute`.
 
 A policy is written wherever one is given: a request's `recompute=`, `load(recompute=)`,
 or a schema's `recompute` attribute (PML keeps that attribute's text as written and

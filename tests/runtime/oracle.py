@@ -299,18 +299,25 @@ class Parallel:
 PARALLEL_ATTENTION = "oracle_parallel"
 
 
-def _parallel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                        **kwargs):
-    """Eager attention over the mask, written out per query row and per key set: plain
-    softmax for the rows APE leaves alone, APE's mix for the others; (out [B, Q, H, D], None).
-    `oracle_parallel` (from reference_pass): (rows [Q] bool, context [K] bool, T, S)."""
-    # query: [B, H, Q, D]; key, value: [B, H_kv, K, D]; attention_mask: [B, 1, Q, K]
+def masked_scores(query, key, value, attention_mask, scaling):
+    """(scores, values): eager attention's scores over the mask and the values, float64,
+    grouped KV heads repeated. query: [B, H, Q, D]; key, value: [B, H_kv, K, D]."""
     groups = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(groups, dim=1).double()
     value = value.repeat_interleave(groups, dim=1).double()
     scores = query.double() @ key.transpose(-1, -2) * scaling
     if attention_mask is not None:
         scores = scores + attention_mask.double()
+    return scores, value
+
+
+def _parallel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                        **kwargs):
+    """Eager attention over the mask, written out per query row and per key set: plain
+    softmax for the rows APE leaves alone, APE's mix for the others; (out [B, Q, H, D], None).
+    `oracle_parallel` (from reference_pass): (rows [Q] bool, context [K] bool, T, S)."""
+    # query: [B, H, Q, D]; key, value: [B, H_kv, K, D]; attention_mask: [B, 1, Q, K]
+    scores, value = masked_scores(query, key, value, attention_mask, scaling)
     probabilities = torch.softmax(scores, dim=-1)
     parallel = kwargs.get("oracle_parallel")
     if parallel is not None:

@@ -19,7 +19,7 @@ import transformers
 from promptlang.errors import PromptLangError
 from promptlang.runtime.recompute import Recompute, candidates
 
-from .oracle import oracle_prefill
+from .oracle import masked_scores, oracle_prefill
 from .test_oracle import PROMPTS, make_llm, tiny_model
 from .test_recompute import CASES, assert_matches_oracle
 
@@ -30,12 +30,7 @@ WEIGHTS: dict[int, torch.Tensor] = {}        # layer -> [heads, n, n] of the las
 def _recording_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                          **kwargs):
     """Eager attention over the mask (float64), keeping each layer's weights."""
-    groups = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(groups, dim=1).double()
-    value = value.repeat_interleave(groups, dim=1).double()
-    scores = query.double() @ key.transpose(-1, -2) * scaling
-    if attention_mask is not None:
-        scores = scores + attention_mask.double()
+    scores, value = masked_scores(query, key, value, attention_mask, scaling)
     weights = torch.softmax(scores, dim=-1)
     WEIGHTS[module.layer_idx] = weights[0]
     out = (weights @ value).to(query.dtype)
