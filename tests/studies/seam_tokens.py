@@ -136,10 +136,74 @@ def gold_logprob(reference, bound, recomputed: set[int], gold: list[int], probe=
     return float(logprobs[torch.arange(len(gold)), torch.tensor(gold)].sum()), position, computed
 
 
+@torch.inference_mode()
+def adjacent_logprob(reference, bound, gold: list[int]) -> tuple[float, float]:
+    """(none, adjacent) gold log-probabilities by two reference passes per module: each
+    module encoded over its guaranteed context as stored (`none`), or at the positions
+    right after that context -- as if it were the first module -- with its keys then
+    rotated to its own positions (RoPE keys compose: R(p + d) = R(d) R(p)); the request's
+    own tokens and the gold ones computed over the modules' KV. Modules without contexts
+    (the schema's text) and nested modules are not handled: --adjacent is for the bench's
+    flat documents."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    layout = bound.layout
+    root = [u for u in bound.units if not layout.units[u].context]
+    assert len(root) == 1, "one schema text unit expected"
+    root_ids, root_pos = [], []
+    for seg in layout.units[root[0]].segments:
+        root_ids += seg.token_ids
+        root_pos += range(seg.start, seg.start + len(seg.token_ids))
+    base = max(root_pos) + 1
+    causal = lambda n: torch.tril(torch.ones(n, n, dtype=torch.bool))  # noqa: E731
+    results = []
+    for adjacent in (False, True):
+        keys, values, positions = [], [], []
+        _, k0, v0 = oracle.reference_pass(reference, torch.tensor(root_ids),
+                                          torch.tensor(root_pos), causal(len(root_ids)),
+                                          torch.tensor([0]))
+        keys.append(k0); values.append(v0); positions += root_pos
+        for unit in bound.units:
+            if unit == root[0]:
+                continue
+            ids, pos = [], []
+            for seg in layout.units[unit].segments:
+                ids += seg.token_ids
+                pos += range(seg.start, seg.start + len(seg.token_ids))
+            shift = (min(pos) - base) if adjacent else 0
+            at = [p - shift for p in pos]
+            past = (k0, v0, torch.tensor(root_pos))
+            allowed = torch.cat([torch.ones(len(ids), len(root_ids), dtype=torch.bool),
+                                 causal(len(ids))], dim=1)
+            allowed[:, :len(root_ids)] &= torch.tensor(root_pos)[None, :] <= torch.tensor(at)[:, None]
+            _, k, v = oracle.reference_pass(reference, torch.tensor(ids), torch.tensor(at),
+                                            allowed, torch.tensor([0]), past)
+            if shift:
+                cos, sin = reference.model.rotary_emb(k, torch.tensor([[shift]]))
+                k = k * cos[0] + rotate_half(k) * sin[0]
+            keys.append(k); values.append(v); positions += pos
+        past_k, past_v = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+        past_pos = torch.tensor(positions)
+        new_ids = [t for seg in bound.uncached for t in seg.token_ids] + list(gold[:-1])
+        new_pos = [p for seg in bound.uncached
+                   for p in range(seg.start, seg.start + len(seg.token_ids))]
+        new_pos += range(bound.end, bound.end + len(gold) - 1)
+        key_pos = torch.cat([past_pos, torch.tensor(new_pos)])
+        allowed = key_pos[None, :] <= torch.tensor(new_pos)[:, None]
+        rows = torch.tensor([i for i, p in enumerate(new_pos) if p >= bound.end - 1])
+        logits, _, _ = oracle.reference_pass(reference, torch.tensor(new_ids),
+                                             torch.tensor(new_pos), allowed, rows,
+                                             (past_k, past_v, past_pos))
+        logprobs = torch.log_softmax(logits.double(), -1)
+        results.append(float(logprobs[torch.arange(len(gold)), torch.tensor(gold)].sum()))
+    return results[0], results[1]
+
+
 def study(kinds, items: int, seed: int, k: int, primer: str = "",
-          primer_only: bool = False) -> list[dict]:
+          primer_only: bool = False, adjacent: bool = False) -> list[dict]:
     llm = promptlang.load(exact_reuse=False)
     reference = oracle.reference_model(llm.adapter.model, "study_probe")
+    plain = oracle.reference_model(llm.adapter.model)
     primer_ids = list(llm.tokenizer.encode(primer)) if primer else []
     rows = []
     for kind in kinds:
@@ -172,6 +236,8 @@ def study(kinds, items: int, seed: int, k: int, primer: str = "",
                    f"all{k}": measure(top(every, k)), f"deep{k}": measure(top(deep, k)),
                    f"last{2 * k}": measure(top(last, 2 * k)), "first16": measure(first(16)),
                    f"f16+last{2 * k}": measure(both), "last_eq": measure(top(last, len(both)))}
+            if adjacent:
+                row["none2"], row["adjacent"] = adjacent_logprob(plain, bound, gold)
             if primer_ids:
                 row["primed"] = gold_logprob(reference, bound, set(), gold, primer=primer_ids)[0]
                 row[f"primed+last{k}"] = gold_logprob(reference, bound, top(last, k), gold,
@@ -192,11 +258,14 @@ def main() -> None:
                         "encoded after (not seen by the request): settings primed, primed+lastK")
     parser.add_argument("--primer-only", action="store_true",
                         help="with --primer: only none, last K and the primed settings")
+    parser.add_argument("--adjacent", action="store_true", help="settings none2 (`none` by "
+                        "two passes: a check) and adjacent (modules encoded right after their "
+                        "context, keys rotated to their positions)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = study(args.kinds.split(","), args.items, args.seed, args.k, args.primer,
-                 args.primer_only)
+                 args.primer_only, args.adjacent)
     settings = [key for key in rows[0] if key not in ("kind", "id", "candidates", "full")]
     for kind in args.kinds.split(",") + ["all"]:
         mine = [r for r in rows if kind in ("all", r["kind"])]
