@@ -32,7 +32,7 @@ def attention_mass(query: torch.Tensor, past: Past, length: int,
     kv_heads = pieces[0].shape[1]
     grouped = query.reshape(layers, kv_heads, heads // kv_heads, d)
     scores = torch.cat([torch.einsum("lhgd,lhnd->lhgn", grouped, keys.float())
-                        for keys in pieces], dim=-1) * scaling        # [L, H_kv, G, S (+ n)]
+                        for keys in pieces], dim=-1) * scaling        # [L, H_kv, G, S]
     weights = torch.softmax(scores, dim=-1)
     return weights.sum(dim=(0, 1, 2))
 
