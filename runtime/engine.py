@@ -38,7 +38,7 @@ from promptlang.runtime.recompute import (DEFAULT_POLICY, NO_RECOMPUTE, Recomput
                                           RecomputePlan, candidates, choose_positions, exact,
                                           parallel_contexts, schema_policy)
 from promptlang.runtime.recompute.query import probe_choice
-from promptlang.runtime.prefill import baseline_prefill, prefill, take_last, uncached_tokens
+from promptlang.runtime.prefill import baseline_prefill, prefill, uncached_tokens, with_last
 from promptlang.runtime.results import Opened, PendingPrefill, Prefilled, Result, Timings
 from promptlang.runtime.sampling import SamplingParams, options_to_params
 
@@ -278,12 +278,11 @@ class LLM:
         units = [served.get(u, (keys[u], kv)) for u, kv in by_unit.items() if kv.length]
         context_of = exact.context_with(context_of, bound, list(served))
         plan = NO_RECOMPUTE
-        if policy.kind == "query":                     # a probe pass ranks the candidates
-            chosen = probe_choice(self.adapter, self.assembler, bound, units,
-                                  candidates(bound, context_of), int(policy.amount))
-            plan = RecomputePlan.of(bound, chosen)
-        elif policy:
-            chosen = choose_positions(self.adapter, bound, by_unit, policy, context_of)
+        if policy:                       # query:K: a probe pass over the request ranks them
+            chosen = (probe_choice(self.adapter, self.assembler, bound, units,
+                                   candidates(bound, context_of), int(policy.amount))
+                      if policy.kind == "query" else
+                      choose_positions(self.adapter, bound, by_unit, policy, context_of))
             plan = RecomputePlan.of(bound, chosen)
         approximate = sum(p not in plan.positions for u, found in missed.items()
                           if u not in served for p in found)
@@ -303,12 +302,7 @@ class LLM:
             self.assembler.assemble(buffer, units, plan)
             buffer.contexts = None if contexts is None else \
                 contexts._replace(context=contexts.context.to(buffer.positions.device))
-            if not ids or (buffer.length and
-                           int(buffer.positions[:buffer.length].max()) > positions[-1]):
-                # the last token's output is needed and it is a cached one: recompute it
-                token, position = take_last(buffer)
-                at = sum(p < position for p in positions)
-                ids, positions = ids[:at] + [token], positions[:at] + [position]
+            ids, positions = with_last(buffer, ids, positions)
             t.assemble = time.perf_counter() - mark
             opened = Opened(buffer, None, bound.end, bound, t, len(ids), buffer.length,
                             len(plan), started, plan, tuple(served), approximate,

@@ -100,6 +100,20 @@ def uncached_tokens(segments: Sequence[Segment]) -> tuple[list[int], list[int]]:
     return ids, positions
 
 
+def with_last(buffer: KVBuffer, ids: list[int], positions: list[int]
+              ) -> tuple[list[int], list[int]]:
+    """The tokens a request computes over `buffer` (its cached tokens assembled): `ids` at
+    `positions` (increasing), plus -- where the request's highest position holds a cached
+    token -- that token, taken out of the buffer (`take_last`): the next-token distribution
+    needs its output."""
+    if not ids or (buffer.length and
+                   int(buffer.positions[:buffer.length].max()) > positions[-1]):
+        token, position = take_last(buffer)
+        at = sum(p < position for p in positions)
+        ids, positions = ids[:at] + [token], positions[:at] + [position]
+    return ids, positions
+
+
 def take_last(buffer: KVBuffer) -> tuple[int, int]:
     """Remove the highest-positioned token from the buffer (it will be recomputed);
     returns its (token id, position). Its slot is filled by the buffer's last token."""

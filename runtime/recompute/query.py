@@ -18,7 +18,7 @@ from promptlang.errors import PromptLangError
 from promptlang.runtime.assembler import request_keys
 from promptlang.runtime.fast.pieces import past_pieces
 from promptlang.runtime.model import Past
-from promptlang.runtime.prefill import prefill, take_last, uncached_tokens
+from promptlang.runtime.prefill import prefill, uncached_tokens, with_last
 from promptlang.runtime.recompute.plan import NO_RECOMPUTE
 
 
@@ -67,11 +67,7 @@ def probe_choice(adapter, assembler, bound, units, found: dict[str, list[int]],
     buffer = assembler.acquire(cached + len(ids) + 1, request_keys(units, NO_RECOMPUTE))
     try:
         assembler.assemble(buffer, units, NO_RECOMPUTE)
-        if not ids or (buffer.length and
-                       int(buffer.positions[:buffer.length].max()) > positions[-1]):
-            token, position = take_last(buffer)        # as the engine does: see engine.py
-            at = sum(p < position for p in positions)
-            ids, positions = ids[:at] + [token], positions[:at] + [position]
+        ids, positions = with_last(buffer, ids, positions)       # as the engine does
         with adapter.capture_query() as query:
             prefill(adapter, buffer, ids, positions, all_logits=False)
         if not bool(query.any()):                        # a path that does not capture it
