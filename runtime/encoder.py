@@ -14,6 +14,11 @@ each context unit it can see (the tokens up to its own last position). Editing o
 module therefore re-encodes that module and the units that see it, nothing else;
 text that moves *after* a module (e.g. the root's closing role tag when the last
 module changes length) re-encodes the unit holding that text, not the module.
+
+A primed encoding (recompute policies "P+primed", runtime/recompute/primer.py) puts the
+unit's lead token just before it, attending to the unit's context; the unit's tokens
+attend to it, and its own KV is dropped. Its key adds the lead; `primed` (the units a
+request serves primed) also decides which encoding of each context unit a unit saw.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from promptlang.pml.layout import SchemaLayout, Unit
 from promptlang.runtime.kv import UnitKV
 from promptlang.runtime.model import ModelAdapter, Past
 from promptlang.runtime.prefill import visibility
+from promptlang.runtime.recompute.primer import lead as lead_of
 
 KEY_VERSION = "promptlang-unit-v1"
 
@@ -44,6 +50,7 @@ class UnitPlan:
     token_ids: torch.Tensor      # [S] int64
     positions: torch.Tensor      # [S] int64
     placeholder: torch.Tensor    # [S] bool
+    lead: tuple[int, int] | None = None   # primed: (token id, position) encoded before it
 
     @property
     def length(self) -> int:
@@ -83,8 +90,10 @@ class UnitEncoder:
 
     # --- keys -----------------------------------------------------------------------------
 
-    def plan(self, layout: SchemaLayout, unit_id: str) -> UnitPlan:
-        """The unit's tensors and store key (memoised per layout)."""
+    def plan(self, layout: SchemaLayout, unit_id: str,
+             primed: frozenset[str] = frozenset()) -> UnitPlan:
+        """The unit's tensors and store key (memoised per layout). `primed`: the units the
+        request serves primed (the unit's own encoding, and its context units')."""
         with self._plans_lock:
             hit = self._plans.get(id(layout))
             if hit is None or hit[0] is not layout:
@@ -94,27 +103,38 @@ class UnitEncoder:
                     self._plans.popitem(last=False)
             self._plans.move_to_end(id(layout))
             plans = hit[1]
-        plan = plans.get(unit_id)
+        unit = layout.units[unit_id]
+        primed = primed & {unit_id, *self.context_of(unit)}     # what this unit's KV depends on
+        memo = (unit_id, primed) if primed else unit_id
+        plan = plans.get(memo)
         if plan is None:
-            plan = self._make_plan(layout, layout.units[unit_id])
-            plans[unit_id] = plan
+            plan = self._make_plan(layout, unit, primed)
+            plans[memo] = plan
         return plan
 
-    def _make_plan(self, layout: SchemaLayout, unit: Unit) -> UnitPlan:
+    def _make_plan(self, layout: SchemaLayout, unit: Unit, primed: frozenset[str]) -> UnitPlan:
         ids, pos, hold = [], [], []
         for seg in unit.segments:
             ids += seg.token_ids
             pos += seg.positions
             hold += [seg.kind == "param"] * len(seg.token_ids)
         last = max(pos, default=-1)
-        key = self._digest(layout, unit, ids, pos, hold, last)
+        key = self._digest(layout, unit, ids, pos, hold, last, primed)
+        lead = self.lead(layout, unit.id) if unit.id in primed else None
         return UnitPlan(unit, key, torch.tensor(ids, dtype=torch.int64),
-                        torch.tensor(pos, dtype=torch.int64), torch.tensor(hold, dtype=torch.bool))
+                        torch.tensor(pos, dtype=torch.int64), torch.tensor(hold, dtype=torch.bool),
+                        lead)
 
-    def _digest(self, layout: SchemaLayout, unit: Unit, ids, pos, hold, last: int) -> str:
+    def lead(self, layout: SchemaLayout, unit_id: str) -> tuple[int, int] | None:
+        """The (token id, position) a primed encoding of the unit puts before it (primer.py)."""
+        return lead_of(layout, unit_id, lambda u: self.context_of(layout.units[u]))
+
+    def _digest(self, layout: SchemaLayout, unit: Unit, ids, pos, hold, last: int,
+                primed: frozenset[str] = frozenset()) -> str:
         """What determines the KV of `unit`'s tokens at positions <= `last`: those tokens,
-        and the same for its context units (a context token after `last` is never seen,
-        so text that moves after a module does not invalidate it)."""
+        its lead where it is primed, and the same for its context units (a context token
+        after `last` is never seen, so text that moves after a module does not invalidate
+        it)."""
         keep = [i for i, p in enumerate(pos) if p <= last]
         h = hashlib.sha256()
         for part in (KEY_VERSION, self.adapter.fingerprint, self.rule, self.tokenizer_fingerprint):
@@ -122,6 +142,9 @@ class UnitEncoder:
         h.update(array("q", [ids[i] for i in keep]).tobytes() + b"\0")
         h.update(array("q", [pos[i] for i in keep]).tobytes() + b"\0")
         h.update(bytes(hold[i] for i in keep) + b"\0")
+        lead = self.lead(layout, unit.id) if unit.id in primed else None
+        if lead is not None and lead[1] <= last:
+            h.update(b"lead\0" + array("q", lead).tobytes() + b"\0")
         for context_id in self.context_of(unit):
             context = layout.units[context_id]
             c_ids, c_pos, c_hold = [], [], []
@@ -129,24 +152,25 @@ class UnitEncoder:
                 c_ids += seg.token_ids
                 c_pos += seg.positions
                 c_hold += [seg.kind == "param"] * len(seg.token_ids)
-            h.update(self._digest(layout, context, c_ids, c_pos, c_hold, last).encode() + b"\0")
+            h.update(self._digest(layout, context, c_ids, c_pos, c_hold, last, primed).encode()
+                     + b"\0")
         return h.hexdigest()
 
     def context_of(self, unit: Unit) -> tuple[str, ...]:
         return () if self.isolate else unit.context
 
-    def key(self, layout: SchemaLayout, unit_id: str) -> str:
-        return self.plan(layout, unit_id).key
+    def key(self, layout: SchemaLayout, unit_id: str, primed: frozenset[str] = frozenset()) -> str:
+        return self.plan(layout, unit_id, primed).key
 
     # --- serving ----------------------------------------------------------------------------
 
     def get(self, layout: SchemaLayout, unit_id: str, stats: EncodeStats | None = None,
-            *, context: bool = False) -> UnitKV:
+            *, context: bool = False, primed: frozenset[str] = frozenset()) -> UnitKV:
         """The unit's KV: from the store, or encoded now (context units first) and stored.
         `stats.tiers` counts where it came from, unless it is fetched as another unit's
-        `context`."""
+        `context`. `primed`: the units the request serves primed (primer.py)."""
         tally = None if stats is None or context else stats
-        plan = self.plan(layout, unit_id)
+        plan = self.plan(layout, unit_id, primed)
         if plan.length == 0:
             return self._empty()
         kv, tier = self._lookup(plan.key)
@@ -154,19 +178,21 @@ class UnitEncoder:
             with self.adapter.lock:      # one encoder of a key at a time; others then hit
                 kv, tier = self._lookup(plan.key)
                 if kv is None:
-                    kv, tier = self._encode_stored(layout, plan, stats), "encoded"
+                    kv, tier = self._encode_stored(layout, plan, stats, primed), "encoded"
         if tally is not None:
             tally.served(tier)
         return kv
 
-    def _encode_stored(self, layout: SchemaLayout, plan: UnitPlan,
-                       stats: EncodeStats | None) -> UnitKV:
+    def _encode_stored(self, layout: SchemaLayout, plan: UnitPlan, stats: EncodeStats | None,
+                       primed: frozenset[str] = frozenset()) -> UnitKV:
         """Encode the unit (its context units first, from the store or encoded) and store it."""
-        context = [self.get(layout, c, stats, context=True) for c in self.context_of(plan.unit)]
+        context = [self.get(layout, c, stats, context=True, primed=primed)
+                   for c in self.context_of(plan.unit)]
         started = time.perf_counter()
         kv = self.encode(plan, context)
+        rule = self.rule if plan.lead is None else f"{self.rule}, primed"
         self.store.put(plan.key, kv, {"unit": plan.unit.id, "schema": layout.schema.name,
-                                      "tokens": str(plan.length), "rule": self.rule})
+                                      "tokens": str(plan.length), "rule": rule})
         if getattr(self.store, "dtype", None) not in (None, kv.keys.dtype):
             # a lossy store dtype: serve what every later request will get
             kv = self.store.get(plan.key) or kv
@@ -192,10 +218,14 @@ class UnitEncoder:
 
     @torch.inference_mode()
     def encode(self, plan: UnitPlan, context: list[UnitKV]) -> UnitKV:
-        """One forward pass over the unit's tokens at their positions, against `context`."""
+        """One forward pass over the unit's tokens at their positions, against `context`
+        (after its lead, whose KV is dropped, where the plan is primed)."""
         device = self.adapter.device
         ids = plan.token_ids.to(device)
         pos = plan.positions.to(device)
+        if plan.lead is not None:
+            ids = torch.cat([torch.tensor([plan.lead[0]], device=device), ids])
+            pos = torch.cat([torch.tensor([plan.lead[1]], device=device), pos])
         last = int(pos.max())
         # context tokens after the unit's last token are never attended: leave them out
         pieces = [(kv, kv.positions <= last) for kv in context]
@@ -219,9 +249,10 @@ class UnitEncoder:
                                     visibility(past_pos, pos))
         self.calls += 1
         self.encoded.append(plan.key)
-        own = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731
-        return UnitKV(own(step.keys), own(step.values), pos.clone(), ids.clone(),
-                        plan.placeholder.to(device))
+        skip = 0 if plan.lead is None else 1
+        own = lambda t: t[:, :, skip:].clone(memory_format=torch.contiguous_format)  # noqa: E731
+        return UnitKV(own(step.keys), own(step.values), pos[skip:].clone(), ids[skip:].clone(),
+                      plan.placeholder.to(device))
 
     def _empty(self) -> UnitKV:
         keys, values = self.adapter.empty_kv(0)

@@ -37,6 +37,7 @@ from promptlang.runtime.model import ModelAdapter, adapt
 from promptlang.runtime.recompute import (DEFAULT_POLICY, NO_RECOMPUTE, Recompute,
                                           RecomputePlan, candidates, choose_positions, exact,
                                           parallel_contexts, schema_policy)
+from promptlang.runtime.recompute.primer import primed_units
 from promptlang.runtime.recompute.query import probe_choice
 from promptlang.runtime.prefill import baseline_prefill, prefill, uncached_tokens, with_last
 from promptlang.runtime.results import Opened, PendingPrefill, Prefilled, Result, Timings
@@ -265,18 +266,21 @@ class LLM:
                           started, healed=healed), logits
 
         mark = time.perf_counter()
+        layout = bound.layout
+        keys = {unit_id: self.encoder.key(layout, unit_id) for unit_id in bound.units}
+        context_of = lambda unit_id: self.encoder.context_of(layout.units[unit_id])  # noqa: E731
+        missed = candidates(bound, context_of)         # unit -> its tokens that missed some
+        served = exact.lookup(self.store, bound, keys, list(missed)) if self.exact_reuse else {}
+        context_of = exact.context_with(context_of, bound, list(served))
+        primed = frozenset(primed_units(bound, context_of) if policy.primed else ())
         stats = EncodeStats()
-        by_unit = {unit_id: self.encoder.get(bound.layout, unit_id, stats)
+        by_unit = {unit_id: self.encoder.get(layout, unit_id, stats, primed=primed)
                    for unit_id in bound.units}
-        keys = {unit_id: self.encoder.key(bound.layout, unit_id) for unit_id in by_unit}
+        units = [served.get(u, (self.encoder.key(layout, u, primed), kv))
+                 for u, kv in by_unit.items() if kv.length]
         t.retrieve, t.encode = time.perf_counter() - mark, stats.seconds
 
         mark = time.perf_counter()
-        context_of = lambda unit_id: self.encoder.context_of(bound.layout.units[unit_id])  # noqa: E731
-        missed = candidates(bound, context_of)         # unit -> its tokens that missed some
-        served = exact.lookup(self.store, bound, keys, list(missed)) if self.exact_reuse else {}
-        units = [served.get(u, (keys[u], kv)) for u, kv in by_unit.items() if kv.length]
-        context_of = exact.context_with(context_of, bound, list(served))
         plan = NO_RECOMPUTE
         if policy:                       # query:K: a probe pass over the request ranks them
             chosen = (probe_choice(self.adapter, self.assembler, bound, units,

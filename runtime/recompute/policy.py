@@ -1,5 +1,5 @@
 """Recompute policies as text: "none", "seams", "first:K", "query:K[+ape[:T[:S]]]", "deviation:F",
-"exact", "ape[:T[:S]]" -> a `Recompute`.
+"exact", "ape[:T[:S]]", each but seams and exact optionally "+primed" -> a `Recompute`.
 
 A policy is written wherever one is given: a request's `recompute=`, `load(recompute=)`,
 or a schema's `recompute` attribute (PML keeps that attribute's text as written and
@@ -27,6 +27,12 @@ one is an error located at the attribute). What each policy chooses: choose.py.
                   contexts encoded in parallel; the schema's own text after them is
                   recomputed, and every token the request computes attends to the
                   modules' tokens with temperature T and scale S (default 0.9, 0.9)
+  P+primed        policy P (any but seams and exact; "primed" alone is none+primed), with
+                  every module that follows another module or text of the request served
+                  as encoded after its context's last token, repeated at the position
+                  just before the module (the separator a full prefill has there;
+                  runtime/recompute/primer.py). Free per request: a second encoding of the
+                  module, made once and stored.
 
 Pure: no torch.
 """
@@ -34,7 +40,7 @@ Pure: no torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from promptlang.errors import PromptLangError, Span
@@ -58,6 +64,7 @@ class Recompute:
     amount: float = 0          # tokens per unit (first), per request (query), or a fraction
     temperature: float = 1     # ape: the contexts' attention temperature
     scale: float = 1           # ape: the scale on the contexts' log-sum-exp
+    primed: bool = False       # modules after others served as encoded after a lead token
 
     @classmethod
     def parse(cls, text: "str | Recompute", span: Span | None = None) -> "Recompute":
@@ -72,21 +79,41 @@ class Recompute:
         if len(spec) > MAX_SPEC_CHARS:
             raise RecomputeSpecError(f"bad recompute policy ({len(spec)} characters): a "
                                      f"policy is at most {MAX_SPEC_CHARS}", span)
+        return cls._read(spec, fail)
+
+    @classmethod
+    def _read(cls, spec: str, fail) -> "Recompute":
+        """`spec` (lower case, stripped) as a policy; errors through `fail(reason)`, which
+        quotes the whole text the user wrote."""
         if spec in ("none", "off", "0", ""):
             return cls()
+        head, plus, last = spec.rpartition("+")
+        if plus and last.strip() == "primed":          # P+primed
+            base = cls._read(head.strip() or "none", fail)
+            if base.primed:
+                raise fail("+primed is given twice")
+            if base.kind in ("seams", "exact"):
+                raise fail(f"{base.kind} recomputes every module seam: primed would change "
+                           f"nothing (use it with none, first:K, query:K, deviation:F or ape)")
+            return replace(base, primed=True)
+        if spec == "primed":
+            return cls(primed=True)
         if spec == "exact":
             return cls("exact", 1)
         if spec == "seams":
             return cls("seams", 1)
         if spec.startswith("query:") and "+" in spec:       # query:K+ape[:T[:S]]
             head, _, tail = spec.partition("+")
-            base, ape = cls.parse(head, span), cls.parse(tail, span)
+            base, ape = cls._read(head, fail), cls._read(tail, fail)
+            if base.primed or ape.primed:
+                raise fail("+primed comes last: query:K+ape[:T[:S]]+primed")
             if base.kind != "query" or ape.kind != "ape":
                 raise fail("expected query:K+ape[:T[:S]]")
             return cls("query", base.amount, ape.temperature, ape.scale)
         kind, colon, amount = spec.partition(":")
         expected = ("expected none, seams, first:K (K tokens per module), query:K (K tokens "
-                    "per request), deviation:F (0 < F <= 1), exact or ape[:T[:S]]")
+                    "per request), deviation:F (0 < F <= 1), exact or ape[:T[:S]], "
+                    "optionally followed by +primed")
         if kind == "ape" and not (colon and not amount):
             return cls._ape(amount, fail)
         if kind not in ("first", "query", "deviation") or not amount:
@@ -124,6 +151,7 @@ class Recompute:
         return cls("ape", 1, values[0], values[1])
 
     def __bool__(self) -> bool:
+        """Whether the policy recomputes anything (`primed` alone recomputes nothing)."""
         return self.kind != "none"
 
     @property
@@ -134,6 +162,9 @@ class Recompute:
                                       and (self.temperature, self.scale) != (1, 1))
 
     def __str__(self) -> str:
+        if self.primed:
+            base = str(replace(self, primed=False))
+            return "primed" if base == "none" else f"{base}+primed"
         if self.kind == "none":
             return "none"
         if self.kind == "query" and self.parallel:

@@ -24,6 +24,14 @@ Recomputed tokens (`recomputed` positions, docs/RECOMPUTE.md) are uncached token
 any other: their served-unit occurrence stays in the pass (the unit's later tokens were
 encoded against it) but leaves the request's tokens, replaced by an uncached copy.
 
+Primed modules (recompute policies "P+primed", runtime/recompute/primer.py): a served unit
+whose first token comes after a request token of another unit or of per-request text (not
+an argument) gets one more occurrence, its *lead*: the token of its context units at the
+highest position below the unit's first, placed at the position just before it (none
+where that token already sits there). The lead attends to the unit's context units, and
+only the unit's tokens attend to it. The rule is written out here again, from its
+definition in docs/RECOMPUTE.md, not taken from the runtime.
+
 A request without uncached tokens computes its last (highest-positioned) token
 per request (engine.py): here that token becomes the one uncached query, and its
 served occurrence drops out of the request's tokens.
@@ -73,18 +81,20 @@ class OracleResult:
     # every token occurrence of the pass, in pass order: position, in the request's tokens,
     # computed per request (the pass's query rows)
     occurrences: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    leads: int = 0            # primed units (their lead occurrences)
 
 
 def oracle_prefill(adapter, bound: BoundPrompt, isolate: bool = False,
                    recomputed: Collection[int] = frozenset(),
                    parallel: "Parallel | None" = None,
-                   attention: str | None = None) -> OracleResult:
+                   attention: str | None = None, primed: bool = False) -> OracleResult:
     """The reference prefill of `bound` for the model behind `adapter` (a ModelAdapter or
     the transformers model itself; only its weights and config are read). `recomputed`:
     positions of served tokens the request computes again (their uncached copies).
     `parallel`: APE (see `Parallel`) -- every uncached token attends to the request's served
     tokens at `parallel.positions` as contexts. `attention`: the reference's attention
-    implementation where `parallel` is None (a test's recording one; default: stock)."""
+    implementation where `parallel` is None (a test's recording one; default: stock).
+    `primed`: the request's modules are primed (see the module docstring)."""
     layout = bound.layout
     units: list[str] = []
 
@@ -133,17 +143,28 @@ def oracle_prefill(adapter, bound: BoundPrompt, isolate: bool = False,
         placeholder.append(False)
         request = [i for i in request if i != last] + [len(ids) - 1]
 
+    leads = _leads(bound, units, served, ids, pos, owner, placeholder) if primed and not isolate else []
+    for unit, (token, at) in enumerate(leads, start=1):
+        ids.append(token)
+        pos.append(at[1])
+        owner.append(uncached + unit)
+        placeholder.append(False)
+
     n = len(ids)
     in_request = torch.zeros(n, dtype=torch.bool)
     in_request[request] = True
     position = torch.tensor(pos)
     code = torch.tensor(owner)
     # sees[a, b]: a token of occurrence a may attend the tokens of occurrence b
-    sees = torch.eye(uncached + 1, dtype=torch.bool)
+    sees = torch.eye(uncached + 1 + len(leads), dtype=torch.bool)
     if not isolate:
         for a, unit_id in enumerate(units):
             for context_id in layout.units[unit_id].context:
                 sees[a, units.index(context_id)] = True
+    for extra, (_, (a, _)) in enumerate(leads, start=uncached + 1):
+        sees[extra, :uncached] = sees[a, :uncached]      # the lead sees the unit's context
+        sees[extra, a] = False
+        sees[a, extra] = True                            # and only the unit sees the lead
     allowed = sees[code][:, code]                                          # [n, n]
     allowed[code == uncached] = in_request
     allowed &= position[None, :] <= position[:, None]
@@ -165,7 +186,35 @@ def oracle_prefill(adapter, bound: BoundPrompt, isolate: bool = False,
     order = torch.tensor(request)[torch.argsort(position[request])]
     return OracleResult(logits, keys[:, :, order], values[:, :, order], position[order],
                         torch.tensor(ids)[order], code[order] != uncached,
-                        (position, in_request, code == uncached))
+                        (position, in_request, code == uncached), len(leads))
+
+
+def _leads(bound: BoundPrompt, units: list[str], served: set[int], ids, pos, owner,
+           placeholder) -> list[tuple[int, tuple[int, int]]]:
+    """(token id, (occurrence, position)) of each primed unit's lead (module docstring)."""
+    layout = bound.layout
+    arguments = {p for seg in bound.uncached if seg.kind == "argument"
+                 for p in range(seg.start, seg.end)}
+    uncached = len(units)
+    found = []
+    for a in sorted(served):
+        unit = layout.units[units[a]]
+        mine = [p for seg in unit.segments for p in range(seg.start, seg.end)]
+        if not mine:
+            continue
+        first = min(mine)
+        contexts = {units.index(c) for c in unit.context}
+        before = [i for i in range(len(ids)) if pos[i] < first and owner[i] != a
+                  and not placeholder[i]
+                  and owner[i] not in contexts and (owner[i] in served or owner[i] == uncached)
+                  and not (owner[i] == uncached and pos[i] in arguments)]
+        context = [i for i in range(len(ids)) if owner[i] in contexts and pos[i] < first]
+        if not before or not context:
+            continue
+        nearest = max(context, key=lambda i: pos[i])
+        if pos[nearest] != first - 1:
+            found.append((ids[nearest], (a, first - 1)))
+    return found
 
 
 def oracle_over_stored(adapter, expected: OracleResult, store_dtype: torch.dtype) -> OracleResult:
