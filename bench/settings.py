@@ -35,7 +35,7 @@ def normalize_specs(specs: Sequence[str | Recompute]) -> tuple[str, ...]:
     out: list[str] = []
     for spec in specs:
         policy = Recompute.parse(spec)
-        if policy and str(policy) not in out:
+        if policy != Recompute() and str(policy) not in out:     # primed alone counts
             out.append(str(policy))
     return tuple(out)
 
