@@ -34,7 +34,8 @@ def register(subparsers: Any) -> None:
                           "--recompute none with it, or the default seams recomputes it all")
     run.add_argument("--recompute", metavar="POLICY", default=None,
                      help="cached tokens to compute again: seams, none, first:K, query:K, deviation:F, "
-                          "exact or ape[:T[:S]] (default: the schema's recompute attribute, else seams: "
+                          "exact or ape[:T[:S]], each but seams and exact optionally +primed (default: the "
+                          "schema's recompute attribute, else seams: "
                           "exact at module seams; see docs/RECOMPUTE.md)")
     run.add_argument("--temperature", type=float, default=0.0, metavar="T",
                      help="0 (default) is greedy")

@@ -166,3 +166,23 @@ def test_exact_reuse_still_wins_over_a_primed_module(models, tmp_path):
     full = llm.prefill(prompt, recompute="exact")        # the full prefill, and remembered
     cached = llm.prefill(prompt, recompute="primed")
     assert cached.exact and (cached.logits[-1] - full.logits[-1]).abs().max() < TOL
+
+
+@pytest.mark.parametrize("kind", ["llama", "bloom"])
+def test_modules_inside_a_primed_module_see_its_primed_kv(models, tmp_path, kind):
+    """<parent> follows <a>: primed. Its child and grandchild follow parent's own text (no
+    lead of their own) but were encoded against the parent's KV, so they are encoded
+    against the primed one -- what the oracle's one pass gives them."""
+    llm = make_llm(models[kind], tmp_path)
+    llm.exact_reuse = False
+    prompt = ('<prompt schema="s"><a/><parent><child who="Bob"><grandchild/></child>'
+              '</parent>Who?</user></prompt>')
+    cached, expected = assert_primed_matches_oracle(llm, prompt, recompute="primed")
+    assert expected.leads == 1
+    layout = cached.bound.layout
+    nested = [u for u in cached.bound.units if u.startswith("module:parent/")]
+    assert len(nested) == 2
+    primed = frozenset({"module:parent"})
+    for unit in nested:
+        assert llm.encoder.lead(layout, unit) is None
+        assert llm.encoder.key(layout, unit, primed) != llm.encoder.key(layout, unit)
