@@ -209,7 +209,8 @@ class LLM:
                              buffer.values[:, :, :n].clone(), buffer.positions[:n].clone(),
                              buffer.token_ids[:n].clone(), opened.cached_tokens,
                              opened.timings, opened.bound, opened.recompute, opened.exact,
-                             opened.approximate_tokens, _context_positions(buffer))
+                             opened.approximate_tokens, _context_positions(buffer),
+                             opened.primed)
         finally:
             self.assembler.release(buffer)
 
@@ -310,7 +311,8 @@ class LLM:
             t.assemble = time.perf_counter() - mark
             opened = Opened(buffer, None, bound.end, bound, t, len(ids), buffer.length,
                             len(plan), started, plan, tuple(served), approximate,
-                            healed=healed, units=dict(stats.tiers))
+                            healed=healed, units=dict(stats.tiers),
+                            primed=tuple(sorted(primed)))
 
             def finish(last: torch.Tensor) -> None:        # the prefill's KV is in the buffer
                 opened.logits = last

@@ -62,4 +62,4 @@ class Generation:
         return Result(text, token_ids, reason, t, opened.prefill_tokens, opened.cached_tokens,
                       opened.recomputed_tokens, len(opened.exact), opened.approximate_tokens,
                       None if self.constraint is None else self.constraint.complete,
-                      dict(opened.units))
+                      dict(opened.units), len(opened.primed))

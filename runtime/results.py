@@ -65,6 +65,7 @@ class Result:
     # the request's cached units by where they came from: "device", "host", "disk" (store
     # tiers) or "encoded" (no tier held them)
     units: dict[str, int] = field(default_factory=dict)
+    primed_units: int = 0        # modules served primed ("P+primed": recompute/primer.py)
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Opened:
     healed: str = ""             # the prompt's last token's text, given back (healing.py)
     pending: PendingPrefill | None = None     # a prefill left to the caller (logits None)
     units: dict[str, int] = field(default_factory=dict)   # as Result.units
+    primed: tuple[str, ...] = ()  # units served primed (recompute/primer.py)
 
 
 @dataclass
@@ -119,6 +121,7 @@ class Prefilled:
     exact: tuple[str, ...] = ()  # units served from exact entries (recompute/exact.py)
     approximate_tokens: int = 0  # as Result.approximate_tokens
     parallel: frozenset[int] = frozenset()   # APE's context positions (policy "ape"; else none)
+    primed: tuple[str, ...] = ()  # units served primed (recompute/primer.py)
 
     @property
     def exact_units(self) -> int:

@@ -33,6 +33,7 @@ def assert_primed_matches_oracle(llm, prompt: str, isolate: bool = False, **opti
                               recomputed=cached.recompute.positions, primed=True)
     order = torch.argsort(cached.positions)
     assert torch.equal(cached.positions[order], expected.positions)
+    assert len(cached.primed) == expected.leads
     assert cached.logits.shape == expected.logits.shape
     assert (cached.logits - expected.logits).abs().max() < TOL
     assert (cached.keys[:, :, order] - expected.keys).abs().max() < TOL
@@ -152,6 +153,7 @@ def test_primed_decodes_and_opens_sessions(models, tmp_path):
     first = llm.generate(prompt, max_new_tokens=4, temperature=0, recompute="query:1+primed")
     again = llm.generate(prompt, max_new_tokens=4, temperature=0, recompute="query:1+primed")
     assert first.text == again.text and first.recomputed_tokens == 1
+    assert first.primed_units == 1 and first.approximate_tokens > 0
     expected = llm.prefill(prompt, recompute="primed")
     with llm.session(prompt, recompute="primed", add_generation_prompt=True) as session:
         assert (session.logits - expected.logits[-1]).abs().max() < TOL
