@@ -22,6 +22,13 @@ def test_settings_pair_every_policy_with_both_rules_in_canonical_form():
     assert accuracy.AccuracyOptions().settings[:2] == ("baseline", "cached")
 
 
+def test_primed_alone_is_a_setting_though_it_recomputes_nothing():
+    names = accuracy.settings(["primed", "none+primed", "Query:32 + primed", "none"],
+                              rules=("cached",), scaffold=False, isolate=False)
+    assert names == ("baseline", "cached", "cached+primed", "cached+query:32+primed")
+    assert accuracy.split_setting("cached+query:32+primed") == ("cached", "query:32+primed")
+
+
 # --- gap, recovery, goal ----------------------------------------------------------------
 
 def fake_report(found, exact=None, n=100, speed=None, kinds=("dependent",)):
