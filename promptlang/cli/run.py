@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
           f"prefill {result.prefill_tokens} tokens ({result.recomputed_tokens} recomputed), "
           f"cached {result.cached_tokens} ({result.exact_units} units exact, "
           f"{result.approximate_tokens} tokens encoded apart from what precedes them"
-          f"{f', {result.primed_units} modules primed' if result.primed_units else ''}); "
+          f"{f', {result.primed_units} primed' if result.primed_units else ''}); "
           f"model load {loaded:.1f} s", file=sys.stderr)
     if result.complete is not None:
         print(f"[{mode}] the answer is {'a whole' if result.complete else 'an INCOMPLETE'} "
