@@ -190,10 +190,11 @@ class EngineReplica:
         if not routes:
             return
         bound = generation.opened.bound
+        primed = frozenset(generation.opened.primed)     # "+primed": the entries it served
         found: dict[str, tuple[set[str], int]] = {}
         for unit_id in bound.units:
             unit = bound.layout.units[unit_id]
-            store_key = self.llm.encoder.key(bound.layout, unit_id)
+            store_key = self.llm.encoder.key(bound.layout, unit_id, primed)
             for path in unit.modules:
                 hit = routes.get("/".join(path))
                 if hit is not None:

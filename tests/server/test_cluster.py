@@ -259,3 +259,28 @@ def test_the_documented_serve_config_builds(monkeypatch):
 
     schemas, _ = read_sources(settings.schemas)            # what the replicas will load
     assert schemas
+
+
+def test_a_replica_reports_the_primed_entries_it_served(schemas, tmp_path):
+    """Under a "+primed" policy a module after another is served its primed entry: that is
+    the store key the routing report must name (the plain one was never encoded)."""
+    replica = EngineReplica({"store": str(tmp_path / "kv"), "schemas": [str(schemas)],
+                             "replicas": 1, "threads": 2})
+    body = pml_body([0, 1])
+    body["promptlang"]["recompute"] = "primed"
+    found = route(body, False, SchemaBook([_parsed(schemas)]))
+    call = Call("POST", "/v1/completions", [("content-type", "application/json")],
+                json.dumps(body).encode(), found.modules, found.prompt)
+
+    async def collect():
+        return [message async for message in asgi_messages(replica.app, call, "r1")]
+
+    try:
+        (kind, status, _), *_ = asyncio.run(collect())
+        assert (kind, status) == ("start", 200)
+        held = replica.record_routing_stats()["held"]
+        assert held == found.keys
+        units = {key for keys, _ in replica._held.values() for key in keys}
+        assert len(units) == 3 and all(replica.llm.store.memory_bytes(k) > 0 for k in units)
+    finally:
+        replica.app.state.promptlang.worker.close()
