@@ -68,19 +68,24 @@ def test_cluster_settings_are_checked(tmp_path):
             ClusterConfig.from_args(bad)
 
 
-def test_a_replica_runs_the_server_app_and_reports_the_modules_it_holds(schemas, tmp_path):
-    """In this process, outside Ray: the ASGI bridge and the routing report."""
-    budget = 64 << 20
-    replica = EngineReplica({"store": str(tmp_path / "kv"), "schemas": [str(schemas)],
-                             "replicas": 1, "threads": 2, "device_budget_bytes": budget})
-    body = pml_body([1, 0])
+def completion_call(replica, schemas, body: dict):
+    """The ingress's routing of `body` (a /v1/completions request) and a coroutine function
+    running it on `replica`'s app in this process (the ASGI bridge): its messages."""
     found = route(body, False, SchemaBook([_parsed(schemas)]))
     call = Call("POST", "/v1/completions", [("content-type", "application/json")],
                 json.dumps(body).encode(), found.modules, found.prompt)
 
     async def collect():
         return [message async for message in asgi_messages(replica.app, call, "r1")]
+    return found, collect
 
+
+def test_a_replica_runs_the_server_app_and_reports_the_modules_it_holds(schemas, tmp_path):
+    """In this process, outside Ray: the ASGI bridge and the routing report."""
+    budget = 64 << 20
+    replica = EngineReplica({"store": str(tmp_path / "kv"), "schemas": [str(schemas)],
+                             "replicas": 1, "threads": 2, "device_budget_bytes": budget})
+    found, collect = completion_call(replica, schemas, pml_body([1, 0]))
     try:
         messages = asyncio.run(collect())
         (kind, status, headers), *chunks = messages
@@ -268,13 +273,7 @@ def test_a_replica_reports_the_primed_entries_it_served(schemas, tmp_path):
                              "replicas": 1, "threads": 2})
     body = pml_body([0, 1])
     body["promptlang"]["recompute"] = "primed"
-    found = route(body, False, SchemaBook([_parsed(schemas)]))
-    call = Call("POST", "/v1/completions", [("content-type", "application/json")],
-                json.dumps(body).encode(), found.modules, found.prompt)
-
-    async def collect():
-        return [message async for message in asgi_messages(replica.app, call, "r1")]
-
+    found, collect = completion_call(replica, schemas, body)
     try:
         (kind, status, _), *_ = asyncio.run(collect())
         assert (kind, status) == ("start", 200)
