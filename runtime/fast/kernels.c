@@ -244,6 +244,21 @@ int pl_wide(int on) {
 
 static inline int use_wide(long k) { return wide_tiles && k % 16 == 0; }
 
+static int group_shared = 1;   /* pl_group: rows of several requests over one stored unit, one task */
+static long group_runs = 0;    /* attend_part calls attend_group made (pl_group_runs) */
+
+/* 1: a batch's query rows over a unit that several of its requests read in place are computed
+ * as one task (attend_group), 0: one task per request (the same numbers), -1: no change;
+ * returns whether grouping is on */
+int pl_group(int on) {
+    if (on >= 0)
+        group_shared = on != 0;
+    return group_shared;
+}
+
+/* how many grouped attend_part calls have run in this process (for tests) */
+long pl_group_runs(void) { return __atomic_load_n(&group_runs, __ATOMIC_RELAXED); }
+
 static void dots(const float* a, long lda, long m, const float* b, long ldb, long n, long k,
                  float* c, long ldc, const float* b_end) {
     if (use_wide(k)) {
@@ -853,6 +868,9 @@ typedef struct {
     long *t_unit, *t_a, *t_b;                        /* per task: unit, key range */
     long *run;                                       /* the tasks in the order threads take them */
     long *c_task;                                    /* per chain: its first place in run */
+    long *c_shared;                                  /* per chain: 1 if its tasks all read one
+                                                        shared segment whole (attend_group) */
+    long *t_seg;                                     /* per task: its shared segment, or -1 */
     long *koff;                                      /* per request: past keys before its own */
     long *mem;
 } Plan;
@@ -896,10 +914,11 @@ static long shared_segments(long nreq, const long* seg, const long* lens, const 
 }
 
 /* The key ranges of request i's tasks: runs of its own segments, each shared segment alone,
- * each cut at multiples of span; (a, b, shared id or -1) into ra/rb/rs when given. Returns how
- * many (at least one). */
+ * each cut at multiples of span (a shared segment is one range, uncut, where whole); (a, b,
+ * shared id or -1, segment or -1) into ra/rb/rs/rg when given. Returns how many (at least
+ * one). */
 static long key_ranges(long i, const long* seg, const long* lens, const long* sid, long total,
-                       long span, long* ra, long* rb, long* rs) {
+                       long span, int whole, long* ra, long* rb, long* rs, long* rg) {
     long count = 0, pos = 0, from = 0;
     for (long g = seg[i]; g <= seg[i + 1]; g++) {
         int last = g == seg[i + 1];
@@ -907,8 +926,12 @@ static long key_ranges(long i, const long* seg, const long* lens, const long* si
         long to = last ? total : pos;                 /* the own run before it, then it */
         for (int part = 0; part < (last ? 1 : 2); part++) {
             long a = part ? pos : from, b = part ? pos + lens[g] : to, id = part ? sid[g] : -1;
-            for (long x = a; x < b || (last && count == 0 && x == a); x += span, count++)
-                if (ra) { ra[count] = x; rb[count] = x + span < b ? x + span : b; rs[count] = id; }
+            long step = part && whole ? lens[g] : span;
+            for (long x = a; x < b || (last && count == 0 && x == a); x += step, count++)
+                if (ra) {
+                    ra[count] = x; rb[count] = x + step < b ? x + step : b; rs[count] = id;
+                    rg[count] = part ? g : -1;
+                }
         }
         if (!last) { pos += lens[g]; from = pos; }
     }
@@ -917,10 +940,12 @@ static long key_ranges(long i, const long* seg, const long* lens, const long* si
 
 /* Returns the floats the tasks' Partials need (0 when out of memory: p->mem is NULL). first:
  * NULL, or each segment's memory (segments of two requests with the same memory and length
- * are read in chains, above). */
+ * are read in chains, above). grouped: the pass's rows see every past key (no key positions,
+ * no APE contexts), so a chain over one shared segment may run as one task (attend_group):
+ * its segment is then one key range per request, uncut. */
 static long attend_plan(Plan* p, long heads, long groups, long d, long nreq, const long* tok,
                         const long* seg, const long* lens, long causal_new,
-                        const void* const* first, int threads) {
+                        const void* const* first, int grouped, int threads) {
     p->heads = heads; p->groups = groups; p->d = d; p->nreq = nreq; p->tok = tok; p->seg = seg;
     p->rows = groups * tok[nreq];
     p->units = p->tasks = p->chains = 0; p->per_rows = 1;
@@ -947,17 +972,20 @@ static long attend_plan(Plan* p, long heads, long groups, long d, long nreq, con
         for (long g = seg[i]; g < seg[i + 1]; g++) total[i] += lens[g];
         span[i] = ((total[i] + splits - 1) / splits + BK - 1) / BK * BK;
         if (span[i] < BK) span[i] = BK;
-        nranges[i] = key_ranges(i, seg, lens, sid, total[i], span[i], NULL, NULL, NULL);
+        nranges[i] = key_ranges(i, seg, lens, sid, total[i], span[i], grouped, NULL, NULL,
+                                NULL, NULL);
         widest = nranges[i] > widest ? nranges[i] : widest;
         most += heads * blocks * nranges[i];
     }
-    p->mem = (long*)malloc(sizeof(long) * (nreq + 5 * units + 6 * most + 1 + 3 * widest));
+    p->mem = (long*)malloc(sizeof(long) * (nreq + 5 * units + 8 * most + 2 + 4 * widest));
     if (!p->mem) { free(tmp); return 0; }
     p->koff = p->mem; p->u_head = p->koff + nreq; p->u_req = p->u_head + units;
     p->u_r0 = p->u_req + units; p->u_r1 = p->u_r0 + units; p->u_task = p->u_r1 + units;
     p->t_unit = p->u_task + units; p->t_a = p->t_unit + most; p->t_b = p->t_a + most;
     p->run = p->t_b + most; p->c_task = p->run + most;       /* chains <= tasks, + 1 */
-    long *t_sid = p->c_task + most + 1, *ra = t_sid + most, *rb = ra + widest, *rs = rb + widest;
+    p->c_shared = p->c_task + most + 1; p->t_seg = p->c_shared + most + 1;
+    long *t_sid = p->t_seg + most, *ra = t_sid + most, *rb = ra + widest, *rs = rb + widest,
+         *rg = rs + widest;
     for (long i = 0; i < nreq; i++) {
         p->koff[i] = koff;
         koff += total[i] - (causal_new ? tok[i + 1] - tok[i] : 0);
@@ -967,7 +995,7 @@ static long attend_plan(Plan* p, long heads, long groups, long d, long nreq, con
         for (long i = 0; i < nreq; i++) {
             long rows = groups * (tok[i + 1] - tok[i]);
             long blocks = (rows + MAXR - 1) / MAXR, per = (rows + blocks - 1) / blocks;
-            long nr = key_ranges(i, seg, lens, sid, total[i], span[i], ra, rb, rs);
+            long nr = key_ranges(i, seg, lens, sid, total[i], span[i], grouped, ra, rb, rs, rg);
             for (long r0 = 0; r0 < rows; r0 += per, u++) {
                 p->u_head[u] = h; p->u_req[u] = i; p->u_r0[u] = r0;
                 p->u_r1[u] = r0 + per < rows ? r0 + per : rows;
@@ -975,6 +1003,7 @@ static long attend_plan(Plan* p, long heads, long groups, long d, long nreq, con
                 for (long k = 0; k < nr; k++, t++) {
                     p->t_unit[t] = u; p->t_a[t] = ra[k]; p->t_b[t] = rb[k];
                     t_sid[t] = rs[k] < 0 ? -1 : h * nshared + rs[k];
+                    p->t_seg[t] = grouped ? rg[k] : -1;
                 }
             }
         }
@@ -992,13 +1021,14 @@ static long attend_plan(Plan* p, long heads, long groups, long d, long nreq, con
         free(count);
         for (long run = 0; at < shared_tasks; at++, run++) {
             if (at == 0 || t_sid[p->run[at]] != t_sid[p->run[at - 1]] || run == CHAIN) {
+                p->c_shared[c] = grouped;
                 p->c_task[c++] = at;
                 run = 0;
             }
         }
     }
     for (long x = 0; x < t; x++)
-        if (t_sid[x] < 0) { p->c_task[c++] = at; p->run[at++] = x; }
+        if (t_sid[x] < 0) { p->c_shared[c] = 0; p->c_task[c++] = at; p->run[at++] = x; }
     p->c_task[c] = at;
     free(tmp);
     p->units = units; p->tasks = t; p->chains = c; p->per_rows = per_rows;
@@ -1012,6 +1042,55 @@ static void attend_partials(const Plan* p, float* space, Partial* parts, int con
         float* at = space + t * p->per_rows * (p->d + 2);
         parts[t].m = at; parts[t].l = at + p->per_rows; parts[t].acc = at + 2 * p->per_rows;
     }
+}
+
+/* Chain c of a grouped plan (every task reads one shared segment whole, one KV head) as few
+ * tasks: the rows of its requests' units, packed up to MAXR, against the segment's keys in
+ * one attend_part each -- one transpose and full-width tiles for all of them, where each
+ * request alone has a decode step's 3 rows. Each row's numbers are those of its own task
+ * (rows are independent in attend_part, the key blocks the same). Returns 0 (nothing done)
+ * where this layer's segments are not one memory after all. */
+static int attend_group(const Plan* p, long c, const float* qs, const void* const* keys,
+                        const long* kstride, const void* const* values, const long* vstride,
+                        const long* lens, const int* half, Partial* parts) {
+    long d = p->d, x0 = p->c_task[c], x1 = p->c_task[c + 1];
+    long t0 = p->run[x0], g = p->t_seg[t0], h = p->u_head[p->t_unit[t0]];
+    int hf = half ? half[g] : 0;
+    for (long x = x0; x < x1; x++) {
+        long t = p->run[x], e = p->t_seg[t];
+        if (e < 0 || keys[e] != keys[g] || values[e] != values[g] || kstride[e] != kstride[g]
+                || vstride[e] != vstride[g] || lens[e] != lens[g] || (half ? half[e] : 0) != hf
+                || p->t_b[t] - p->t_a[t] != lens[g])
+            return 0;
+    }
+    float gq[MAXR * MAXD] __attribute__((aligned(32)));
+    float gm[MAXR], gl[MAXR], gacc[MAXR * MAXD];
+    Partial gp = {gm, gl, gacc};
+    long es = hf ? 2 : 4, ln = lens[g];
+    int cz = 0;
+    const char* kh = (const char*)keys[g] + h * kstride[g] * es;
+    const char* vh = (const char*)values[g] + h * vstride[g] * es;
+    for (long x = x0, xe; x < x1; x = xe) {
+        long rows = 0;
+        for (xe = x; xe < x1; xe++) {          /* units hold at most MAXR rows: one always fits */
+            long u = p->t_unit[p->run[xe]], n = p->u_r1[u] - p->u_r0[u];
+            if (rows + n > MAXR) break;
+            long first = h * p->rows + p->groups * p->tok[p->u_req[u]] + p->u_r0[u];
+            memcpy(gq + rows * d, qs + first * d, sizeof(float) * n * d);
+            rows += n;
+        }
+        attend_part(gq, 0, rows, d, 1, &kh, &vh, &ln, &cz, &hf, NULL, NULL, 1, 0, ln, &gp,
+                    NULL, 1.f, NULL);
+        __atomic_fetch_add(&group_runs, 1, __ATOMIC_RELAXED);
+        for (long y = x, r = 0; y < xe; y++) {
+            long t = p->run[y], u = p->t_unit[t], n = p->u_r1[u] - p->u_r0[u];
+            memcpy(parts[t].m, gm + r, sizeof(float) * n);
+            memcpy(parts[t].l, gl + r, sizeof(float) * n);
+            memcpy(parts[t].acc, gacc + r * d, sizeof(float) * n * d);
+            r += n;
+        }
+    }
+    return 1;
 }
 
 /* Every task of the plan (a worksharing loop: call from every thread of a parallel region, or
@@ -1032,6 +1111,9 @@ static void attend_tasks(const Plan* p, const float* qs, const void* const* keys
     #pragma omp for schedule(dynamic, 1)
     for (long c = 0; c < p->chains; c++)
     for (long x = p->c_task[c]; x < p->c_task[c + 1]; x++) {
+        if (x == p->c_task[c] && group_shared && p->c_shared[c] && !kpos && !ctx
+                && attend_group(p, c, qs, keys, kstride, values, vstride, lens, half, parts))
+            break;
         long t = p->run[x], u = p->t_unit[t], i = p->u_req[u], h = p->u_head[u];
         long t0 = p->tok[i], n = p->tok[i + 1] - t0, g0 = p->seg[i], ns = p->seg[i + 1] - g0;
         const char* kh[64]; const char* vh[64];
@@ -1122,7 +1204,7 @@ int pl_attend(const float* q, long heads, long rows, long d, float scale, long n
         return -1;
     long tok[2] = {0, qlen}, seg[2] = {0, nseg};
     Plan plan;
-    long floats = attend_plan(&plan, heads, rows / qlen, d, 1, tok, seg, lens, 0, NULL,
+    long floats = attend_plan(&plan, heads, rows / qlen, d, 1, tok, seg, lens, 0, NULL, 0,
                               threads);
     Partial* parts = (Partial*)malloc(sizeof(Partial) * plan.tasks);
     float* space = (float*)malloc(sizeof(float) * (floats ? floats : 1));
@@ -1261,7 +1343,8 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
     long groups = heads / kvh, nq = heads * d, nkv = kvh * d, nqkv = nq + 2 * nkv;
     long widest = hidden > inter ? hidden : inter;
     Plan plan;
-    long pfloats = attend_plan(&plan, kvh, groups, d, nreq, tok, seg, lens, 1, keys, threads)
+    long pfloats = attend_plan(&plan, kvh, groups, d, nreq, tok, seg, lens, 1, keys,
+                               kpos == NULL && ctx == NULL, threads)
                    * (ctx ? 2 : 1);
     long floats = q * hidden            /* normed input */
                 + q * nqkv              /* q, k, v */

@@ -246,6 +246,10 @@ def _bind(library: Path) -> ctypes.CDLL:
         lib.pl_linear_q8.restype = None
         lib.pl_wide.argtypes = [ctypes.c_int]
         lib.pl_wide.restype = ctypes.c_int
+        lib.pl_group.argtypes = [ctypes.c_int]
+        lib.pl_group.restype = ctypes.c_int
+        lib.pl_group_runs.argtypes = []
+        lib.pl_group_runs.restype = ctypes.c_long
     except AttributeError as exc:                 # "...: undefined symbol: pl_attend"
         raise _Unavailable(f"{library} lacks a kernel ({exc})") from None
     lib.pl_wide(int(os.environ.get(WIDE_ENV, "1").strip().lower() not in ("0", "false", "no",
@@ -262,6 +266,23 @@ def wide(on: bool | None = None) -> bool:
     if lib is None:
         return False
     return bool(lib.pl_wide(-1 if on is None else int(on)))
+
+
+def group_shared(on: bool | None = None) -> bool:
+    """Whether a batched pass computes the query rows of all its requests that read one
+    stored unit in place as one attention task over that unit (one pass over its keys, full
+    tiles) instead of one task per request; `on` turns it on or off for the whole process.
+    Both give every row the same numbers."""
+    lib = _lib or _load()
+    if lib is None:
+        return False
+    return bool(lib.pl_group(-1 if on is None else int(on)))
+
+
+def group_runs() -> int:
+    """How many grouped attention tasks (`group_shared`) have run in this process."""
+    lib = _lib or _load()
+    return 0 if lib is None else int(lib.pl_group_runs())
 
 
 # --- quantized weights (a GGUF's blocks, as stored) -----------------------------------------------

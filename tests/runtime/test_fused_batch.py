@@ -139,3 +139,42 @@ def test_ape_requests_batch_with_plain_ones(decoder):
     assert (plain - expected[0][0]).abs().max() > 1e-3          # the contexts show
     other = requests[2]._replace(contexts=([False, True, True], 0.5, 1.3))
     assert decoder.forward_batch([requests[0], other]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_rows_of_requests_over_a_shared_unit_run_as_one_task(decoder, dtype):
+    """Requests that read the same stored unit in place (a batched decode step of a served
+    RAG workload) have their rows over it computed together (kernels.c attend_group): the
+    same numbers as one task per request, bit for bit, and each request still its own pass.
+    Units of 34 and 68 rows (prefills) pack with decode rows up to a task's 64."""
+    layers, heads, d = len(decoder.layers), decoder.kv_heads, decoder.head_dim
+
+    def stored(n, seed):
+        p = piece(layers, heads, n, d, seed)
+        return Piece(p.keys.to(dtype), p.values.to(dtype))
+
+    docs = [stored(130, 50), stored(40, 51), stored(200, 52)]
+    requests = []
+    for i in range(12):
+        mine = [docs[i % 3], docs[(i + 1) % 3]] if i % 4 else [docs[i % 3]]
+        pieces = mine + [piece(layers, heads, 2 + i % 3, d, 300 + i)]
+        past = sum(p.keys.shape[2] for p in pieces)
+        tokens = {3: 17, 7: 34}.get(i, 1)
+        requests.append(request(decoder, pieces, tokens, past, 400 + i))
+    was = native.group_shared()
+    try:
+        native.group_shared(False)
+        before = native.group_runs()
+        apart = [t.clone() for t in decoder.forward_batch(requests)]
+        kv_apart = [(r.new_keys.clone(), r.new_values.clone()) for r in requests]
+        assert native.group_runs() == before
+        native.group_shared(True)
+        together = batch_against_alone(decoder, requests)
+        assert native.group_runs() > before        # the grouped tasks ran
+        got = decoder.forward_batch(requests)
+    finally:
+        native.group_shared(was)
+    for r, a, b, (keys, values) in zip(requests, apart, got, kv_apart):
+        assert torch.equal(a, b)
+        assert torch.equal(r.new_keys, keys) and torch.equal(r.new_values, values)
+    assert len(together) == len(requests)
