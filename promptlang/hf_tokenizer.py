@@ -58,6 +58,7 @@ class HFTokenizer:
         self._prefix_ids = _added_prefix(tokenizer)
         self._fingerprint: str | None = None
         self._max_token_chars: int | None | bool = False     # False: not computed yet
+        self._placeholder: int | None = None                  # placeholder_id, once known
         self._affixes: dict[str, tuple[str, str]] | None = None
         self._affix_ids: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._affix_source = ""
@@ -134,12 +135,27 @@ class HFTokenizer:
 
     @property
     def placeholder_id(self) -> int:
-        for candidate in (self.tokenizer.pad_token_id, self.tokenizer.unk_token_id,
-                          self.tokenizer.eos_token_id):
-            if candidate is not None:
-                return int(candidate)
-        raise ModelError(f"tokenizer {self.name} has no pad, unk or eos token to use as "
-                         "a placeholder")
+        """A space where the tokenizer writes " " as one plain (non-control) token, else
+        the pad, unknown or end-of-sequence token. The filler is what a module's later
+        tokens see in a parameter slot: a control token there (the default model's pad is
+        its end-of-turn "<|im_end|>") tells the model a message ended mid-module, and a
+        space is text without meaning. Measured: docs/BENCHMARKS.md, "The placeholder
+        token"."""
+        if self._placeholder is None:
+            space = self._tokenize(" ", split_special=True)
+            if (len(space) == 1 and space[0] not in self._control_ids
+                    and self.decode(space) == " "):
+                self._placeholder = int(space[0])
+            else:
+                for candidate in (self.tokenizer.pad_token_id, self.tokenizer.unk_token_id,
+                                  self.tokenizer.eos_token_id):
+                    if candidate is not None:
+                        self._placeholder = int(candidate)
+                        break
+                else:
+                    raise ModelError(f"tokenizer {self.name} has no one-token space, nor a "
+                                     "pad, unk or eos token to use as a placeholder")
+        return self._placeholder
 
     @property
     def prefix_ids(self) -> tuple[int, ...]:

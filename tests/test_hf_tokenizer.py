@@ -49,14 +49,15 @@ HEADER_TEMPLATE = (
 
 
 def tiny_tokenizer(chat_template: str | None = None, *, bos: bool = True, pad: bool = False,
-                   unk: bool = True, model_max_length: int | None = None):
-    """A character-level transformers tokenizer with <s>/</s> specials, built in memory."""
+                   unk: bool = True, model_max_length: int | None = None, space: bool = True):
+    """A character-level transformers tokenizer with <s>/</s> specials, built in memory
+    (without a " " token where not `space`)."""
     from tokenizers import Tokenizer as RawTokenizer, decoders, models, processors
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<unk>", "<s>", "</s>", "<pad>"]
     vocab = {token: i for i, token in enumerate(specials)}
-    for code in list(range(32, 127)) + [10]:
+    for code in list(range(32 if space else 33, 127)) + [10]:
         vocab[chr(code)] = len(vocab)
     raw = RawTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     raw.decoder = decoders.Fuse()
@@ -180,7 +181,8 @@ def test_default_tokenizer_ids_and_context(default_tokenizer):
     assert default_tokenizer.prefix_ids == ()                 # ChatML adds no BOS
     end = default_tokenizer.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert end in default_tokenizer.eos_ids
-    assert default_tokenizer.placeholder_id == default_tokenizer.tokenizer.pad_token_id
+    assert default_tokenizer.placeholder_id == default_tokenizer.encode(" ")[0]
+    assert default_tokenizer.placeholder_id not in default_tokenizer.control_ids
     assert default_tokenizer.max_positions == 8192            # from the GGUF's config
 
 
@@ -370,10 +372,13 @@ def test_split_flag_left_on_the_backend_does_not_leak_into_affixes():
     assert tok.role_affix_ids("user")[0][0] == 1                  # <s>, not "<", "s", ">"
 
 
-def test_placeholder_prefers_pad_then_unk_then_eos():
-    assert HFTokenizer(tiny_tokenizer(pad=True)).placeholder_id == 3
-    assert HFTokenizer(tiny_tokenizer(pad=False)).placeholder_id == 0
-    assert HFTokenizer(tiny_tokenizer(pad=False, unk=False)).placeholder_id == 2
+def test_placeholder_is_a_space_else_pad_then_unk_then_eos():
+    tok = HFTokenizer(tiny_tokenizer(pad=True))
+    assert tok.placeholder_id == tok.encode(" ")[0] == 4          # a plain token, not <pad>
+    # without a one-token space (" " is <unk> here, a control token, or nothing at all)
+    assert HFTokenizer(tiny_tokenizer(pad=True, space=False)).placeholder_id == 3
+    assert HFTokenizer(tiny_tokenizer(pad=False, space=False)).placeholder_id == 0
+    assert HFTokenizer(tiny_tokenizer(pad=False, unk=False, space=False)).placeholder_id == 2
 
 
 def test_max_positions_from_argument_then_sane_model_max_length():
