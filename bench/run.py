@@ -156,7 +156,8 @@ def _run_serve(run: _Run):
     from promptlang.bench.report import render_markdown, render_text, write_csv, \
         write_json
 
-    report = serve.run_serve(run.llm, _serve_options(run.args), model_name=run.model_name)
+    report = serve.run_serve(run.llm, _serve_options(run.args), model_name=run.model_name,
+                             sgemm_flops_per_s=run.machine.matmul_flops_per_s)
     parts = serve.sections(report)
     print(render_text(parts))
     run.write("serve.csv", lambda p: write_csv(p, [level.row() for level in report.levels]))

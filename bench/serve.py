@@ -27,6 +27,13 @@ the machine's speed drifts over a run), and the ratios take the better of the tw
 client's" -- the stricter baseline. Goals (issue 18): aggregate tokens/s at 16 clients >= 5x
 one client's; TTFT p50 at 4 clients <= 2x one client's; no request lost; every answer equal
 to the request served alone.
+
+Beside the throughput goal the report prints what the arithmetic alone allows: every
+answered request's FLOPs (its uncached prompt tokens and decode steps through every
+layer's matmuls and attention, one LM-head row per generated token: `request_flops`, from
+the usage the server reports) at the best sustained float32 sgemm rate measured in the same
+run (bench/floor.py). No float32 engine on this machine serves the level faster than that
+ceiling, whatever its batching.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from typing import Any, Sequence
 from promptlang.bench import qa
 from promptlang.bench.rag import build_prompt, build_schema, plan_requests
 from promptlang.bench.report import Goal, Section
+from promptlang.bench.shapes import ModelShape
 
 THROUGHPUT_CLIENTS, THROUGHPUT_GOAL = 16, 5.0     # tokens/s at 16 clients >= 5x one client's
 TTFT_CLIENTS, TTFT_GOAL = 4, 2.0                  # TTFT p50 at 4 clients <= 2x one client's
@@ -78,6 +86,8 @@ class Sample:
     tokens: int
     text: str
     lost: str | None = None          # why it was lost (None: answered)
+    prompt_tokens: int | None = None     # the usage the server reported (None: none)
+    cached_tokens: int | None = None     # ... of which served from cached KV
 
 
 @dataclass
@@ -108,6 +118,14 @@ class Level:
                  if s.ttft is not None and s.tokens > 1]
         return statistics.median(rates) if rates else None
 
+    def ceiling(self, shape: ModelShape, flops_per_s: float) -> float | None:
+        """Tokens/s the level's answered requests allow at `flops_per_s` if the engine
+        did nothing but their arithmetic (None: no request reported its usage)."""
+        counted = [s for s in self.answered() if s.prompt_tokens is not None]
+        flops = sum(request_flops(shape, s.prompt_tokens, s.cached_tokens or 0, s.tokens)
+                    for s in counted)
+        return flops_per_s * sum(s.tokens for s in counted) / flops if flops > 0 else None
+
     def row(self) -> dict[str, Any]:
         answered = self.answered()
         ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
@@ -131,15 +149,38 @@ class ServeReport:
     goals: list[Goal] = field(default_factory=list)
     llama_levels: list[Level] = field(default_factory=list)   # llama-cpp-python's server
     llama_missing: str | None = None                           # why it was not loaded
+    shape: ModelShape | None = None          # the served model's (for the ceiling)
+    sgemm_flops_per_s: float | None = None   # the run's best sustained sgemm (None: not
+                                             # measured: no ceiling printed)
 
 
-def run_serve(llm, options: ServeOptions = ServeOptions(), *, model_name: str = "") -> ServeReport:
-    """Start the server on `llm`, serve the reference requests, then each level."""
+def request_flops(shape: ModelShape, prompt: int, cached: int, completion: int) -> float:
+    """The FLOPs a request costs any float32 engine: its `prompt - cached` new prompt
+    tokens and `completion - 1` decode steps through every layer's matmuls (2 per weight)
+    and attention (QK and PV: 4 per key per head dimension), and one LM-head row per
+    generated token. A prefill row attends to the cached past and the new tokens up to
+    itself, a decode row to the prompt and the tokens generated before it."""
+    new, steps = max(0, prompt - cached), max(0, completion - 1)
+    keys = new * cached + new * (new + 1) // 2 + steps * prompt + steps * (steps + 1) // 2
+    return (2 * shape.layers * shape.linear_params_per_layer() * (new + steps)
+            + 4 * shape.layers * shape.heads * shape.head_dim * keys
+            + 2 * shape.vocab * shape.hidden * completion)
+
+
+def run_serve(llm, options: ServeOptions = ServeOptions(), *, model_name: str = "",
+              sgemm_flops_per_s: float | None = None) -> ServeReport:
+    """Start the server on `llm`, serve the reference requests, then each level.
+    sgemm_flops_per_s: the machine's float32 matmul rate, for the arithmetic ceiling."""
     import openai
 
+    from promptlang.bench.shapes import shape_from_config
     from promptlang.server.app import create_app
 
-    report = ServeReport(options, model_name)
+    report = ServeReport(options, model_name, sgemm_flops_per_s=sgemm_flops_per_s)
+    try:
+        report.shape = shape_from_config(llm.adapter.config)
+    except ValueError:           # a config without the numbers: no ceiling
+        report.shape = None
     bodies, plain = _workload(llm, options)
     server = _Server(create_app(llm, model_name="bench", max_queue=max(options.clients) + 1))
     clients = concurrent.futures.ProcessPoolExecutor(
@@ -234,13 +275,14 @@ def _workload(llm, options: ServeOptions) -> tuple[list[dict], list[dict]]:
 def _one(client, body: dict) -> Sample:
     """One streamed request: its TTFT, total time, tokens and text (or why it was lost)."""
     began = time.perf_counter()
-    ttft, parts, tokens, finished = None, [], None, False
+    ttft, parts, tokens, finished, usage = None, [], None, False, None
     try:
         stream = client.chat.completions.create(stream=True,
                                                 stream_options={"include_usage": True},
                                                 **body)
         for chunk in stream:
             if chunk.usage is not None:
+                usage = chunk.usage
                 tokens = chunk.usage.completion_tokens
             for choice in chunk.choices:
                 if choice.delta.content:
@@ -255,7 +297,10 @@ def _one(client, body: dict) -> Sample:
     lost = None if finished else "the stream ended without a finish reason"
     if tokens is None:     # a server without stream usage: one token per content chunk
         tokens = len(parts)
-    return Sample(ttft, time.perf_counter() - began, tokens, "".join(parts), lost)
+    details = getattr(usage, "prompt_tokens_details", None)
+    return Sample(ttft, time.perf_counter() - began, tokens, "".join(parts), lost,
+                  prompt_tokens=getattr(usage, "prompt_tokens", None),
+                  cached_tokens=getattr(details, "cached_tokens", None))
 
 
 def engine_counters(url: str) -> tuple[float, float]:
@@ -323,7 +368,7 @@ def goals(report: ServeReport) -> list[Goal]:
         out.append(Goal(f"tokens/s at {THROUGHPUT_CLIENTS} clients >= {THROUGHPUT_GOAL:g}x one "
                         "client's", ratio >= THROUGHPUT_GOAL,
                         f"{many.tokens_per_s():.1f} vs {one.tokens_per_s():.1f} tokens/s = "
-                        f"{ratio:.2f}x"))
+                        f"{ratio:.2f}x" + _ceiling_note(report, many, one)))
     four, one = by.get(TTFT_CLIENTS), fastest
     if one is None or four is None or one.ttft(0.5) is None or four.ttft(0.5) is None:
         out.append(Goal(f"TTFT p50 at {TTFT_CLIENTS} clients <= {TTFT_GOAL:g}x one client's",
@@ -343,6 +388,17 @@ def goals(report: ServeReport) -> list[Goal]:
     return out
 
 
+def _ceiling_note(report: ServeReport, many: Level, one: Level) -> str:
+    if report.shape is None or not report.sgemm_flops_per_s:
+        return ""
+    ceiling = many.ceiling(report.shape, report.sgemm_flops_per_s)
+    if ceiling is None:
+        return ""
+    return (f"; the arithmetic alone allows at most {ceiling:.0f} tokens/s = "
+            f"{ceiling / one.tokens_per_s():.2f}x at this run's float32 sgemm rate "
+            f"({report.sgemm_flops_per_s / 1e9:.0f} GFLOP/s)")
+
+
 def sections(report: ServeReport) -> list[Section]:
     o = report.options
     lines = [f"the server in this process on 127.0.0.1 (uvicorn), the `openai` clients in "
@@ -360,6 +416,15 @@ def sections(report: ServeReport) -> list[Section]:
              "engine steps / busy %: the engine thread's decode steps during the level and "
              "the share of the level's wall time it spent opening requests and stepping "
              "(the server's /metrics)"]
+    if report.shape is not None and report.sgemm_flops_per_s:
+        ceilings = [(level, level.ceiling(report.shape, report.sgemm_flops_per_s))
+                    for level in report.levels if not level.again]
+        lines.append("the arithmetic alone (request_flops, from each answer's usage, at this "
+                     f"run's best sustained float32 sgemm, "
+                     f"{report.sgemm_flops_per_s / 1e9:.0f} GFLOP/s) allows at most: " + ", ".join(
+                         f"{level.clients} client{'s' * (level.clients != 1)} "
+                         f"{ceiling:.0f} tokens/s"
+                         for level, ceiling in ceilings if ceiling is not None))
     lost = [s.lost for level in report.levels for s in level.samples if s.lost]
     if lost:
         lines.append(f"first loss: {lost[0]}")
@@ -396,6 +461,7 @@ def to_json(report: ServeReport) -> dict:
             "reference_seconds": report.reference_seconds,
             "llama_levels": [level.row() for level in report.llama_levels],
             "llama_missing": report.llama_missing,
+            "sgemm_flops_per_s": report.sgemm_flops_per_s,
             "goals": [{"name": g.name, "passed": g.passed, "detail": g.detail}
                       for g in report.goals]}
 

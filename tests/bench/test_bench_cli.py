@@ -249,6 +249,8 @@ def test_serve_quick_loads_a_real_server_and_loses_nothing(tmp_path, capsys, tin
     assert verdicts["tokens/s at 16 clients >= 5x one client's"] == "N/A"    # no 16 here
     data = json.loads((tmp_path / "serve.json").read_text())
     assert [level["clients"] for level in data["levels"]] == [1, 2, "1 (again)"]
+    assert data["sgemm_flops_per_s"] > 0          # measured in the run: the ceiling line
+    assert "the arithmetic alone" in out and "1 client " in out and "2 clients " in out
 
 
 def test_structured_quick_measures_both_sides_and_prints_the_goal(tmp_path, capsys,
