@@ -442,7 +442,7 @@ def _read_prompt(source) -> nodes.PromptDoc:
 def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
          dtype: torch.dtype = torch.float32, isolate: bool = False, store=None,
          store_dtype: torch.dtype | None = None, recompute: "str | Recompute" = DEFAULT_POLICY,
-         exact_reuse: bool = True, quantized: bool = True) -> LLM:
+         exact_reuse: bool = True, quantized: bool = True, quantize: str | None = None) -> LLM:
     """Load a causal LM (None: the embedded default, SmolLM2-135M-Instruct) ready to serve.
 
     store_dtype (e.g. torch.bfloat16): keep cached KV at that precision (half the bytes).
@@ -454,26 +454,37 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     before them (docs/RECOMPUTE.md, "Exact reuse"). quantized: a model from a GGUF (the
     default one included) has the fused layers read its Q4_1 linear weights and Q8_0 LM head
     as stored for decode steps and short passes (the same values as the float copy, bit for
-    bit; ~6.4x and ~3.8x fewer bytes: fast/fused.py attach_q4, attach_q8_head).
+    bit; ~6.4x and ~3.8x fewer bytes: fast/fused.py attach_blocks, attach_q8_head).
+    quantize ("q4_1" or "q8_0"; Llama-family float32 checkpoints, not a GGUF): weight-only
+    quantization -- the decoder's linear weights become Q4_1 or Q8_0 blocks (the LM head
+    Q8_0) and the model computes with their dequantized values everywhere, while the fused
+    layers read the blocks (runtime/quantize.py); answers are then the quantized model's.
 
     The loading runs on a thread that then ends (runtime/passing.py), so that the caller's
     thread keeps no OpenMP pool: a server's engine thread is then the only one that has one."""
     from promptlang.runtime.passing import on_passing_thread
     return on_passing_thread(lambda: _load(name_or_path, device, dtype, isolate, store,
-                                           store_dtype, recompute, exact_reuse, quantized),
+                                           store_dtype, recompute, exact_reuse, quantized,
+                                           quantize),
                              name="promptlang-load")
 
 
 def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, exact_reuse,
-          quantized) -> LLM:
+          quantized, quantize=None) -> LLM:
     from promptlang.runtime.loading import gguf_source, load_hf_model, quantized_blocks
+    from promptlang.runtime.quantize import attach, checked_scheme, quantize_model
+    scheme = checked_scheme(quantize, name_or_path, dtype)
     hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)
+    # before adapt: the fingerprint must see the quantized weights
+    blocks = None if scheme is None else quantize_model(hf_model, scheme)
     adapter = adapt(hf_model)
     decoder = adapter.fast.decoder
+    if blocks is not None and decoder is not None:
+        attach(decoder, blocks, scheme)
     source = gguf_source(name_or_path) if quantized and decoder is not None else None
     if source is not None and dtype == torch.float32:
         linears, head = quantized_blocks(source, hf_model.config)
-        decoder.attach_q4(linears)
+        decoder.attach_blocks(linears)
         if head is not None:
             decoder.attach_q8_head(head)
     if store is None and store_dtype is not None:

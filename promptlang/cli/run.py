@@ -26,6 +26,9 @@ def register(subparsers: Any) -> None:
     run.add_argument("prompt", metavar="PROMPT.pml")
     run.add_argument("--model", metavar="PATH",
                      help="transformers model folder (default: the embedded SmolLM2-135M)")
+    run.add_argument("--quantize", choices=("q4_1", "q8_0"), default=None,
+                     help="weight-only quantization of a float --model (Llama family): "
+                          "linear weights as Q4_1 or Q8_0 blocks, the LM head Q8_0")
     run.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
     run.add_argument("--baseline", action="store_true",
                      help="no reuse: the same tokens at positions 0..N-1, for comparison")
@@ -66,7 +69,7 @@ def _run(args: argparse.Namespace) -> int:
     for warning in (*schema.warnings, *prompt.warnings):
         print(warning, file=sys.stderr)
     started = time.perf_counter()
-    llm = engine.load(args.model, isolate=args.isolate)
+    llm = engine.load(args.model, isolate=args.isolate, quantize=args.quantize)
     loaded = time.perf_counter() - started
     llm.add_schema(schema)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

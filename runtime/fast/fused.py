@@ -91,9 +91,11 @@ class FusedDecoder:
         self._modules = [m for layer in layers for m in layer.modules()]
         self._modules += [hf_model, base, self.embed, self.rotary, self.norm, self.lm_head]
         self._table: tuple[tuple[int, ...], ctypes.Array] | None = None
-        # Q4_1 blocks served instead of float weights (attach_q4): slot -> blocks, the
-        # float weights' (pointer, version) they were checked against, and the kernel's table
+        # blocks served instead of float weights (attach_blocks): slot -> blocks, their kind
+        # (4: Q4_1, 8: Q8_0), the float weights' (pointer, version) they were checked
+        # against, and the kernel's table
         self._q4: dict[int, torch.Tensor] = {}
+        self._q_kind = 4
         self._q4_seen: tuple = ()
         self._q4_table: ctypes.Array | None = None
         self._q8_head: tuple[torch.Tensor, tuple] | None = None   # (Q8_0 blocks, checked)
@@ -161,7 +163,8 @@ class FusedDecoder:
         table, x, cos, sin = prepared
         native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
                        new_values, key_positions, None if key_positions is None else positions,
-                       contexts=contexts, quantized=self._quantized(), query_out=query_out)
+                       contexts=contexts, quantized=self._quantized(),
+                       quantized_kind=self._q_kind, query_out=query_out)
         return self._head(self.norm(x[rows]))
 
     def forward_batch(self, requests: list[BatchRequest]) -> list[torch.Tensor] | None:
@@ -209,7 +212,7 @@ class FusedDecoder:
         new_values = torch.empty(layers, heads, q, d)
         native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
                        new_values, kpos, qpos, requests=spans, contexts=contexts,
-                       quantized=self._quantized())
+                       quantized=self._quantized(), quantized_kind=self._q_kind)
         rows, at = [], 0
         for r, (n, _) in zip(requests, spans):
             r.new_keys.copy_(new_keys[:, :, at:at + n])
@@ -256,14 +259,19 @@ class FusedDecoder:
         self._table = (ptrs, table)
         return table
 
-    def attach_q4(self, blocks) -> int:
-        """Serve linear weights from Q4_1 blocks (a GGUF's, as stored: `{(layer index,
-        parameter name as in _WEIGHTS, e.g. "mlp.up_proj.weight"): [n, k / 32 * 20] uint8}`)
-        instead of their float32 copies: ~6.4x fewer bytes per pass. Each is checked to
-        dequantize to the float weight the layer holds now, bit for bit (native.q_dequant);
-        one that does not stays float. A float weight replaced or changed in place later
-        turns every quantized weight off. Returns how many weights are served quantized."""
+    def attach_blocks(self, blocks, kind: int = 4) -> int:
+        """Serve linear weights from quantized blocks of `kind` (4: Q4_1, as a GGUF stores
+        them: `{(layer index, parameter name as in _WEIGHTS, e.g. "mlp.up_proj.weight"): [n,
+        k / 32 * 20] uint8}`; 8: Q8_0, [n, k / 32 * 34]) instead of their float32 copies:
+        ~6.4x (Q4_1) or ~3.8x (Q8_0) fewer bytes per pass. Each is checked to dequantize to
+        the float weight the layer holds now, bit for bit (native.q_dequant); one that does
+        not stays float. A float weight replaced or changed in place later turns every
+        quantized weight off. Returns how many weights are served quantized."""
         self._q4, self._q4_seen, self._q4_table = {}, (), None
+        if kind not in (4, 8):
+            raise ValueError(f"block kind must be 4 (Q4_1) or 8 (Q8_0), not {kind!r}")
+        self._q_kind = kind
+        width = native.Q4_BYTES if kind == 4 else native.Q8_BYTES
         k_ok = all(n % 32 == 0 and n <= native.Q4_MAX_K
                    for n in (self.hidden, self.inter, self.heads * self.head_dim))
         if not k_ok or not native.enabled() or not native.available():
@@ -277,10 +285,10 @@ class FusedDecoder:
             weight = params.get(key)
             if (weight is None or weight.dim() != 2 or weight.dtype != torch.float32
                     or q.dtype != torch.uint8 or weight.shape[1] % 32
-                    or tuple(q.shape) != (weight.shape[0], weight.shape[1] // 32 * native.Q4_BYTES)):
+                    or tuple(q.shape) != (weight.shape[0], weight.shape[1] // 32 * width)):
                 continue
             q = q.contiguous()
-            if torch.equal(native.q_dequant(q, weight.shape[1]), weight):
+            if torch.equal(native.q_dequant(q, weight.shape[1], kind=kind), weight):
                 self._q4[slot] = q
         if self._q4:
             self._q4_seen = self._q4_state()

@@ -1266,15 +1266,18 @@ static void rope(const float* x, const float* cos, const float* sin, long d, flo
     }
 }
 
-/* columns [j0, j1) of y = x . w^T (+ b): from Q4_1 blocks wq where given, else float w */
+/* columns [j0, j1) of y = x . w^T (+ b): from the blocks wq where given (qkind 4: Q4_1,
+ * 8: Q8_0), else float w */
 static void linear_any(const float* x, long m, long k, const float* w, const uint8_t* wq,
-                       long n, const float* b, long j0, long j1, float* y, long ldy) {
+                       int qkind, long n, const float* b, long j0, long j1, float* y,
+                       long ldy) {
     if (!wq) {
         linear_cols(x, m, k, w, n, b, j0, j1, y, ldy);
         return;
     }
-    dots_q(x, k, m, wq + j0 * (k / 32) * Q4_BYTES, j1 - j0, k, y + j0, ldy, q4_row,
-           k / 32 * Q4_BYTES);
+    long stride = k / 32 * (qkind == 8 ? Q8_BYTES : Q4_BYTES);
+    dots_q(x, k, m, wq + j0 * stride, j1 - j0, k, y + j0, ldy, qkind == 8 ? q8_row : q4_row,
+           stride);
     if (b)
         for (long i = 0; i < m; i++)
             for (long j = j0; j < j1; j++) y[i * ldy + j] += b[j];
@@ -1282,8 +1285,9 @@ static void linear_any(const float* x, long m, long k, const float* w, const uin
 
 /* Columns [j0, j1) of y = x . w^T + b added to the residual stream r (both [m][ld]). */
 static void linear_residual(const float* x, long m, long k, const float* w, const uint8_t* wq,
-                            const float* b, long j0, long j1, float* tmp, float* r, long ld) {
-    linear_any(x, m, k, w, wq, ld, b, j0, j1, tmp, ld);
+                            int qkind, const float* b, long j0, long j1, float* tmp, float* r,
+                            long ld) {
+    linear_any(x, m, k, w, wq, qkind, ld, b, j0, j1, tmp, ld);
     for (long i = 0; i < m; i++)
         for (long j = j0; j < j1; j++) r[i * ld + j] += tmp[i * ld + j];
 }
@@ -1311,8 +1315,9 @@ static void linear_residual(const float* x, long m, long k, const float* w, cons
  * contexts: their scores are divided by the temperature (times invt), softmaxed apart from
  * the other keys', and the two parts mixed by softmax(mixc * L_C, L_O) (mixc: scale *
  * temperature; L the parts' log-sum-exps).
- * qw (NULL: none): Q4_1 blocks of the linear weights, [layers][W_COUNT] like w (NULL where a
- * weight is float only): read instead of w, giving the same values (fused.py checks them).
+ * qw (NULL: none): blocks of the linear weights, [layers][W_COUNT] like w (NULL where a
+ * weight is float only), all of kind qkind (4: Q4_1, 8: Q8_0): read instead of w, giving the
+ * same values (fused.py checks them).
  * qout (NULL: none): the last token's rotated query rows of every layer, [layers][heads][d]
  * (before the softmax scale): the recompute policy query:K ranks cached tokens by them.
  * Returns 0, -1 for unsupported shapes, -2 when out of memory. */
@@ -1323,13 +1328,13 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                float* const* newk, long nkstride, float* const* newv, long nvstride,
                const int64_t* kpos, const int64_t* qpos, long nreq, const long* tok,
                const long* seg, const int* ctx, float invt, float mixc,
-               const uint8_t* const* qw, float* qout, int threads) {
+               const uint8_t* const* qw, int qkind, float* qout, int threads) {
     long hidden = shape[0], heads = shape[1], kvh = shape[2], d = shape[3], inter = shape[4],
          layers = shape[5];
     long tok1[2] = {0, q}, seg1[2] = {0, nseg};
     if (nreq <= 0) { nreq = 1; tok = tok1; seg = seg1; }
     if (qw && (hidden % 32 || inter % 32 || (heads * d) % 32 || hidden > Q4_MAX_K
-               || inter > Q4_MAX_K || heads * d > Q4_MAX_K))
+               || inter > Q4_MAX_K || heads * d > Q4_MAX_K || (qkind != 4 && qkind != 8)))
         return -1;
     if (q > (wide_tiles ? Q4_MAX_ROWS_WIDE : Q4_MAX_ROWS))
         qw = NULL;
@@ -1382,8 +1387,8 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
             long j0 = (which == 0 ? b : (which == 1 ? b - qblocks : b - qblocks - kvblocks)) * LIN_BLOCK;
             long n = which == 0 ? nq : nkv, j1 = j0 + LIN_BLOCK < n ? j0 + LIN_BLOCK : n;
             long off = which == 0 ? 0 : (which == 1 ? nq : nq + nkv);
-            linear_any(h, q, hidden, lw[W_Q + which], QW(W_Q + which), n, lw[B_Q + which], j0,
-                       j1, qkv + off, nqkv);
+            linear_any(h, q, hidden, lw[W_Q + which], QW(W_Q + which), qkind, n,
+                       lw[B_Q + which], j0, j1, qkv + off, nqkv);
         }
         #pragma omp for schedule(static)
         for (long t = 0; t < q; t++) {         /* rotate; queries to packed rows, keys/values out */
@@ -1407,16 +1412,18 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
         #pragma omp for schedule(static)
         for (long b = 0; b < hblocks; b++) {
             long j0 = b * LIN_BLOCK, j1 = j0 + LIN_BLOCK < hidden ? j0 + LIN_BLOCK : hidden;
-            linear_residual(att, q, nq, lw[W_O], QW(W_O), lw[B_O], j0, j1, tmp, x, hidden);
+            linear_residual(att, q, nq, lw[W_O], QW(W_O), qkind, lw[B_O], j0, j1, tmp, x,
+                            hidden);
         }
         #pragma omp for schedule(static)
         for (long t = 0; t < q; t++) rms_norm(x + t * hidden, lw[W_LN2], hidden, eps, h + t * hidden);
         #pragma omp for schedule(static)
         for (long b = 0; b < iblocks; b++) {   /* gate and up, then silu(gate) * up */
             long j0 = b * LIN_BLOCK, j1 = j0 + LIN_BLOCK < inter ? j0 + LIN_BLOCK : inter;
-            linear_any(h, q, hidden, lw[W_GATE], QW(W_GATE), inter, lw[B_GATE], j0, j1, gate,
+            linear_any(h, q, hidden, lw[W_GATE], QW(W_GATE), qkind, inter, lw[B_GATE], j0, j1,
+                       gate, inter);
+            linear_any(h, q, hidden, lw[W_UP], QW(W_UP), qkind, inter, lw[B_UP], j0, j1, up,
                        inter);
-            linear_any(h, q, hidden, lw[W_UP], QW(W_UP), inter, lw[B_UP], j0, j1, up, inter);
             for (long t = 0; t < q; t++) {
                 float *g = gate + t * inter, *u = up + t * inter;
                 long j = j0;
@@ -1429,8 +1436,8 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
         #pragma omp for schedule(static)
         for (long b = 0; b < hblocks; b++) {
             long j0 = b * LIN_BLOCK, j1 = j0 + LIN_BLOCK < hidden ? j0 + LIN_BLOCK : hidden;
-            linear_residual(gate, q, inter, lw[W_DOWN], QW(W_DOWN), lw[B_DOWN], j0, j1, tmp, x,
-                            hidden);
+            linear_residual(gate, q, inter, lw[W_DOWN], QW(W_DOWN), qkind, lw[B_DOWN], j0, j1,
+                            tmp, x, hidden);
         }
 #undef QW
     }

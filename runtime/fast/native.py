@@ -238,7 +238,8 @@ def _bind(library: Path) -> ctypes.CDLL:
         lib.pl_attend.restype = ctypes.c_int
         lib.pl_decoder.argtypes = [_P, _L, _P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _L,
                                    _P, _P, _P, _P, _P, _P, _P, _L, _P, _L, _P, _P, _L, _P,
-                                   _P, _P, ctypes.c_float, ctypes.c_float, _P, _P, ctypes.c_int]
+                                   _P, _P, ctypes.c_float, ctypes.c_float, _P, ctypes.c_int,
+                                   _P, ctypes.c_int]
         lib.pl_decoder.restype = ctypes.c_int
         lib.pl_q_dequant.argtypes = [_P, _L, _L, ctypes.c_int, _P]
         lib.pl_q_dequant.restype = None
@@ -415,7 +416,7 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
             query_positions: torch.Tensor | None = None,
             requests: list[tuple[int, int]] | None = None,
             contexts: tuple[list[bool], float, float] | None = None,
-            quantized: ctypes.Array | None = None,
+            quantized: ctypes.Array | None = None, quantized_kind: int = 4,
             query_out: torch.Tensor | None = None) -> None:
     """Every decoder layer of a Llama-family model over x ([Q, hidden], replaced by the last
     layer's output) by pl_decoder; see fast/fused.py, which checks what it passes.
@@ -432,8 +433,9 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     new tokens only, and query_positions increase within a request only. None: one request.
     contexts: APE (runtime/model/adapter.py, ParallelContexts) -- (each piece a context or
     not, temperature, scale); None: plain attention.
-    quantized: pointers like `weights` to Q4_1 blocks of the linear weights with the same
-    values (fused.py checks them; NULL where a weight has none); None: float weights only.
+    quantized: pointers like `weights` to blocks of the linear weights with the same values
+    (fused.py checks them; NULL where a weight has none), all of `quantized_kind` (4: Q4_1,
+    8: Q8_0); None: float weights only.
     query_out: [L, heads, D] float32, contiguous: receives the last token's rotated query
     of every layer (before the softmax scale); None: not wanted.
     """
@@ -488,7 +490,7 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
         x.data_ptr(), x.shape[0], shape, eps, scale, weights, cos.data_ptr(), sin.data_ptr(),
         nseg, keys, kstride, values, vstride, lens, half, newk, new_keys.stride(1), newv,
         new_values.stride(1), kpos, qpos, nreq, (ctypes.c_long * (nreq + 1))(*tok),
-        (ctypes.c_long * (nreq + 1))(*seg), ctx, invt, mixc, quantized, qout,
+        (ctypes.c_long * (nreq + 1))(*seg), ctx, invt, mixc, quantized, quantized_kind, qout,
         torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"pl_decoder failed ({status})")

@@ -178,7 +178,7 @@ def test_promptlang_run_takes_regex_json_schema_and_grammar_files(llm, tmp_path,
     from promptlang.pml.writer import write
     from promptlang.runtime import engine
 
-    monkeypatch.setattr(engine, "load", lambda name, isolate=False: llm)
+    monkeypatch.setattr(engine, "load", lambda name, isolate=False, quantize=None: llm)
     (tmp_path / "c.pml").write_text(write(llm.layout("c").schema))
     (tmp_path / "ask.pml").write_text(PROMPT)
     (tmp_path / "person.json").write_text(json.dumps(PERSON))

@@ -280,7 +280,7 @@ def test_cli_run_prints_the_answer_and_the_timing_breakdown(model, cli_files, mo
     from promptlang import cli
     from promptlang.runtime import engine
     llm = make_llm(model, cli_files / "kv")
-    monkeypatch.setattr(engine, "load", lambda name, isolate=False: llm)
+    monkeypatch.setattr(engine, "load", lambda name, isolate=False, quantize=None: llm)
     expected = llm.generate(PROMPTS[1], max_new_tokens=5)
     for extra in ([], ["--stream"]):
         argv = ["run", str(cli_files / "docs.pml"), str(cli_files / "ask.pml"),
@@ -295,7 +295,7 @@ def test_cli_run_prints_parse_warnings_as_located_lines(model, cli_files, monkey
     from promptlang import cli
     from promptlang.runtime import engine
     llm = make_llm(model, cli_files / "kv")
-    monkeypatch.setattr(engine, "load", lambda name, isolate=False: llm)
+    monkeypatch.setattr(engine, "load", lambda name, isolate=False, quantize=None: llm)
     careless = cli_files / "careless.pml"
     careless.write_text(PROMPTS[1].replace("</user>", " if 0 <= x < 3</user>") + "\n")
     assert cli.main(["run", str(cli_files / "docs.pml"), str(careless),
@@ -308,7 +308,7 @@ def test_cli_run_reports_a_bad_prompt_without_a_traceback(model, cli_files, monk
     from promptlang import cli
     from promptlang.runtime import engine
     llm = make_llm(model, cli_files / "kv")
-    monkeypatch.setattr(engine, "load", lambda name, isolate=False: llm)
+    monkeypatch.setattr(engine, "load", lambda name, isolate=False, quantize=None: llm)
     assert cli.main(["run", str(cli_files / "docs.pml"), str(cli_files / "bad.pml")]) == 1
     out, err = capsys.readouterr()
     assert err.startswith(f"{cli_files / 'bad.pml'}:2:3: schema 'docs' has no module 'nothing'")
@@ -331,7 +331,7 @@ def test_cli_run_takes_a_recompute_policy_and_reports_a_bad_one(model, cli_files
     from promptlang import cli
     from promptlang.runtime import engine
     llm = make_llm(model, cli_files / "kv")
-    monkeypatch.setattr(engine, "load", lambda name, isolate=False: llm)
+    monkeypatch.setattr(engine, "load", lambda name, isolate=False, quantize=None: llm)
     files = [str(cli_files / "docs.pml"), str(cli_files / "ask.pml")]
     assert cli.main(["run", *files, "--max-new-tokens", "2", "--recompute", "first:2"]) == 0
     err = capsys.readouterr().err

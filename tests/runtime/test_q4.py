@@ -1,5 +1,5 @@
 """Linear weights served from Q4_1 blocks (a GGUF's, as stored) in the fused decoder layers
-(runtime/fast/fused.py attach_q4, kernels.c dots_q4) for passes of up to 3 rows: the same
+(runtime/fast/fused.py attach_blocks, kernels.c dots_q4) for passes of up to 3 rows: the same
 values as the float32 weights, so every pass gives the float path's results exactly, reading
 ~6.4x fewer weight bytes."""
 
@@ -58,7 +58,7 @@ def test_a_pass_from_q4_blocks_equals_the_float_pass_exactly(extra, new):
     adapter = adapt(model)
     decoder = adapter.fast.decoder
     float_pass = passes(adapter, new)
-    assert decoder.attach_q4(blocks) == len(blocks) == 3 * len(LINEARS)
+    assert decoder.attach_blocks(blocks) == len(blocks) == 3 * len(LINEARS)
     quantized = passes(adapter, new)
     for a, b in zip(float_pass, quantized):
         assert torch.equal(a, b)
@@ -71,13 +71,13 @@ def test_blocks_that_are_not_the_weights_values_stay_float():
     wrong[key] = wrong[key].clone()
     wrong[key][0, 5] ^= 0x11                      # one byte of one block
     decoder = adapt(model).fast.decoder
-    assert decoder.attach_q4(wrong) == len(blocks) - 1
+    assert decoder.attach_blocks(wrong) == len(blocks) - 1
 
 
 def test_a_float_weight_changed_later_turns_the_blocks_off():
     model, blocks = q4_model()
     adapter = adapt(model)
-    assert adapter.fast.decoder.attach_q4(blocks) == len(blocks)
+    assert adapter.fast.decoder.attach_blocks(blocks) == len(blocks)
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(-1.0)      # in place
     assert adapter.fast.decoder.quantized_weights == 0
@@ -108,7 +108,7 @@ def test_q8_0_blocks_dequantize_to_gguf_s_values_and_serve_the_lm_head():
 def test_passes_of_up_to_three_rows_are_handed_the_blocks(monkeypatch):
     model, blocks = q4_model()
     adapter = adapt(model)
-    adapter.fast.decoder.attach_q4(blocks)
+    adapter.fast.decoder.attach_blocks(blocks)
     handed = []
     real = native.decoder
 

@@ -71,7 +71,7 @@ def test_q4_blocks_give_the_float_pass_bit_for_bit(tiles, new):
     model, blocks = q4_model()
     adapter = adapt(model)
     float_pass = passes(adapter, new)
-    assert adapter.fast.decoder.attach_q4(blocks) == 3 * len(LINEARS)
+    assert adapter.fast.decoder.attach_blocks(blocks) == 3 * len(LINEARS)
     for a, b in zip(float_pass, passes(adapter, new)):
         assert torch.equal(a, b)
 
