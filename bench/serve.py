@@ -32,8 +32,8 @@ Beside the throughput goal the report prints what the arithmetic alone allows: e
 answered request's FLOPs (its uncached prompt tokens and decode steps through every
 layer's matmuls and attention, one LM-head row per generated token: `request_flops`, from
 the usage the server reports) at the best sustained float32 sgemm rate measured in the same
-run (bench/floor.py). No float32 engine on this machine serves the level faster than that
-ceiling, whatever its batching.
+run (bench/floor.py). An engine serves the level faster than that ceiling only by computing
+faster than the machine's best float32 matmul, whatever its batching.
 """
 
 from __future__ import annotations
