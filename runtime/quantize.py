@@ -15,7 +15,10 @@ the quantization's, measured against the float model in docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
+import sys
+
 import torch
+from tqdm import tqdm
 
 from promptlang.errors import ModelError
 
@@ -69,13 +72,16 @@ def quantize_model(hf_model: torch.nn.Module, scheme: str
                          f"{type(hf_model).__name__} is not one")
     qtype = GGMLQuantizationType.Q4_1 if kind == 4 else GGMLQuantizationType.Q8_0
     linears = {}
-    with torch.no_grad():
+    bar = tqdm(total=len(layers), desc=f"promptlang: quantizing to {scheme}", unit="layer",
+               file=sys.stderr, leave=False, disable=None)   # None: only on a terminal
+    with torch.no_grad(), bar:
         for index, layer in enumerate(layers):
             for name in LINEARS:
                 weight = _parameter(layer, name)
                 blocks = None if weight is None else _replace(weight, qtype)
                 if blocks is not None:
                     linears[(index, name)] = blocks
+            bar.update(1)
         head_blocks = _replace(head.weight, GGMLQuantizationType.Q8_0)
     if not linears:
         raise ModelError(f"quantize={scheme!r}: {type(hf_model).__name__} has no float32 "
