@@ -442,7 +442,8 @@ def _read_prompt(source) -> nodes.PromptDoc:
 def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
          dtype: torch.dtype = torch.float32, isolate: bool = False, store=None,
          store_dtype: torch.dtype | None = None, recompute: "str | Recompute" = DEFAULT_POLICY,
-         exact_reuse: bool = True, quantized: bool = True, quantize: str | None = None) -> LLM:
+         exact_reuse: bool = True, quantized: bool = True, quantize: str | None = None,
+         bf16_attention: bool = False) -> LLM:
     """Load a causal LM (None: the embedded default, SmolLM2-135M-Instruct) ready to serve.
 
     store_dtype (e.g. torch.bfloat16): keep cached KV at that precision (half the bytes).
@@ -459,18 +460,20 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     quantization -- the decoder's linear weights become Q4_1 or Q8_0 blocks (the LM head
     Q8_0) and the model computes with their dequantized values everywhere, while the fused
     layers read the blocks (runtime/quantize.py); answers are then the quantized model's.
+    bf16_attention: passes of 8+ new tokens compute the attention's products from bfloat16
+    inputs (fused layers, CPUs with AVX512_BF16; ~0.8x a 6.4k question's TTFT): approximate.
 
     The loading runs on a thread that then ends (runtime/passing.py), so that the caller's
     thread keeps no OpenMP pool: a server's engine thread is then the only one that has one."""
     from promptlang.runtime.passing import on_passing_thread
     return on_passing_thread(lambda: _load(name_or_path, device, dtype, isolate, store,
                                            store_dtype, recompute, exact_reuse, quantized,
-                                           quantize),
+                                           quantize, bf16_attention),
                              name="promptlang-load")
 
 
 def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, exact_reuse,
-          quantized, quantize=None) -> LLM:
+          quantized, quantize=None, bf16_attention=False) -> LLM:
     from promptlang.runtime.loading import gguf_source, load_hf_model, quantized_blocks
     from promptlang.runtime.quantize import attach, checked_scheme, quantize_model
     scheme = checked_scheme(quantize, name_or_path, dtype)
@@ -481,6 +484,8 @@ def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, e
     decoder = adapter.fast.decoder
     if blocks is not None and decoder is not None:
         attach(decoder, blocks, scheme)
+    if decoder is not None:
+        decoder.bf16_attention = bool(bf16_attention)
     source = gguf_source(name_or_path) if quantized and decoder is not None else None
     if source is not None and dtype == torch.float32:
         linears, head = quantized_blocks(source, hf_model.config)

@@ -98,6 +98,9 @@ class FusedDecoder:
         self._q_kind = 4
         self._q4_seen: tuple = ()
         self._q4_table: ctypes.Array | None = None
+        # the attention's products in bfloat16 (kernels.c `bf`; native.bf16_products_available
+        # says where): twice the arithmetic rate, an approximation -- off unless asked for
+        self.bf16_attention = False
         self._q8_head: tuple[torch.Tensor, tuple] | None = None   # (Q8_0 blocks, checked)
         self._slots = [_slot(layer, name) for layer in layers for name in _WEIGHTS]
         self._shape = (ctypes.c_long * 6)(self.hidden, self.heads, self.kv_heads, self.head_dim,
@@ -164,7 +167,8 @@ class FusedDecoder:
         native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
                        new_values, key_positions, None if key_positions is None else positions,
                        contexts=contexts, quantized=self._quantized(),
-                       quantized_kind=self._q_kind, query_out=query_out)
+                       quantized_kind=self._q_kind, query_out=query_out,
+                       bf16_products=self.bf16_attention)
         return self._head(self.norm(x[rows]))
 
     def forward_batch(self, requests: list[BatchRequest]) -> list[torch.Tensor] | None:
@@ -212,7 +216,8 @@ class FusedDecoder:
         new_values = torch.empty(layers, heads, q, d)
         native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
                        new_values, kpos, qpos, requests=spans, contexts=contexts,
-                       quantized=self._quantized(), quantized_kind=self._q_kind)
+                       quantized=self._quantized(), quantized_kind=self._q_kind,
+                       bf16_products=self.bf16_attention)
         rows, at = [], 0
         for r, (n, _) in zip(requests, spans):
             r.new_keys.copy_(new_keys[:, :, at:at + n])

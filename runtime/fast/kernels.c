@@ -658,6 +658,123 @@ static void widen16(const uint16_t* src, long n, int kind, float* dst) {
     }
 }
 
+/* ---- attention with bfloat16 products (pl_decoder's `bf`; AVX512_BF16, chosen per model) ---- *
+ * Q.K and P.V with both sides rounded to bfloat16 (round to nearest even) and float32 sums:
+ * vdpbf16ps does two products a lane an instruction, twice the float32 FMA rate on this
+ * machine's cores. An approximation of the float32 attention (the error of bf16 inputs, as
+ * llama.cpp's 16-bit KQ), so a model opts in (fast/fused.py `bf16_attention`); a row's
+ * numbers never depend on the rows beside it. Pairs: a 32-bit word holds two bf16 values,
+ * the unit vdpbf16ps multiplies: q pairs run along d, K blocks are transposed as 32-bit
+ * words (kt[c][j] = key j's values 2c and 2c+1), V rows are interleaved in pairs of keys
+ * (vt[j][c] = keys 2j and 2j+1 at column c) and p pairs run along the keys. */
+#define BF __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define AIB static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512bf16")))
+
+static int bf16_ok = -1;       /* the CPU has AVX512_BF16 and AVX512BW (checked once) */
+
+int pl_bf16_products(void) {
+    if (bf16_ok < 0)
+        bf16_ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                  && __builtin_cpu_supports("avx512bf16");
+    return bf16_ok;
+}
+
+/* dst[0:n] = src[0:n] rounded to bfloat16 (n % 32 == 0) */
+BF static void to_bf16(const float* src, long n, uint16_t* dst) {
+    for (long i = 0; i < n; i += 32) {
+        __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+        _mm512_storeu_si512((void*)(dst + i), (__m512i)v);
+    }
+}
+
+/* vt[j][0:d] = the pairs (v[2j][c], v[2j+1][c]) for rows of d bf16 (d % 32 == 0), j <
+ * (nk + 1) / 2: a zero row after an odd nk */
+BF static void pair_rows(const uint16_t* v, long nk, long d, uint32_t* vt) {
+    uint16_t lo[32], hi[32];
+    for (int i = 0; i < 16; i++) {
+        lo[2 * i] = i; lo[2 * i + 1] = 32 + i;
+        hi[2 * i] = 16 + i; hi[2 * i + 1] = 48 + i;
+    }
+    __m512i ilo = _mm512_loadu_si512(lo), ihi = _mm512_loadu_si512(hi);
+    for (long j = 0; j < nk; j += 2)
+        for (long c = 0; c < d; c += 32) {
+            __m512i x = _mm512_loadu_si512(v + j * d + c);
+            __m512i y = j + 1 < nk ? _mm512_loadu_si512(v + (j + 1) * d + c) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vt + (j / 2) * d + c, _mm512_permutex2var_epi16(x, ilo, y));
+            _mm512_storeu_si512(vt + (j / 2) * d + c + 16, _mm512_permutex2var_epi16(x, ihi, y));
+        }
+}
+
+/* s[r][0:16 C] = sum_c q pair . kt[c][0:16 C], NR rows (q: rows of d2 pairs) */
+AIB void qk_tile_bf(const int NR, const int C, const uint32_t* q, long d2, const uint32_t* kt,
+                    float* s) {
+    __m512 a[6][2];
+    for (int r = 0; r < NR; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (long c = 0; c < d2; c++) {
+        __m512i k0 = _mm512_loadu_si512(kt + c * BK);
+        __m512i k1 = C > 1 ? _mm512_loadu_si512(kt + c * BK + 16) : k0;
+        for (int r = 0; r < NR; r++) {
+            __m512i b = _mm512_set1_epi32((int)q[r * d2 + c]);
+            a[r][0] = _mm512_dpbf16_ps(a[r][0], (__m512bh)b, (__m512bh)k0);
+            if (C > 1) a[r][1] = _mm512_dpbf16_ps(a[r][1], (__m512bh)b, (__m512bh)k1);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        _mm512_storeu_ps(s + r * BK, a[r][0]);
+        if (C > 1) _mm512_storeu_ps(s + r * BK + 16, a[r][1]);
+    }
+}
+
+BF static void qk_bf(long nr, int cols16, const uint32_t* q, long d2, const uint32_t* kt,
+                     float* s) {
+    #define QK(n) case n: if (cols16 > 1) qk_tile_bf(n, 2, q, d2, kt, s); \
+                          else qk_tile_bf(n, 1, q, d2, kt, s); break;
+    switch (nr) { QK(1) QK(2) QK(3) QK(4) QK(5) QK(6) }
+    #undef QK
+}
+
+/* acc[r][0:32] += sum_j p pair (row r: BK / 2 pairs) . vt[j][0:32] over n2 key pairs */
+AIB void pv_tile_bf(const int NR, const uint32_t* p, long n2, const uint32_t* vt, long d,
+                    float* acc) {
+    __m512 a[6][2];
+    for (int r = 0; r < NR; r++) {
+        a[r][0] = _mm512_loadu_ps(acc + r * d);
+        a[r][1] = _mm512_loadu_ps(acc + r * d + 16);
+    }
+    for (long j = 0; j < n2; j++) {
+        __m512i v0 = _mm512_loadu_si512(vt + j * d), v1 = _mm512_loadu_si512(vt + j * d + 16);
+        for (int r = 0; r < NR; r++) {
+            __m512i b = _mm512_set1_epi32((int)p[r * (BK / 2) + j]);
+            a[r][0] = _mm512_dpbf16_ps(a[r][0], (__m512bh)b, (__m512bh)v0);
+            a[r][1] = _mm512_dpbf16_ps(a[r][1], (__m512bh)b, (__m512bh)v1);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        _mm512_storeu_ps(acc + r * d, a[r][0]);
+        _mm512_storeu_ps(acc + r * d + 16, a[r][1]);
+    }
+}
+
+BF static void pv_bf(long nr, const uint32_t* p, long n2, const uint32_t* vt, long d,
+                     float* acc) {
+    #define PV(n) case n: pv_tile_bf(n, p, n2, vt, d, acc); break;
+    switch (nr) { PV(1) PV(2) PV(3) PV(4) PV(5) PV(6) }
+    #undef PV
+}
+
+/* a block's nk rows of d values (float32, or 16-bit `kind`) as bf16 rows: `src` itself where
+ * it already is bf16, else converted into t16 (fp16 through `wide`) */
+BF static const uint16_t* block_bf16(const char* src, long nk, long d, int kind, float* wide,
+                                     uint16_t* t16) {
+    if (kind == HALF_BF16) return (const uint16_t*)src;
+    if (kind == HALF_FP16) {
+        widen16((const uint16_t*)src, nk * d, kind, wide);
+        src = (const char*)wide;
+    }
+    to_bf16((const float*)src, nk * d, t16);
+    return t16;
+}
+
 /* Rows [r0, r1) (nr <= MAXR) of one KV head against keys [a, b) of the concatenated segments:
  * unnormalised output, running max and sum into *part. qs: the rows, pre-scaled. Segment g
  * holds float32 keys/values, or 16-bit ones where half && half[g] (HALF_BF16, HALF_FP16;
@@ -672,13 +789,19 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                         const char* const* keys, const char* const* values, const long* lens,
                         const int* causal, const int* half, const int64_t* kpos,
                         const int64_t* qpos, long qlen, long a, long b, Partial* part,
-                        const int* ctx, float invt, Partial* cpart) {
+                        const int* ctx, float invt, Partial* cpart, int bf) {
     float s[MAXR * BK] __attribute__((aligned(32)));
     float kt[MAXD * BK] __attribute__((aligned(32)));
     float wide[MAXD * BK] __attribute__((aligned(32)));
+    uint16_t t16[MAXD * BK];                        /* bf: a block's rows as bf16 */
+    uint32_t qh[MAXR * MAXD / 2], ph[MAXR * BK / 2];  /* bf: q and p rows as bf16 pairs */
     /* the 512-bit QK/PV tiles (the same numbers) where they pay: a decode step's few rows
      * are bound by the keys' and values' memory stream, and measured slower on them */
+    bf = d % 32 == 0 ? bf : 0;
+    int bfpv = bf == 2;                             /* P.V in bf16 too (else float32) */
     int wt = wide_tiles && nr > 6;
+    for (long r = 0; bf && r < nr; r++)
+        to_bf16(qs + r * d, d, (uint16_t*)(qh + r * (d / 2)));
     partial_reset(part, nr, d);
     if (ctx) partial_reset(cpart, nr, d);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
@@ -718,17 +841,25 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                                  (nk16 / 16) * ((nr + 5) / 6));
             Ahead vahead = ahead(values[g] + (j0 + BK) * d * es, next * d * es,
                                  (d / 32) * ((nr + 2) / 3));
-            const float* vb;
-            if (es == 2) {
+            const float* vb = NULL;
+            if (bf)                                  /* bf16 pairs of keys */
+                transpose_block((const float*)block_bf16(keys[g] + j0 * d * es, nk, d,
+                                                         es == 2 ? half[g] : 0, wide, t16),
+                                nk, d / 2, kt);
+            else if (es == 2) {
                 widen16((const uint16_t*)(keys[g] + j0 * d * es), nk * d, half[g], wide);
                 transpose_block(wide, nk, d, kt);
+            } else
+                transpose_block((const float*)(keys[g] + j0 * d * es), nk, d, kt);
+            if (bfpv)                                /* bf16 pairs of value rows */
+                pair_rows(block_bf16(values[g] + j0 * d * es, nk, d, es == 2 ? half[g] : 0,
+                                     wide, t16), nk, d, (uint32_t*)wide);
+            else if (es == 2) {
                 widen16((const uint16_t*)(values[g] + j0 * d * es), nk * d, half[g], wide);
                 vb = wide;
-            } else {
-                transpose_block((const float*)(keys[g] + j0 * d * es), nk, d, kt);
+            } else
                 vb = (const float*)(values[g] + j0 * d * es);
-            }
-            for (long jb = 0; wt && jb < nk16; jb += 32) {           /* 512-bit: 32 keys */
+            for (long jb = 0; wt && !bf && jb < nk16; jb += 32) {    /* 512-bit: 32 keys */
                 int cols16 = nk16 - jb >= 32 ? 2 : 1;
                 int64_t lo32 = 0;                            /* the tile's lowest position */
                 if (kp)
@@ -746,7 +877,25 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                     qk_w(rows, cols16, qs + r * d, d, kt + jb, s + r * BK + jb);
                 }
             }
-            for (long jb = 0; !wt && jb < nk16; jb += 16) {
+            for (long jb = 0; bf && jb < nk16; jb += 32) {           /* bf16 pairs: 32 keys */
+                int cols16 = nk16 - jb >= 32 ? 2 : 1;
+                int64_t lo32 = 0;
+                if (kp)
+                    lo32 = cols16 > 1 && tmin[jb / 16 + 1] < tmin[jb / 16] ? tmin[jb / 16 + 1]
+                                                                           : tmin[jb / 16];
+                for (long r = 0; r < nr; r += 6) {
+                    long rows = nr - r < 6 ? nr - r : 6;
+                    pull(&kahead);
+                    if (kp) {
+                        int n = 0;
+                        for (long i = 0; i < rows; i++) n += lo32 <= qp[r + i];
+                        if (n == 0) continue;
+                    }
+                    qk_bf(rows, cols16, qh + r * (d / 2), d / 2, (const uint32_t*)kt + jb,
+                          s + r * BK + jb);
+                }
+            }
+            for (long jb = 0; !wt && !bf && jb < nk16; jb += 16) {
                 long r = 0;
                 for (; r + 6 <= nr; r += 6) {
                     pull(&kahead);
@@ -813,7 +962,18 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 }
             }
             /* values only up to the last key a tile's rows see (the rest weigh 0) */
-            for (long c = 0; wt && c + 32 <= d; c += 32)
+            for (long r = 0; bfpv && r < nr; r++)
+                to_bf16(s + r * BK, (nk + 31) & ~31L, (uint16_t*)(ph + r * (BK / 2)));
+            for (long c = 0; bfpv && c < d; c += 32)
+                for (long r = 0; r < nr; r += 6) {
+                    long rows = nr - r < 6 ? nr - r : 6, n = 0;
+                    pull(&vahead);
+                    if (rows > 3) pull(&vahead);
+                    for (long i = 0; i < rows; i++) n = visr[r + i] > n ? visr[r + i] : n;
+                    if (n) pv_bf(rows, ph + r * (BK / 2), (n + 1) / 2, (const uint32_t*)wide + c,
+                                 d, acc + r * d + c);
+                }
+            for (long c = 0; wt && !bfpv && c + 32 <= d; c += 32)
                 for (long r = 0; r < nr; r += 6) {
                     long rows = nr - r < 6 ? nr - r : 6, n = 0;
                     pull(&vahead);
@@ -821,7 +981,7 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                     for (long i = 0; i < rows; i++) n = visr[r + i] > n ? visr[r + i] : n;
                     if (n) pv_w(rows, s + r * BK, n, vb + c, d, acc + r * d + c);
                 }
-            for (long c = 0; !wt && c + 32 <= d; c += 32) {
+            for (long c = 0; !wt && !bfpv && c + 32 <= d; c += 32) {
                 long r = 0;
                 for (; r + 3 <= nr; r += 3) {
                     pull(&vahead);
@@ -1044,6 +1204,16 @@ static void attend_partials(const Plan* p, float* space, Partial* parts, int con
     }
 }
 
+/* bf16 products for request i's rows (pl_decoder's `bf`) only when it brings at least
+ * BF_MIN_TOKENS new tokens: a decode step's few rows would convert and pair every key and
+ * value block for 3 rows a KV head (measured: decode at 6.4k keys ~2.4x slower). The choice
+ * is the request's own, never its batch's. */
+#define BF_MIN_TOKENS 8
+
+static inline int request_bf(const Plan* p, long i, int bf) {
+    return p->tok[i + 1] - p->tok[i] >= BF_MIN_TOKENS ? bf : 0;
+}
+
 /* Chain c of a grouped plan (every task reads one shared segment whole, one KV head) as few
  * tasks: the rows of its requests' units, packed up to MAXR, against the segment's keys in
  * one attend_part each -- one transpose and full-width tiles for all of them, where each
@@ -1052,12 +1222,16 @@ static void attend_partials(const Plan* p, float* space, Partial* parts, int con
  * where this layer's segments are not one memory after all. */
 static int attend_group(const Plan* p, long c, const float* qs, const void* const* keys,
                         const long* kstride, const void* const* values, const long* vstride,
-                        const long* lens, const int* half, Partial* parts) {
+                        const long* lens, const int* half, Partial* parts, int bf) {
     long d = p->d, x0 = p->c_task[c], x1 = p->c_task[c + 1];
     long t0 = p->run[x0], g = p->t_seg[t0], h = p->u_head[p->t_unit[t0]];
     int hf = half ? half[g] : 0;
+    int want = bf;
+    bf = request_bf(p, p->u_req[p->t_unit[t0]], want);   /* every member's choice agrees */
     for (long x = x0; x < x1; x++) {
         long t = p->run[x], e = p->t_seg[t];
+        if (request_bf(p, p->u_req[p->t_unit[t]], want) != bf)
+            return 0;
         if (e < 0 || keys[e] != keys[g] || values[e] != values[g] || kstride[e] != kstride[g]
                 || vstride[e] != vstride[g] || lens[e] != lens[g] || (half ? half[e] : 0) != hf
                 || p->t_b[t] - p->t_a[t] != lens[g])
@@ -1080,7 +1254,7 @@ static int attend_group(const Plan* p, long c, const float* qs, const void* cons
             rows += n;
         }
         attend_part(gq, 0, rows, d, 1, &kh, &vh, &ln, &cz, &hf, NULL, NULL, 1, 0, ln, &gp,
-                    NULL, 1.f, NULL);
+                    NULL, 1.f, NULL, bf);
         __atomic_fetch_add(&group_runs, 1, __ATOMIC_RELAXED);
         for (long y = x, r = 0; y < xe; y++) {
             long t = p->run[y], u = p->t_unit[t], n = p->u_r1[u] - p->u_r0[u];
@@ -1106,15 +1280,17 @@ static void attend_tasks(const Plan* p, const float* qs, const void* const* keys
                          const long* kstride, const void* const* values, const long* vstride,
                          const long* lens, const int* causal, const int* half, const float* newk,
                          const float* newv, long nkstride, long nvstride, const int64_t* kpos,
-                         const int64_t* qpos, Partial* parts, const int* ctx, float invt) {
+                         const int64_t* qpos, Partial* parts, const int* ctx, float invt,
+                         int bf) {
     long d = p->d;
     #pragma omp for schedule(dynamic, 1)
     for (long c = 0; c < p->chains; c++)
     for (long x = p->c_task[c]; x < p->c_task[c + 1]; x++) {
         if (x == p->c_task[c] && group_shared && p->c_shared[c] && !kpos && !ctx
-                && attend_group(p, c, qs, keys, kstride, values, vstride, lens, half, parts))
+                && attend_group(p, c, qs, keys, kstride, values, vstride, lens, half, parts, bf))
             break;
         long t = p->run[x], u = p->t_unit[t], i = p->u_req[u], h = p->u_head[u];
+        int rbf = request_bf(p, i, bf);
         long t0 = p->tok[i], n = p->tok[i + 1] - t0, g0 = p->seg[i], ns = p->seg[i + 1] - g0;
         const char* kh[64]; const char* vh[64];
         long ln[64]; int cz[64], hf[64], cx[64];
@@ -1134,7 +1310,7 @@ static void attend_tasks(const Plan* p, const float* qs, const void* const* keys
         attend_part(qs + (h * p->rows + p->groups * t0 + r0) * d, r0, p->u_r1[u] - r0, d, ns,
                     kh, vh, ln, cz, hf, kpos ? kpos + p->koff[i] : NULL,
                     qpos ? qpos + t0 : NULL, n, p->t_a[t], p->t_b[t], parts + t,
-                    ctx ? cx : NULL, invt, ctx ? parts + p->tasks + t : NULL);
+                    ctx ? cx : NULL, invt, ctx ? parts + p->tasks + t : NULL, rbf);
     }
 }
 
@@ -1218,7 +1394,8 @@ int pl_attend(const float* q, long heads, long rows, long d, float scale, long n
     #pragma omp parallel num_threads(threads)
     {
         attend_tasks(&plan, qs, (const void* const*)keys, kstride, (const void* const*)values,
-                     vstride, lens, causal, NULL, NULL, NULL, 0, 0, NULL, NULL, parts, NULL, 1.f);
+                     vstride, lens, causal, NULL, NULL, NULL, 0, 0, NULL, NULL, parts, NULL, 1.f,
+                     0);
         attend_merge(&plan, parts, out, rows * d, qlen * d, d, lse, 0, 1.f);
     }
     plan_free(&plan);
@@ -1320,6 +1497,9 @@ static void linear_residual(const float* x, long m, long k, const float* w, cons
  * same values (fused.py checks them).
  * qout (NULL: none): the last token's rotated query rows of every layer, [layers][heads][d]
  * (before the softmax scale): the recompute policy query:K ranks cached tokens by them.
+ * bf: the attention's products in bfloat16 for the rows of requests of at least BF_MIN_TOKENS
+ * new tokens (1: Q.K only, 2: Q.K and P.V; only where the CPU has AVX512_BF16,
+ * pl_bf16_products, and head_dim % 32 == 0), else float32 (0).
  * Returns 0, -1 for unsupported shapes, -2 when out of memory. */
 int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                const float* const* w, const float* cos, const float* sin,
@@ -1328,11 +1508,12 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                float* const* newk, long nkstride, float* const* newv, long nvstride,
                const int64_t* kpos, const int64_t* qpos, long nreq, const long* tok,
                const long* seg, const int* ctx, float invt, float mixc,
-               const uint8_t* const* qw, int qkind, float* qout, int threads) {
+               const uint8_t* const* qw, int qkind, float* qout, int bf, int threads) {
     long hidden = shape[0], heads = shape[1], kvh = shape[2], d = shape[3], inter = shape[4],
          layers = shape[5];
     long tok1[2] = {0, q}, seg1[2] = {0, nseg};
     if (nreq <= 0) { nreq = 1; tok = tok1; seg = seg1; }
+    bf = pl_bf16_products() ? bf : 0;
     if (qw && (hidden % 32 || inter % 32 || (heads * d) % 32 || hidden > Q4_MAX_K
                || inter > Q4_MAX_K || heads * d > Q4_MAX_K || (qkind != 4 && qkind != 8)))
         return -1;
@@ -1407,7 +1588,8 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
             }
         }
         attend_tasks(&plan, qs, keys + l * nseg, kstride, values + l * nseg, vstride, lens, NULL,
-                     half, newk[l], newv[l], nkstride, nvstride, kpos, qpos, parts, ctx, invt);
+                     half, newk[l], newv[l], nkstride, nvstride, kpos, qpos, parts, ctx, invt,
+                     bf);
         attend_merge(&plan, parts, att, groups * d, d, nq, NULL, ctx != NULL, mixc);
         #pragma omp for schedule(static)
         for (long b = 0; b < hblocks; b++) {

@@ -2,25 +2,21 @@
 
 The kernels serve the shapes a cached request has on a CPU -- a handful of new query rows
 against thousands of cached keys, and a handful of rows through each linear layer -- where
-PyTorch's general kernels fall well short of the machine's matmul rate (docs/BENCHMARKS.md,
-"Performance work"): `attend` (pl_attend, driven by fast/attention.py), `linear` (pl_linear,
-fast/linear.py), and `decoder` (pl_decoder: every layer of a Llama-family model, driven by
-fast/fused.py). They need x86-64 with AVX2 and FMA (and F16C, which every AVX2 CPU has),
-a C compiler (`cc`, or `$CC`) and float32 tensors; anything else, or `PROMPTLANG_NATIVE=0`,
-leaves every caller on PyTorch.
+PyTorch's general kernels fall well short of the machine's matmul rate: `attend` (pl_attend,
+fast/attention.py), `linear` (pl_linear, fast/linear.py), and `decoder` (pl_decoder: every
+layer of a Llama-family model, fast/fused.py). They need x86-64 with AVX2 and FMA (and F16C, which every AVX2 CPU has),
+a C compiler (`cc`, or `$CC`) and float32 tensors; else every caller stays on PyTorch.
 
-The shared library is compiled once per source version into `<promptlang home>/native/`
-and reused by later processes. Loading a library runs its code, so a stored one is loaded
-only when `untrusted_reason` finds nothing wrong with it (ours, not writable by others, in a
-folder that is ours and private) and its bytes match the SHA-256 recorded privately next
-to it when it was built; otherwise it is rebuilt. A build writes into a
-private temporary folder and renames the finished file into place.
+The shared library is compiled once per source version into `<promptlang home>/native/`.
+Loading a library runs its code, so a stored one is loaded only when `untrusted_reason`
+finds nothing wrong with it (ours, not writable by others, in a private folder of ours) and
+its bytes match the SHA-256 recorded privately next to it at build time; else it is rebuilt
+(in a private temporary folder, then renamed into place).
 
 Kernels that cannot be had (no compiler, a failed build, a library that does not load or
 lacks a kernel) leave the runtime on PyTorch with one warning -- or, with
-`PROMPTLANG_REQUIRE_NATIVE=1` on an x86-64 CPU with AVX2, raise `NativeKernelsError`
-(CI sets it, so a broken kernels.c fails the build instead of skipping the kernel tests).
-`PROMPTLANG_NATIVE=0` still turns the kernels off, even where they are required.
+`PROMPTLANG_REQUIRE_NATIVE=1` on an x86-64 CPU with AVX2, raise `NativeKernelsError` (CI
+sets it). `PROMPTLANG_NATIVE=0` still turns the kernels off, even where they are required.
 """
 
 from __future__ import annotations
@@ -239,7 +235,7 @@ def _bind(library: Path) -> ctypes.CDLL:
         lib.pl_decoder.argtypes = [_P, _L, _P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _L,
                                    _P, _P, _P, _P, _P, _P, _P, _L, _P, _L, _P, _P, _L, _P,
                                    _P, _P, ctypes.c_float, ctypes.c_float, _P, ctypes.c_int,
-                                   _P, ctypes.c_int]
+                                   _P, ctypes.c_int, ctypes.c_int]
         lib.pl_decoder.restype = ctypes.c_int
         lib.pl_q_dequant.argtypes = [_P, _L, _L, ctypes.c_int, _P]
         lib.pl_q_dequant.restype = None
@@ -251,6 +247,8 @@ def _bind(library: Path) -> ctypes.CDLL:
         lib.pl_group.restype = ctypes.c_int
         lib.pl_group_runs.argtypes = []
         lib.pl_group_runs.restype = ctypes.c_long
+        lib.pl_bf16_products.argtypes = []
+        lib.pl_bf16_products.restype = ctypes.c_int
     except AttributeError as exc:                 # "...: undefined symbol: pl_attend"
         raise _Unavailable(f"{library} lacks a kernel ({exc})") from None
     lib.pl_wide(int(os.environ.get(WIDE_ENV, "1").strip().lower() not in ("0", "false", "no",
@@ -267,6 +265,12 @@ def wide(on: bool | None = None) -> bool:
     if lib is None:
         return False
     return bool(lib.pl_wide(-1 if on is None else int(on)))
+
+
+def bf16_products_available() -> bool:
+    """Whether pl_decoder's bf16 products run here (AVX512_BF16 and AVX512BW)."""
+    lib = _lib or _load()
+    return lib is not None and bool(lib.pl_bf16_products())
 
 
 def group_shared(on: bool | None = None) -> bool:
@@ -417,7 +421,7 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
             requests: list[tuple[int, int]] | None = None,
             contexts: tuple[list[bool], float, float] | None = None,
             quantized: ctypes.Array | None = None, quantized_kind: int = 4,
-            query_out: torch.Tensor | None = None) -> None:
+            query_out: torch.Tensor | None = None, bf16_products: bool = False) -> None:
     """Every decoder layer of a Llama-family model over x ([Q, hidden], replaced by the last
     layer's output) by pl_decoder; see fast/fused.py, which checks what it passes.
 
@@ -434,10 +438,10 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     contexts: APE (runtime/model/adapter.py, ParallelContexts) -- (each piece a context or
     not, temperature, scale); None: plain attention.
     quantized: pointers like `weights` to blocks of the linear weights with the same values
-    (fused.py checks them; NULL where a weight has none), all of `quantized_kind` (4: Q4_1,
-    8: Q8_0); None: float weights only.
+    (NULL where none), all of `quantized_kind` (4: Q4_1, 8: Q8_0); None: float weights only.
     query_out: [L, heads, D] float32, contiguous: receives the last token's rotated query
     of every layer (before the softmax scale); None: not wanted.
+    bf16_products: the attention's Q.K and P.V from bf16 inputs, float32 sums (kernels.c `bf`).
     """
     layers, nseg = shape[5], len(pieces)
     spans = requests if requests is not None else [(int(x.shape[0]), nseg)]
@@ -491,6 +495,6 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
         nseg, keys, kstride, values, vstride, lens, half, newk, new_keys.stride(1), newv,
         new_values.stride(1), kpos, qpos, nreq, (ctypes.c_long * (nreq + 1))(*tok),
         (ctypes.c_long * (nreq + 1))(*seg), ctx, invt, mixc, quantized, quantized_kind, qout,
-        torch.get_num_threads())
+        2 if bf16_products else 0, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"pl_decoder failed ({status})")
