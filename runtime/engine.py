@@ -488,10 +488,7 @@ def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, e
         decoder.bf16_attention = bool(bf16_attention)
     source = gguf_source(name_or_path) if quantized and decoder is not None else None
     if source is not None and dtype == torch.float32:
-        linears, head = quantized_blocks(source, hf_model.config)
-        decoder.attach_blocks(linears)
-        if head is not None:
-            decoder.attach_q8_head(head)
+        attach(decoder, quantized_blocks(source, hf_model.config), "q4_1")
     if store is None and store_dtype is not None:
         from promptlang.runtime.store import ModuleStore
         # get() hands out the stored tensors as they are: no per-request conversion copy

@@ -49,7 +49,8 @@ def checked_scheme(scheme: str | None, name_or_path, dtype: torch.dtype) -> str 
 
 
 def attach(decoder, blocks, scheme: str) -> None:
-    """Have the fused layers (fast/fused.py FusedDecoder) read `quantize_model`'s blocks."""
+    """Have the fused layers (fast/fused.py FusedDecoder) read `blocks` (linear weights of
+    `scheme`'s kind, LM head Q8_0 or None): `quantize_model`'s, or a GGUF's as stored."""
     linears, head = blocks
     decoder.attach_blocks(linears, SCHEMES[scheme])
     if head is not None:

@@ -662,8 +662,10 @@ static void widen16(const uint16_t* src, long n, int kind, float* dst) {
  * Q.K and P.V with both sides rounded to bfloat16 (round to nearest even) and float32 sums:
  * vdpbf16ps does two products a lane an instruction, twice the float32 FMA rate on this
  * machine's cores. An approximation of the float32 attention (the error of bf16 inputs, as
- * llama.cpp's 16-bit KQ), so a model opts in (fast/fused.py `bf16_attention`); a row's
- * numbers never depend on the rows beside it. Pairs: a 32-bit word holds two bf16 values,
+ * llama.cpp's 16-bit KQ), so a model opts in (fast/fused.py `bf16_attention`). A row's
+ * numbers do not depend on the rows in its tile, but P is rounded after its key range's
+ * running maximum, and a batch decides the ranges: batched and alone differ at bf16
+ * rounding. Pairs: a 32-bit word holds two bf16 values,
  * the unit vdpbf16ps multiplies: q pairs run along d, K blocks are transposed as 32-bit
  * words (kt[c][j] = key j's values 2c and 2c+1), V rows are interleaved in pairs of keys
  * (vt[j][c] = keys 2j and 2j+1 at column c) and p pairs run along the keys. */
@@ -797,8 +799,7 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
     uint32_t qh[MAXR * MAXD / 2], ph[MAXR * BK / 2];  /* bf: q and p rows as bf16 pairs */
     /* the 512-bit QK/PV tiles (the same numbers) where they pay: a decode step's few rows
      * are bound by the keys' and values' memory stream, and measured slower on them */
-    bf = d % 32 == 0 ? bf : 0;
-    int bfpv = bf == 2;                             /* P.V in bf16 too (else float32) */
+    bf = bf && d % 32 == 0;
     int wt = wide_tiles && nr > 6;
     for (long r = 0; bf && r < nr; r++)
         to_bf16(qs + r * d, d, (uint16_t*)(qh + r * (d / 2)));
@@ -851,7 +852,7 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 transpose_block(wide, nk, d, kt);
             } else
                 transpose_block((const float*)(keys[g] + j0 * d * es), nk, d, kt);
-            if (bfpv)                                /* bf16 pairs of value rows */
+            if (bf)                                /* bf16 pairs of value rows */
                 pair_rows(block_bf16(values[g] + j0 * d * es, nk, d, es == 2 ? half[g] : 0,
                                      wide, t16), nk, d, (uint32_t*)wide);
             else if (es == 2) {
@@ -859,7 +860,7 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 vb = wide;
             } else
                 vb = (const float*)(values[g] + j0 * d * es);
-            for (long jb = 0; wt && !bf && jb < nk16; jb += 32) {    /* 512-bit: 32 keys */
+            for (long jb = 0; (wt || bf) && jb < nk16; jb += 32) {   /* 512-bit: 32 keys */
                 int cols16 = nk16 - jb >= 32 ? 2 : 1;
                 int64_t lo32 = 0;                            /* the tile's lowest position */
                 if (kp)
@@ -874,25 +875,11 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                         for (long i = 0; i < rows; i++) n += lo32 <= qp[r + i];
                         if (n == 0) continue;               /* scores masked below, never read */
                     }
-                    qk_w(rows, cols16, qs + r * d, d, kt + jb, s + r * BK + jb);
-                }
-            }
-            for (long jb = 0; bf && jb < nk16; jb += 32) {           /* bf16 pairs: 32 keys */
-                int cols16 = nk16 - jb >= 32 ? 2 : 1;
-                int64_t lo32 = 0;
-                if (kp)
-                    lo32 = cols16 > 1 && tmin[jb / 16 + 1] < tmin[jb / 16] ? tmin[jb / 16 + 1]
-                                                                           : tmin[jb / 16];
-                for (long r = 0; r < nr; r += 6) {
-                    long rows = nr - r < 6 ? nr - r : 6;
-                    pull(&kahead);
-                    if (kp) {
-                        int n = 0;
-                        for (long i = 0; i < rows; i++) n += lo32 <= qp[r + i];
-                        if (n == 0) continue;
-                    }
-                    qk_bf(rows, cols16, qh + r * (d / 2), d / 2, (const uint32_t*)kt + jb,
-                          s + r * BK + jb);
+                    if (bf)                  /* bf16 pairs: kt holds d / 2 rows of pairs */
+                        qk_bf(rows, cols16, qh + r * (d / 2), d / 2, (const uint32_t*)kt + jb,
+                              s + r * BK + jb);
+                    else
+                        qk_w(rows, cols16, qs + r * d, d, kt + jb, s + r * BK + jb);
                 }
             }
             for (long jb = 0; !wt && !bf && jb < nk16; jb += 16) {
@@ -962,9 +949,9 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 }
             }
             /* values only up to the last key a tile's rows see (the rest weigh 0) */
-            for (long r = 0; bfpv && r < nr; r++)
+            for (long r = 0; bf && r < nr; r++)
                 to_bf16(s + r * BK, (nk + 31) & ~31L, (uint16_t*)(ph + r * (BK / 2)));
-            for (long c = 0; bfpv && c < d; c += 32)
+            for (long c = 0; bf && c < d; c += 32)
                 for (long r = 0; r < nr; r += 6) {
                     long rows = nr - r < 6 ? nr - r : 6, n = 0;
                     pull(&vahead);
@@ -973,7 +960,7 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                     if (n) pv_bf(rows, ph + r * (BK / 2), (n + 1) / 2, (const uint32_t*)wide + c,
                                  d, acc + r * d + c);
                 }
-            for (long c = 0; wt && !bfpv && c + 32 <= d; c += 32)
+            for (long c = 0; wt && !bf && c + 32 <= d; c += 32)
                 for (long r = 0; r < nr; r += 6) {
                     long rows = nr - r < 6 ? nr - r : 6, n = 0;
                     pull(&vahead);
@@ -981,7 +968,7 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                     for (long i = 0; i < rows; i++) n = visr[r + i] > n ? visr[r + i] : n;
                     if (n) pv_w(rows, s + r * BK, n, vb + c, d, acc + r * d + c);
                 }
-            for (long c = 0; !wt && !bfpv && c + 32 <= d; c += 32) {
+            for (long c = 0; !wt && !bf && c + 32 <= d; c += 32) {
                 long r = 0;
                 for (; r + 3 <= nr; r += 3) {
                     pull(&vahead);
@@ -1211,7 +1198,7 @@ static void attend_partials(const Plan* p, float* space, Partial* parts, int con
 #define BF_MIN_TOKENS 8
 
 static inline int request_bf(const Plan* p, long i, int bf) {
-    return p->tok[i + 1] - p->tok[i] >= BF_MIN_TOKENS ? bf : 0;
+    return bf && p->tok[i + 1] - p->tok[i] >= BF_MIN_TOKENS;
 }
 
 /* Chain c of a grouped plan (every task reads one shared segment whole, one KV head) as few
@@ -1497,9 +1484,9 @@ static void linear_residual(const float* x, long m, long k, const float* w, cons
  * same values (fused.py checks them).
  * qout (NULL: none): the last token's rotated query rows of every layer, [layers][heads][d]
  * (before the softmax scale): the recompute policy query:K ranks cached tokens by them.
- * bf: the attention's products in bfloat16 for the rows of requests of at least BF_MIN_TOKENS
- * new tokens (1: Q.K only, 2: Q.K and P.V; only where the CPU has AVX512_BF16,
- * pl_bf16_products, and head_dim % 32 == 0), else float32 (0).
+ * bf: the attention's products (Q.K and P.V) in bfloat16 for the rows of requests of at
+ * least BF_MIN_TOKENS new tokens (only where the CPU has AVX512_BF16, pl_bf16_products, and
+ * head_dim % 32 == 0), else float32.
  * Returns 0, -1 for unsupported shapes, -2 when out of memory. */
 int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                const float* const* w, const float* cos, const float* sin,
@@ -1513,7 +1500,7 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
          layers = shape[5];
     long tok1[2] = {0, q}, seg1[2] = {0, nseg};
     if (nreq <= 0) { nreq = 1; tok = tok1; seg = seg1; }
-    bf = pl_bf16_products() ? bf : 0;
+    bf = bf && pl_bf16_products();
     if (qw && (hidden % 32 || inter % 32 || (heads * d) % 32 || hidden > Q4_MAX_K
                || inter > Q4_MAX_K || heads * d > Q4_MAX_K || (qkind != 4 && qkind != 8)))
         return -1;

@@ -495,6 +495,6 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
         nseg, keys, kstride, values, vstride, lens, half, newk, new_keys.stride(1), newv,
         new_values.stride(1), kpos, qpos, nreq, (ctypes.c_long * (nreq + 1))(*tok),
         (ctypes.c_long * (nreq + 1))(*seg), ctx, invt, mixc, quantized, quantized_kind, qout,
-        2 if bf16_products else 0, torch.get_num_threads())
+        int(bool(bf16_products)), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"pl_decoder failed ({status})")
