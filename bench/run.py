@@ -52,8 +52,11 @@ class _Run:
             from promptlang.runtime import engine
 
             began = time.perf_counter()
-            self._llm = engine.load(self.args.model)
-            _say(f"loaded {self.model_name} in {time.perf_counter() - began:.1f} s")
+            approximations = {name: True for name in ("int8_linears", "bf16_attention")
+                              if getattr(self.args, name, False)}
+            self._llm = engine.load(self.args.model, **approximations)
+            _say(f"loaded {self.model_name} in {time.perf_counter() - began:.1f} s"
+                 + "".join(f", {name.replace('_', ' ')}" for name in approximations))
         return self._llm
 
     @property

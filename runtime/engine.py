@@ -443,7 +443,7 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
          dtype: torch.dtype = torch.float32, isolate: bool = False, store=None,
          store_dtype: torch.dtype | None = None, recompute: "str | Recompute" = DEFAULT_POLICY,
          exact_reuse: bool = True, quantized: bool = True, quantize: str | None = None,
-         bf16_attention: bool = False) -> LLM:
+         bf16_attention: bool = False, int8_linears: bool = False) -> LLM:
     """Load a causal LM (None: the embedded default, SmolLM2-135M-Instruct) ready to serve.
 
     store_dtype (e.g. torch.bfloat16): keep cached KV at that precision (half the bytes).
@@ -462,33 +462,29 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     layers read the blocks (runtime/quantize.py); answers are then the quantized model's.
     bf16_attention: passes of 8+ new tokens compute the attention's products from bfloat16
     inputs (fused layers, CPUs with AVX512_BF16; ~0.8x a 6.4k question's TTFT): approximate.
+    int8_linears: the fused layers' linear layers multiply int8 weights (a scale per row) by
+    int8 inputs (a scale per token; CPUs with AVX512_VNNI; ~0.55x a 64-row pass): approximate.
 
     The loading runs on a thread that then ends (runtime/passing.py), so that the caller's
     thread keeps no OpenMP pool: a server's engine thread is then the only one that has one."""
     from promptlang.runtime.passing import on_passing_thread
     return on_passing_thread(lambda: _load(name_or_path, device, dtype, isolate, store,
                                            store_dtype, recompute, exact_reuse, quantized,
-                                           quantize, bf16_attention),
+                                           quantize, bf16_attention, int8_linears),
                              name="promptlang-load")
 
 
 def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, exact_reuse,
-          quantized, quantize=None, bf16_attention=False) -> LLM:
-    from promptlang.runtime.loading import gguf_source, load_hf_model, quantized_blocks
-    from promptlang.runtime.quantize import attach, checked_scheme, quantize_model
+          quantized, quantize=None, bf16_attention=False, int8_linears=False) -> LLM:
+    from promptlang.runtime.loading import gguf_source, load_hf_model
+    from promptlang.runtime.quantize import checked_scheme, quantize_model, serve_numerics
     scheme = checked_scheme(quantize, name_or_path, dtype)
     hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)
     # before adapt: the fingerprint must see the quantized weights
     blocks = None if scheme is None else quantize_model(hf_model, scheme)
     adapter = adapt(hf_model)
-    decoder = adapter.fast.decoder
-    if blocks is not None and decoder is not None:
-        attach(decoder, blocks, scheme)
-    if decoder is not None:
-        decoder.bf16_attention = bool(bf16_attention)
-    source = gguf_source(name_or_path) if quantized and decoder is not None else None
-    if source is not None and dtype == torch.float32:
-        attach(decoder, quantized_blocks(source, hf_model.config), "q4_1")
+    source = gguf_source(name_or_path) if quantized else None
+    serve_numerics(adapter, source, dtype, scheme, blocks, bf16_attention, int8_linears)
     if store is None and store_dtype is not None:
         from promptlang.runtime.store import ModuleStore
         # get() hands out the stored tensors as they are: no per-request conversion copy

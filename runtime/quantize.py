@@ -15,7 +15,9 @@ the quantization's, measured against the float model in docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
+import hashlib
 import sys
+import warnings
 
 import torch
 from tqdm import tqdm
@@ -55,6 +57,42 @@ def attach(decoder, blocks, scheme: str) -> None:
     decoder.attach_blocks(linears, SCHEMES[scheme])
     if head is not None:
         decoder.attach_q8_head(head)
+
+
+def serve_numerics(adapter, source, dtype, scheme: str | None, blocks, bf16_attention: bool,
+                   int8_linears: bool) -> None:
+    """What `load` gives the adapter's fused layers (if it has them): `quantize_model`'s
+    blocks under `scheme`, else the GGUF `source`'s own (float32 only; source None: none),
+    then the opt-in approximations -- bf16 attention products, int8 linear layers (which
+    replace the blocks: fast/fused.py attach_int8), each with a warning where the CPU lacks
+    them. KV computed with an approximation is not the model's: the adapter's fingerprint
+    (the store's key) then names the approximations too, so it is stored apart."""
+    from promptlang.runtime.fast import native
+    from promptlang.runtime.loading import quantized_blocks
+
+    decoder = adapter.fast.decoder
+    if decoder is None:
+        return
+    if blocks is not None:
+        attach(decoder, blocks, scheme)
+    elif source is not None and dtype == torch.float32:
+        attach(decoder, quantized_blocks(source, adapter.model.config), "q4_1")
+    approximations = []
+    decoder.bf16_attention = bool(bf16_attention)
+    if bf16_attention and native.products_available("bf16"):
+        approximations.append("bf16-attention")
+    elif bf16_attention:
+        warnings.warn("promptlang: bf16_attention needs AVX512_BF16; the attention stays "
+                      "float32", RuntimeWarning, stacklevel=3)
+    if int8_linears and decoder.attach_int8():
+        approximations.append("int8-linears")
+    elif int8_linears:
+        warnings.warn("promptlang: int8_linears needs AVX512_VNNI and layer widths that are "
+                      "multiples of 64; the linear layers stay as they were", RuntimeWarning,
+                      stacklevel=3)
+    if approximations:
+        named = f"{adapter.fingerprint}+{'+'.join(approximations)}".encode()
+        adapter.fingerprint = hashlib.sha256(named).hexdigest()[:32]
 
 
 def quantize_model(hf_model: torch.nn.Module, scheme: str

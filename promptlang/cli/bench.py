@@ -36,6 +36,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from promptlang.cli import numerics
+
 DEFAULT_OUT = "bench-out"
 
 
@@ -59,6 +61,7 @@ def register(subparsers: Any) -> None:
     common.add_argument("--no-progress", action="store_true", help="no progress bars")
     common.add_argument("--threads", type=_positive, metavar="N",
                         help="torch threads (default: torch's choice, one per core)")
+    numerics.add_approximations(common)
 
     latency = argparse.ArgumentParser(add_help=False)
     latency.add_argument("--lengths", type=_int_list, metavar="N,N,...",

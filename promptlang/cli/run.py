@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+from promptlang.cli import numerics
+
 
 def register(subparsers: Any) -> None:
     run = subparsers.add_parser(
@@ -26,9 +28,7 @@ def register(subparsers: Any) -> None:
     run.add_argument("prompt", metavar="PROMPT.pml")
     run.add_argument("--model", metavar="PATH",
                      help="transformers model folder (default: the embedded SmolLM2-135M)")
-    run.add_argument("--quantize", choices=("q4_1", "q8_0"), default=None,
-                     help="weight-only quantization of a float --model (Llama family): "
-                          "linear weights as Q4_1 or Q8_0 blocks, the LM head Q8_0")
+    numerics.add(run)
     run.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
     run.add_argument("--baseline", action="store_true",
                      help="no reuse: the same tokens at positions 0..N-1, for comparison")
@@ -69,7 +69,7 @@ def _run(args: argparse.Namespace) -> int:
     for warning in (*schema.warnings, *prompt.warnings):
         print(warning, file=sys.stderr)
     started = time.perf_counter()
-    llm = engine.load(args.model, isolate=args.isolate, quantize=args.quantize)
+    llm = engine.load(args.model, isolate=args.isolate, **numerics.load_options(args))
     loaded = time.perf_counter() - started
     llm.add_schema(schema)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -20,6 +20,8 @@ import os
 import sys
 from typing import Any
 
+from promptlang.cli import numerics
+
 API_KEY_ENV = "PROMPTLANG_API_KEY"
 
 
@@ -32,9 +34,7 @@ def register(subparsers: Any) -> None:
                     "(docs/SERVING.md). Binds 127.0.0.1 unless --host says otherwise.")
     serve.add_argument("--model", metavar="PATH",
                        help="transformers model folder (default: the embedded SmolLM2-135M)")
-    serve.add_argument("--quantize", choices=("q4_1", "q8_0"), default=None,
-                       help="weight-only quantization of a float --model (Llama family): "
-                            "linear weights as Q4_1 or Q8_0 blocks, the LM head Q8_0")
+    numerics.add(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--schemas", nargs="+", default=[], metavar="DIR_OR_FILE",
@@ -81,15 +81,14 @@ def _serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.ray:
-        if args.quantize:
-            print("promptlang serve: --quantize is not available with --ray yet (the "
-                  "replicas load the checkpoint as it is)", file=sys.stderr)
+        if numerics.load_options(args):
+            print("promptlang serve: --quantize, --int8-linears and --bf16-attention are not "
+                  "available with --ray yet (the replicas load the checkpoint as it is)",
+                  file=sys.stderr)
             return 2
         return _serve_ray(args)
     options = {} if args.recompute is None else {"recompute": args.recompute}
-    if args.quantize:
-        options["quantize"] = args.quantize
-    llm = engine.load(args.model, **options)
+    llm = engine.load(args.model, **options, **numerics.load_options(args))
     functions = load_schemas(llm, args.schemas)
     name = args.model_name or _model_name(args.model)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None

@@ -98,7 +98,7 @@ class FusedDecoder:
         self._q_kind = 4
         self._q4_seen: tuple = ()
         self._q4_table: ctypes.Array | None = None
-        # the attention's products in bfloat16 (kernels.c `bf`; native.bf16_products_available
+        # the attention's products in bfloat16 (kernels.c `bf`; native.products_available
         # says where): twice the arithmetic rate, an approximation -- off unless asked for
         self.bf16_attention = False
         self._q8_head: tuple[torch.Tensor, tuple] | None = None   # (Q8_0 blocks, checked)
@@ -295,12 +295,37 @@ class FusedDecoder:
             q = q.contiguous()
             if torch.equal(native.q_dequant(q, weight.shape[1], kind=kind), weight):
                 self._q4[slot] = q
+        return self._attached()
+
+    def _attached(self) -> int:
         if self._q4:
             self._q4_seen = self._q4_state()
             self._q4_table = (ctypes.c_void_p * len(self._slots))(*[
                 self._q4[i].data_ptr() if i in self._q4 else None
                 for i in range(len(self._slots))])
         return len(self._q4)
+
+    def attach_int8(self) -> int:
+        """Serve every linear weight of the decoder layers as int8 rows (kernels.c I8_KIND:
+        each output row quantized with its own scale, built here from the float weights the
+        layers hold now), their inputs quantized to int8 per token in each pass: VNNI's int8
+        products, ~4x float32's per instruction, for every pass however many rows. An
+        approximation (docs/BENCHMARKS.md measures it), off unless asked for; replaces
+        attached blocks. Returns how many weights are served (0 where the CPU lacks
+        AVX512_VNNI or a width is not a multiple of 64)."""
+        self._q4, self._q4_seen, self._q4_table = {}, (), None
+        if (any(n % 64 or n > native.Q4_MAX_K for n in (self.hidden, self.inter,
+                                                          self.heads * self.head_dim))
+                or not native.enabled() or not native.available()
+                or not native.products_available("int8")):
+            return 0
+        self._q_kind = 1
+        for slot, (params, key) in enumerate(self._slots):
+            weight = params.get(key)
+            if (key == "weight" and weight is not None and weight.dim() == 2
+                    and weight.dtype == torch.float32):
+                self._q4[slot] = int8_rows(weight.detach())
+        return self._attached()
 
     def attach_q8_head(self, blocks: torch.Tensor) -> bool:
         """Serve the LM head from Q8_0 blocks ([vocab, hidden / 32 * 34] uint8: a GGUF's
@@ -359,9 +384,23 @@ class FusedDecoder:
         finally:
             self._q4_table, self._q8_head = saved
 
+    @contextlib.contextmanager
+    def approximated(self, int8_linears: bool = True, bf16_attention: bool = True):
+        """Inside: the opt-in approximations on (where the CPU has them), then the weights
+        and switches as before (side-by-side measurements: bench peers). KV computed inside
+        is not the model's: keep it out of every store that outlives the block."""
+        saved = self._q4, self._q_kind, self._q4_seen, self._q4_table, self.bf16_attention
+        try:
+            if int8_linears:
+                self.attach_int8()
+            self.bf16_attention = self.bf16_attention or bf16_attention
+            yield self
+        finally:
+            self._q4, self._q_kind, self._q4_seen, self._q4_table, self.bf16_attention = saved
+
     @property
     def quantized_weights(self) -> int:
-        """How many linear weights are served from Q4_1 blocks now."""
+        """How many linear weights are served from blocks (or int8 rows) now."""
         return len(self._q4) if self._quantized() is not None else 0
 
     def available(self) -> bool:
@@ -374,6 +413,17 @@ class FusedDecoder:
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return True
         return any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)
+
+
+def int8_rows(weight: torch.Tensor) -> torch.Tensor:
+    """kernels.c's I8_KIND buffer of a [n, k] float32 weight: q ([n, k] int8, each row
+    round(w / s) with s = max|w| / 127 of the row), then s ([n] float32), then the rows'
+    sums of q ([n] int32), as one flat uint8 tensor."""
+    scale = weight.abs().amax(dim=1) / 127
+    q = torch.round(weight / torch.where(scale > 0, scale, 1)[:, None]).clamp(-127, 127)
+    q = q.to(torch.int8)
+    return torch.cat([q.view(torch.uint8).reshape(-1), scale.float().view(torch.uint8),
+                      q.sum(dim=1, dtype=torch.int32).view(torch.uint8)])
 
 
 def _is_plain_layer(layer: torch.nn.Module, family: str) -> bool:

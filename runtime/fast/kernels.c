@@ -474,6 +474,97 @@ void pl_linear(const float* x, long m, long k, const float* w, long n, const flo
  * Scores are kept in base 2 (the queries are scaled by log2(e) as well as 1/sqrt(d)), so the
  * softmax takes exp2_neg directly. */
 
+/* ---- int8 products: int8 weights x int8 activations (AVX512_VNNI; opt-in, approximate) ---- *
+ * Kind I8_KIND weights (fused.py attach_int8) are one buffer per linear layer: [n][k] int8
+ * (each output row quantized with its own scale: w = s_w[j] * q), then s_w ([n] float), then
+ * each row's sum of q ([n] int32). Each pass quantizes every input row t with its own scale
+ * (s_x[t] = max|x| / 127, q = round(x / s_x)), stored as q + 128 (unsigned: vpdpbusd multiplies
+ * unsigned by signed bytes, 64 a cycle against float32's 16), so
+ *     y[t][j] = s_x[t] * s_w[j] * sum_i q_x q_w = s_x[t] * s_w[j] * (sum_i u_x q_w - 128 sum_i q_w).
+ * The sums are integers, exact in any order: a row's results do not depend on the other rows
+ * of its pass (a request alone and in a batch get the same numbers). k % 64 == 0 and k <=
+ * Q4_MAX_K (|sum| < 255 * 127 * 8192 < 2^31). */
+#define I8_KIND 1
+#define VNNI __attribute__((noinline, target("avx512f,avx512bw,avx512vnni")))
+#define AIV static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vnni")))
+
+static int i8_ok = -1;
+int pl_bf16_products(void);
+
+/* which products the CPU can take: kind 16, bfloat16 (AVX512_BF16); kind 8, int8 (AVX512_VNNI) */
+int pl_products(int kind) {
+    if (kind == 16) return pl_bf16_products();
+    if (i8_ok < 0)
+        i8_ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                && __builtin_cpu_supports("avx512vnni");
+    return kind == 8 && i8_ok;
+}
+
+/* u[0:k] = the unsigned int8 of x[0:k], s = its scale (0 for a zero row) */
+static void quantize_row(const float* x, long k, uint8_t* u, float* s) {
+    float m = 0.f;
+    for (long i = 0; i < k; i++) m = fmaxf(m, fabsf(x[i]));
+    float inv = m > 0.f ? 127.f / m : 0.f;
+    *s = m / 127.f;
+    for (long i = 0; i < k; i++) u[i] = (uint8_t)(128 + (int)nearbyintf(x[i] * inv));
+}
+
+/* R rows of u x 4 rows of q: the integer sums c[r][j] = sum_i u[r][i] q[j][i] */
+AIV void tile_i8(const int R, const uint8_t* u, long ldu, const int8_t* q, long k, int32_t* c) {
+    __m512i acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_si512();
+    for (long i = 0; i < k; i += 64) {
+        __m512i x[4];
+        for (int r = 0; r < R; r++) x[r] = _mm512_loadu_si512((const void*)(u + r * ldu + i));
+        for (int j = 0; j < 4; j++) {
+            __m512i y = _mm512_loadu_si512((const void*)(q + j * k + i));
+            for (int r = 0; r < R; r++) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], x[r], y);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) c[r * 4 + j] = _mm512_reduce_add_epi32(acc[r][j]);
+}
+
+#define TILE_I8(R) VNNI static void tile##R##_i8(const uint8_t* u, long ldu, const int8_t* q, \
+                                                  long k, int32_t* c) { tile_i8(R, u, ldu, q, k, c); }
+TILE_I8(1) TILE_I8(2) TILE_I8(3) TILE_I8(4)
+#undef TILE_I8
+
+/* columns [j0, j1) of y (row stride ldy) = the m quantized rows (u, s_x) . the I8_KIND weight
+ * buffer wq of n rows of k */
+static void linear_i8(const uint8_t* u, const float* sx, long m, long k, const uint8_t* wq,
+                      long n, long j0, long j1, float* y, long ldy) {
+    const int8_t* q = (const int8_t*)wq;
+    const float* sw = (const float*)(wq + n * k);
+    const int32_t* sum = (const int32_t*)(wq + n * k + n * sizeof(float));
+    int32_t c[16];
+    long j = j0;
+    for (; j + 4 <= j1; j += 4) {
+        const int8_t* qj = q + j * k;
+        for (long i = 0; i < m; ) {
+            long left = m - i;
+            int R = left >= 4 ? 4 : (int)left;
+            const uint8_t* ui = u + i * k;
+            if (R == 4) tile4_i8(ui, k, qj, k, c);
+            else if (R == 3) tile3_i8(ui, k, qj, k, c);
+            else if (R == 2) tile2_i8(ui, k, qj, k, c);
+            else tile1_i8(ui, k, qj, k, c);
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < 4; t++)
+                    y[(i + r) * ldy + j + t] =
+                        (float)(c[r * 4 + t] - 128 * sum[j + t]) * (sx[i + r] * sw[j + t]);
+            i += R;
+        }
+    }
+    for (; j < j1; j++)                  /* a last group of fewer than 4 rows */
+        for (long i = 0; i < m; i++) {
+            int32_t acc = 0;
+            for (long x = 0; x < k; x++) acc += (int32_t)u[i * k + x] * q[j * k + x];
+            y[i * ldy + j] = (float)(acc - 128 * sum[j]) * (sx[i] * sw[j]);
+        }
+}
+
 #define BK 128         /* keys per block */
 #define MAXR 64        /* query rows per task */
 #define MAXD 256
@@ -1432,26 +1523,29 @@ static void rope(const float* x, const float* cos, const float* sin, long d, flo
 
 /* columns [j0, j1) of y = x . w^T (+ b): from the blocks wq where given (qkind 4: Q4_1,
  * 8: Q8_0), else float w */
-static void linear_any(const float* x, long m, long k, const float* w, const uint8_t* wq,
-                       int qkind, long n, const float* b, long j0, long j1, float* y,
-                       long ldy) {
+static void linear_any(const float* x, const uint8_t* xu, const float* xs, long m, long k,
+                       const float* w, const uint8_t* wq, int qkind, long n, const float* b,
+                       long j0, long j1, float* y, long ldy) {
     if (!wq) {
         linear_cols(x, m, k, w, n, b, j0, j1, y, ldy);
         return;
     }
     long stride = k / 32 * (qkind == 8 ? Q8_BYTES : Q4_BYTES);
-    dots_q(x, k, m, wq + j0 * stride, j1 - j0, k, y + j0, ldy, qkind == 8 ? q8_row : q4_row,
-           stride);
+    if (qkind == I8_KIND)
+        linear_i8(xu, xs, m, k, wq, n, j0, j1, y, ldy);
+    else
+        dots_q(x, k, m, wq + j0 * stride, j1 - j0, k, y + j0, ldy,
+               qkind == 8 ? q8_row : q4_row, stride);
     if (b)
         for (long i = 0; i < m; i++)
             for (long j = j0; j < j1; j++) y[i * ldy + j] += b[j];
 }
 
 /* Columns [j0, j1) of y = x . w^T + b added to the residual stream r (both [m][ld]). */
-static void linear_residual(const float* x, long m, long k, const float* w, const uint8_t* wq,
-                            int qkind, const float* b, long j0, long j1, float* tmp, float* r,
-                            long ld) {
-    linear_any(x, m, k, w, wq, qkind, ld, b, j0, j1, tmp, ld);
+static void linear_residual(const float* x, const uint8_t* xu, const float* xs, long m, long k,
+                            const float* w, const uint8_t* wq, int qkind, const float* b,
+                            long j0, long j1, float* tmp, float* r, long ld) {
+    linear_any(x, xu, xs, m, k, w, wq, qkind, ld, b, j0, j1, tmp, ld);
     for (long i = 0; i < m; i++)
         for (long j = j0; j < j1; j++) r[i * ld + j] += tmp[i * ld + j];
 }
@@ -1481,7 +1575,8 @@ static void linear_residual(const float* x, long m, long k, const float* w, cons
  * temperature; L the parts' log-sum-exps).
  * qw (NULL: none): blocks of the linear weights, [layers][W_COUNT] like w (NULL where a
  * weight is float only), all of kind qkind (4: Q4_1, 8: Q8_0): read instead of w, giving the
- * same values (fused.py checks them).
+ * same values (fused.py checks them); I8_KIND: int8 rows, and the inputs of those layers
+ * quantized to int8 per token (approximate; where the CPU has AVX512_VNNI, else float).
  * qout (NULL: none): the last token's rotated query rows of every layer, [layers][heads][d]
  * (before the softmax scale): the recompute policy query:K ranks cached tokens by them.
  * bf: the attention's products (Q.K and P.V) in bfloat16 for the rows of requests of at
@@ -1502,9 +1597,13 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
     if (nreq <= 0) { nreq = 1; tok = tok1; seg = seg1; }
     bf = bf && pl_bf16_products();
     if (qw && (hidden % 32 || inter % 32 || (heads * d) % 32 || hidden > Q4_MAX_K
-               || inter > Q4_MAX_K || heads * d > Q4_MAX_K || (qkind != 4 && qkind != 8)))
+               || inter > Q4_MAX_K || heads * d > Q4_MAX_K
+               || (qkind != 4 && qkind != 8 && qkind != I8_KIND)))
         return -1;
-    if (q > (wide_tiles ? Q4_MAX_ROWS_WIDE : Q4_MAX_ROWS))
+    int i8 = qw && qkind == I8_KIND;
+    if (i8 && (hidden % 64 || inter % 64 || (heads * d) % 64 || !pl_products(8)))
+        qw = NULL, i8 = 0;
+    if (!i8 && q > (wide_tiles ? Q4_MAX_ROWS_WIDE : Q4_MAX_ROWS))
         qw = NULL;
     if (q <= 0 || d % 8 || d > MAXD || hidden % 8 || inter % 8 || (heads * d) % 8
             || kvh <= 0 || heads % kvh || tok[0] != 0 || tok[nreq] != q || seg[0] != 0
@@ -1525,6 +1624,7 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                 + q * nq                /* attention output */
                 + 2 * q * inter         /* gate, up */
                 + q * widest            /* linear output before the residual add */
+                + (i8 ? q * widest / 4 + q : 0)   /* int8 inputs and their scales */
                 + pfloats;
     float* space = (float*)aligned_alloc(32, sizeof(float) * ((floats + 7) & ~7L));
     Partial* parts = (Partial*)malloc(sizeof(Partial) * plan.tasks * (ctx ? 2 : 1));
@@ -1537,7 +1637,8 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
         for (long t = tok[i]; t < tok[i + 1]; t++) treq[t] = i;
     float *h = space, *qkv = h + q * hidden, *qs = qkv + q * nqkv, *att = qs + q * nq,
           *gate = att + q * nq, *up = gate + q * inter, *tmp = up + q * inter,
-          *pspace = tmp + q * widest;
+          *pspace = tmp + q * widest, *xs = pspace + pfloats;
+    uint8_t* xu = (uint8_t*)(xs + q);
     attend_partials(&plan, pspace, parts, ctx != NULL);
     long qblocks = (nq + LIN_BLOCK - 1) / LIN_BLOCK, kvblocks = (nkv + LIN_BLOCK - 1) / LIN_BLOCK;
     long hblocks = (hidden + LIN_BLOCK - 1) / LIN_BLOCK, iblocks = (inter + LIN_BLOCK - 1) / LIN_BLOCK;
@@ -1548,14 +1649,17 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
         const uint8_t* const* lq = qw ? qw + l * W_COUNT : NULL;
 #define QW(slot) (lq ? lq[slot] : NULL)
         #pragma omp for schedule(static)
-        for (long t = 0; t < q; t++) rms_norm(x + t * hidden, lw[W_LN1], hidden, eps, h + t * hidden);
+        for (long t = 0; t < q; t++) {
+            rms_norm(x + t * hidden, lw[W_LN1], hidden, eps, h + t * hidden);
+            if (i8) quantize_row(h + t * hidden, hidden, xu + t * hidden, xs + t);
+        }
         #pragma omp for schedule(static)
         for (long b = 0; b < qblocks + 2 * kvblocks; b++) {       /* q, k and v projections */
             int which = b < qblocks ? 0 : (b < qblocks + kvblocks ? 1 : 2);
             long j0 = (which == 0 ? b : (which == 1 ? b - qblocks : b - qblocks - kvblocks)) * LIN_BLOCK;
             long n = which == 0 ? nq : nkv, j1 = j0 + LIN_BLOCK < n ? j0 + LIN_BLOCK : n;
             long off = which == 0 ? 0 : (which == 1 ? nq : nq + nkv);
-            linear_any(h, q, hidden, lw[W_Q + which], QW(W_Q + which), qkind, n,
+            linear_any(h, xu, xs, q, hidden, lw[W_Q + which], QW(W_Q + which), qkind, n,
                        lw[B_Q + which], j0, j1, qkv + off, nqkv);
         }
         #pragma omp for schedule(static)
@@ -1578,20 +1682,27 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                      half, newk[l], newv[l], nkstride, nvstride, kpos, qpos, parts, ctx, invt,
                      bf);
         attend_merge(&plan, parts, att, groups * d, d, nq, NULL, ctx != NULL, mixc);
+        if (i8) {
+            #pragma omp for schedule(static)
+            for (long t = 0; t < q; t++) quantize_row(att + t * nq, nq, xu + t * nq, xs + t);
+        }
         #pragma omp for schedule(static)
         for (long b = 0; b < hblocks; b++) {
             long j0 = b * LIN_BLOCK, j1 = j0 + LIN_BLOCK < hidden ? j0 + LIN_BLOCK : hidden;
-            linear_residual(att, q, nq, lw[W_O], QW(W_O), qkind, lw[B_O], j0, j1, tmp, x,
+            linear_residual(att, xu, xs, q, nq, lw[W_O], QW(W_O), qkind, lw[B_O], j0, j1, tmp, x,
                             hidden);
         }
         #pragma omp for schedule(static)
-        for (long t = 0; t < q; t++) rms_norm(x + t * hidden, lw[W_LN2], hidden, eps, h + t * hidden);
+        for (long t = 0; t < q; t++) {
+            rms_norm(x + t * hidden, lw[W_LN2], hidden, eps, h + t * hidden);
+            if (i8) quantize_row(h + t * hidden, hidden, xu + t * hidden, xs + t);
+        }
         #pragma omp for schedule(static)
         for (long b = 0; b < iblocks; b++) {   /* gate and up, then silu(gate) * up */
             long j0 = b * LIN_BLOCK, j1 = j0 + LIN_BLOCK < inter ? j0 + LIN_BLOCK : inter;
-            linear_any(h, q, hidden, lw[W_GATE], QW(W_GATE), qkind, inter, lw[B_GATE], j0, j1,
+            linear_any(h, xu, xs, q, hidden, lw[W_GATE], QW(W_GATE), qkind, inter, lw[B_GATE], j0, j1,
                        gate, inter);
-            linear_any(h, q, hidden, lw[W_UP], QW(W_UP), qkind, inter, lw[B_UP], j0, j1, up,
+            linear_any(h, xu, xs, q, hidden, lw[W_UP], QW(W_UP), qkind, inter, lw[B_UP], j0, j1, up,
                        inter);
             for (long t = 0; t < q; t++) {
                 float *g = gate + t * inter, *u = up + t * inter;
@@ -1602,10 +1713,15 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                 for (; j < j1; j++) g[j] = g[j] / (1.f + expf(-g[j])) * u[j];
             }
         }
+        if (i8) {
+            #pragma omp for schedule(static)
+            for (long t = 0; t < q; t++)
+                quantize_row(gate + t * inter, inter, xu + t * inter, xs + t);
+        }
         #pragma omp for schedule(static)
         for (long b = 0; b < hblocks; b++) {
             long j0 = b * LIN_BLOCK, j1 = j0 + LIN_BLOCK < hidden ? j0 + LIN_BLOCK : hidden;
-            linear_residual(gate, q, inter, lw[W_DOWN], QW(W_DOWN), qkind, lw[B_DOWN], j0, j1,
+            linear_residual(gate, xu, xs, q, inter, lw[W_DOWN], QW(W_DOWN), qkind, lw[B_DOWN], j0, j1,
                             tmp, x, hidden);
         }
 #undef QW

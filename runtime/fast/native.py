@@ -3,9 +3,8 @@
 The kernels serve the shapes a cached request has on a CPU -- a handful of new query rows
 against thousands of cached keys, and a handful of rows through each linear layer -- where
 PyTorch's general kernels fall well short of the machine's matmul rate: `attend` (pl_attend,
-fast/attention.py), `linear` (pl_linear, fast/linear.py), and `decoder` (pl_decoder: every
-layer of a Llama-family model, fast/fused.py). They need x86-64 with AVX2 and FMA (and F16C, which every AVX2 CPU has),
-a C compiler (`cc`, or `$CC`) and float32 tensors; else every caller stays on PyTorch.
+fast/attention.py), `linear` (pl_linear, fast/linear.py), `decoder` (pl_decoder, fast/fused.py),
+on x86-64 with AVX2, FMA and F16C, a C compiler (`cc`, `$CC`) and float32 tensors (else PyTorch).
 
 The shared library is compiled once per source version into `<promptlang home>/native/`.
 Loading a library runs its code, so a stored one is loaded only when `untrusted_reason`
@@ -247,8 +246,8 @@ def _bind(library: Path) -> ctypes.CDLL:
         lib.pl_group.restype = ctypes.c_int
         lib.pl_group_runs.argtypes = []
         lib.pl_group_runs.restype = ctypes.c_long
-        lib.pl_bf16_products.argtypes = []
-        lib.pl_bf16_products.restype = ctypes.c_int
+        lib.pl_products.argtypes = [ctypes.c_int]
+        lib.pl_products.restype = ctypes.c_int
     except AttributeError as exc:                 # "...: undefined symbol: pl_attend"
         raise _Unavailable(f"{library} lacks a kernel ({exc})") from None
     lib.pl_wide(int(os.environ.get(WIDE_ENV, "1").strip().lower() not in ("0", "false", "no",
@@ -267,10 +266,10 @@ def wide(on: bool | None = None) -> bool:
     return bool(lib.pl_wide(-1 if on is None else int(on)))
 
 
-def bf16_products_available() -> bool:
-    """Whether pl_decoder's bf16 products run here (AVX512_BF16 and AVX512BW)."""
+def products_available(kind: str = "bf16") -> bool:
+    """Whether pl_decoder's bf16 attention (AVX512_BF16) or int8 linears ("int8": VNNI) run."""
     lib = _lib or _load()
-    return lib is not None and bool(lib.pl_bf16_products())
+    return lib is not None and bool(lib.pl_products({"bf16": 16, "int8": 8}[kind]))
 
 
 def group_shared(on: bool | None = None) -> bool:
@@ -437,8 +436,9 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     new tokens only, and query_positions increase within a request only. None: one request.
     contexts: APE (runtime/model/adapter.py, ParallelContexts) -- (each piece a context or
     not, temperature, scale); None: plain attention.
-    quantized: pointers like `weights` to blocks of the linear weights with the same values
-    (NULL where none), all of `quantized_kind` (4: Q4_1, 8: Q8_0); None: float weights only.
+    quantized: pointers like `weights` to the linear weights' blocks (NULL where none), all of
+    `quantized_kind` (4: Q4_1, 8: Q8_0: the same values; 1: fused.py's int8 rows, inputs
+    quantized per token: approximate); None: float weights only.
     query_out: [L, heads, D] float32, contiguous: receives the last token's rotated query
     of every layer (before the softmax scale); None: not wanted.
     bf16_products: the attention's Q.K and P.V from bf16 inputs, float32 sums (kernels.c `bf`).

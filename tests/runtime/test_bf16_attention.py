@@ -17,7 +17,7 @@ from .test_fused import TOL, tiny
 from .test_fused_batch import alone, piece, request
 
 pytestmark = pytest.mark.skipif(
-    not native.available() or not native.bf16_products_available(),
+    not native.available() or not native.products_available("bf16"),
     reason="needs the CPU kernels and AVX512_BF16")
 
 BF_MIN_TOKENS = 8     # kernels.c

@@ -1,0 +1,35 @@
+"""How the model computes, for the commands that load one (`run`, `serve`): --quantize,
+--int8-linears, --bf16-attention (runtime/engine.py `load`; docs/BENCHMARKS.md measures
+what each costs in answers and buys in time)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantize", choices=("q4_1", "q8_0"), default=None,
+                        help="weight-only quantization of a float --model (Llama family): "
+                             "linear weights as Q4_1 or Q8_0 blocks, the LM head Q8_0")
+    add_approximations(parser)
+
+
+def add_approximations(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--int8-linears", action="store_true",
+                        help="approximate: the fused layers multiply int8 weights by int8 "
+                             "inputs (CPUs with AVX512_VNNI; Llama family)")
+    parser.add_argument("--bf16-attention", action="store_true",
+                        help="approximate: passes of 8+ new tokens compute the attention's "
+                             "products from bfloat16 inputs (CPUs with AVX512_BF16)")
+
+
+def load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`engine.load` keyword arguments for what `args` asks (nothing for the defaults)."""
+    options: dict[str, Any] = {}
+    if getattr(args, "quantize", None):
+        options["quantize"] = args.quantize
+    for name in ("int8_linears", "bf16_attention"):
+        if getattr(args, name, False):
+            options[name] = True
+    return options

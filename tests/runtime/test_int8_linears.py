@@ -1,0 +1,201 @@
+"""int8 linear layers (fused.py `attach_int8`, kernels.c I8_KIND): every decoder weight as
+int8 rows with a scale per output row, every input row quantized to int8 with its own scale
+in the pass, integer sums by VNNI. An approximation of the float model, so its contract is a
+reference that computes the same numbers another way: transformers' layers with each linear
+layer replaced by that arithmetic in float64 (exact for these integer sums). Because the
+sums are integers, a request's numbers do not depend on the other rows of its pass."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from promptlang.runtime.fast import fused, native
+from promptlang.runtime.fast.fused import FusedDecoder, int8_rows
+from promptlang.runtime.model import Past, adapt
+
+from .test_fused import TOL, VOCAB, encoded_past, tiny
+from .test_fused_batch import alone, piece, request
+
+pytestmark = pytest.mark.skipif(
+    not native.available() or not native.products_available("int8"),
+    reason="needs the CPU kernels and AVX512_VNNI")
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def model(**extra) -> torch.nn.Module:
+    """A tiny Llama whose widths are multiples of 64 (the int8 tiles' step)."""
+    return tiny("llama", hidden_size=128, intermediate_size=192, **extra)
+
+
+def unpack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8_rows' (q, scale, sums) of `weight`."""
+    n, k = weight.shape
+    buf = int8_rows(weight)
+    q = buf[:n * k].view(torch.int8).reshape(n, k)
+    scale = buf[n * k:n * k + 4 * n].view(torch.float32)
+    sums = buf[n * k + 4 * n:].view(torch.int32)
+    return q, scale, sums
+
+
+def int8_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear as kernels.c computes it with I8_KIND weights."""
+    q, sw, _ = unpack(self.weight.detach())
+    rows = x.reshape(-1, x.shape[-1]).float()
+    m = rows.abs().amax(dim=1)
+    qx = torch.round(rows * torch.where(m > 0, 127 / m, 0)[:, None])
+    y = (qx.double() @ q.double().T).float() * ((m / 127)[:, None] * sw[None, :])
+    if self.bias is not None:
+        y = y + self.bias
+    return y.reshape(*x.shape[:-1], q.shape[0])
+
+
+def reference(adapter, input_ids, positions, past: Past, rows=None):
+    """(logits, keys, values) of transformers' layers with int8 linear layers."""
+    layers = adapter.model.model.layers
+    swapped = [layer.get_submodule(name) for layer in layers for name in LINEARS]
+    for lin in swapped:
+        lin.forward = types.MethodType(int8_forward, lin)
+    try:
+        copy = Past(past.keys.clone(), past.values.clone(), past.positions, past.shared)
+        with fused.disabled(), native.disabled():
+            step = adapter.forward(input_ids, positions, copy, None, rows)
+        return step.logits, step.keys.clone(), step.values.clone()
+    finally:
+        for lin in swapped:
+            del lin.forward
+
+
+def per_token(diff: torch.Tensor) -> torch.Tensor:
+    """The largest |difference| of each token: logits [Q, V], keys/values [L, H, Q, D]."""
+    return diff.abs().amax(dim=1) if diff.dim() == 2 else diff.abs().amax(dim=(0, 1, 3))
+
+
+def served(adapter, input_ids, positions, past: Past, rows=None):
+    copy = Past(past.keys.clone(), past.values.clone(), past.positions, past.shared)
+    step = adapter.forward(input_ids, positions, copy, None, rows)
+    return step.logits, step.keys.clone(), step.values.clone()
+
+
+def test_int8_rows_holds_each_row_s_quantized_values():
+    w = torch.randn(8, 64) * torch.linspace(0.1, 3, 8)[:, None]
+    w[3] = 0.0
+    q, scale, sums = unpack(w)
+    assert q.abs().max() == 127 and torch.equal(q[3], torch.zeros(64, dtype=torch.int8))
+    assert torch.equal(sums, q.sum(dim=1, dtype=torch.int32))
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("new,past_len", [(1, 0), (5, 0), (1, 300), (19, 300), (64, 120)])
+@pytest.mark.parametrize("extra", [{}, {"attention_bias": True, "mlp_bias": True}],
+                         ids=["plain", "biases"])
+def test_the_fused_int8_pass_equals_the_int8_reference_and_not_the_float_model(
+        new, past_len, extra):
+    adapter = adapt(model(**extra))
+    decoder = adapter.fast.decoder
+    capacity = past_len + new
+    past = encoded_past(adapter, past_len, capacity, seed=past_len) if past_len \
+        else Past(*adapter.empty_kv(capacity), torch.arange(0))
+    ids = torch.randint(0, VOCAB, (new,), generator=torch.Generator().manual_seed(new))
+    positions = torch.arange(past_len, past_len + new)
+    rows = torch.arange(new)
+    served_float = served(adapter, ids, positions, past, rows)
+    assert decoder.attach_int8() == 7 * len(decoder.layers)
+    got = served(adapter, ids, positions, past, rows)
+    want = reference(adapter, ids, positions, past, rows)
+    for a, b, c in zip(got, want, served_float):
+        assert a.shape == b.shape
+        # the same integer sums; the float parts around them differ from transformers' by
+        # summation order, which now and then moves an input across a rounding boundary (one
+        # step of one input: it then reaches the rows after it through the attention), so
+        # rows are held to the reference by their median, and the approximation to be real
+        error, off = per_token(a - b), per_token(a - c)
+        assert error.median() < 0.01 * off.median()
+        assert off.min() > 0
+
+
+def test_a_pass_the_fused_layers_do_not_take_is_the_float_model_s():
+    adapter = adapt(model())
+    new = 80                                      # > fused.MAX_TOKENS: transformers' layers
+    past = Past(*adapter.empty_kv(new), torch.arange(0))
+    ids, rows = torch.randint(0, VOCAB, (new,)), torch.arange(new)
+    want = served(adapter, ids, torch.arange(new), past, rows)
+    assert adapter.fast.decoder.attach_int8() > 0
+    got = served(adapter, ids, torch.arange(new), past, rows)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_a_request_s_numbers_do_not_depend_on_its_batch():
+    dec = FusedDecoder.of(model(), "Llama")
+    assert dec.attach_int8() > 0
+    layers, heads, d = len(dec.layers), dec.kv_heads, dec.head_dim
+    shared = piece(layers, heads, 90, d, 1)
+    rs = [request(dec, [shared], 9, 90, 2), request(dec, [piece(layers, heads, 40, d, 3)], 1, 40, 4),
+          request(dec, [shared, piece(layers, heads, 7, d, 5)], 30, 97, 6)]
+    expected = [alone(dec, r) for r in rs]
+    got = dec.forward_batch(rs)
+    assert got is not None
+    for r, logits, (want, keys, values) in zip(rs, got, expected):
+        assert (logits - want).abs().max() < TOL
+        assert (r.new_keys - keys).abs().max() < TOL
+        assert (r.new_values - values).abs().max() < TOL
+
+
+def test_a_replaced_weight_turns_int8_off_and_float_serves():
+    adapter = adapt(model())
+    decoder = adapter.fast.decoder
+    assert decoder.attach_int8() == 21 and decoder.quantized_weights == 21
+    with torch.no_grad():
+        decoder.layers[0].mlp.up_proj.weight.mul_(1.5)
+    assert decoder.quantized_weights == 0
+    ids = torch.arange(4)
+    past = Past(*adapter.empty_kv(4), torch.arange(0))
+    rows = torch.arange(4)
+    with fused.disabled(), native.disabled():
+        want = served(adapter, ids, torch.arange(4), past, rows)[0]
+    assert (served(adapter, ids, torch.arange(4), past, rows)[0] - want).abs().max() < TOL
+
+
+def test_widths_the_int8_tiles_cannot_take_are_not_attached():
+    dec = FusedDecoder.of(tiny("llama", hidden_size=96, intermediate_size=192), "Llama")
+    assert dec.attach_int8() == 0 and dec.quantized_weights == 0
+
+
+def test_load_serves_int8_and_keys_its_kv_apart(tiny_model_dir, tmp_path):
+    import shutil
+
+    from promptlang.runtime import engine
+
+    folder = tmp_path / "wide"
+    model(num_hidden_layers=2, vocab_size=49152).save_pretrained(folder)
+    for path in tiny_model_dir.iterdir():
+        if path.is_file() and "token" in path.name:
+            shutil.copy(path, folder / path.name)
+    plain = engine.load(folder)
+    eight = engine.load(folder, int8_linears=True)
+    both = engine.load(folder, int8_linears=True, bf16_attention=True)
+    assert plain.adapter.fast.decoder.quantized_weights == 0
+    assert eight.adapter.fast.decoder.quantized_weights == 2 * len(LINEARS)
+    # KV computed with int8 products is not the float model's: stored apart from it
+    assert len({plain.adapter.fingerprint, eight.adapter.fingerprint,
+                both.adapter.fingerprint}) == 3
+    eight.add_schema("<schema name='q'><system>Answer briefly.</system><module name='doc'>The "
+                     "tower stands in the old town, by the river.</module></schema>")
+    result = eight.generate("<prompt schema='q'><doc/><user>Where is the tower?</user>"
+                            "<assistant></prompt>", max_new_tokens=4, temperature=0)
+    assert len(result.token_ids) == 4
+
+
+def test_a_model_the_int8_tiles_cannot_take_loads_float_with_a_warning(tiny_model_dir):
+    from promptlang.runtime import engine
+
+    plain = engine.load(tiny_model_dir)                       # 32 wide
+    with pytest.warns(RuntimeWarning, match="int8_linears needs AVX512_VNNI and layer widths"):
+        eight = engine.load(tiny_model_dir, int8_linears=True)
+    assert eight.adapter.fast.decoder.quantized_weights == 0
+    assert eight.adapter.fingerprint == plain.adapter.fingerprint
