@@ -17,7 +17,7 @@ def add(parser: argparse.ArgumentParser) -> None:
 
 def add_approximations(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--int8-linears", action="store_true",
-                        help="approximate: the fused layers multiply int8 weights by int8 "
+                        help="approximate: the fused layers multiply int8 weights by 12-bit "
                              "inputs (CPUs with AVX512_VNNI; Llama family)")
     parser.add_argument("--bf16-attention", action="store_true",
                         help="approximate: passes of 8+ new tokens compute the attention's "

@@ -308,9 +308,9 @@ class FusedDecoder:
     def attach_int8(self) -> int:
         """Serve every linear weight of the decoder layers as int8 rows (kernels.c I8_KIND:
         each output row quantized with its own scale, built here from the float weights the
-        layers hold now), their inputs quantized to int8 per token in each pass: VNNI's int8
-        products, ~4x float32's per instruction, for every pass however many rows. An
-        approximation (docs/BENCHMARKS.md measures it), off unless asked for; replaces
+        layers hold now), their inputs quantized to 12 bits per token in each pass: VNNI's
+        integer products, 2x float32's per instruction, for every pass however many rows.
+        An approximation (docs/BENCHMARKS.md measures it), off unless asked for; replaces
         attached blocks. Returns how many weights are served (0 where the CPU lacks
         AVX512_VNNI or a width is not a multiple of 64)."""
         self._q4, self._q4_seen, self._q4_table = {}, (), None
@@ -417,13 +417,12 @@ class FusedDecoder:
 
 def int8_rows(weight: torch.Tensor) -> torch.Tensor:
     """kernels.c's I8_KIND buffer of a [n, k] float32 weight: q ([n, k] int8, each row
-    round(w / s) with s = max|w| / 127 of the row), then s ([n] float32), then the rows'
-    sums of q ([n] int32), as one flat uint8 tensor."""
+    round(w / s) with s = max|w| / 127 of the row), then s ([n] float32), as one flat uint8
+    tensor."""
     scale = weight.abs().amax(dim=1) / 127
     q = torch.round(weight / torch.where(scale > 0, scale, 1)[:, None]).clamp(-127, 127)
-    q = q.to(torch.int8)
-    return torch.cat([q.view(torch.uint8).reshape(-1), scale.float().view(torch.uint8),
-                      q.sum(dim=1, dtype=torch.int32).view(torch.uint8)])
+    return torch.cat([q.to(torch.int8).view(torch.uint8).reshape(-1),
+                      scale.float().view(torch.uint8)])
 
 
 def _is_plain_layer(layer: torch.nn.Module, family: str) -> bool:

@@ -474,24 +474,27 @@ void pl_linear(const float* x, long m, long k, const float* w, long n, const flo
  * Scores are kept in base 2 (the queries are scaled by log2(e) as well as 1/sqrt(d)), so the
  * softmax takes exp2_neg directly. */
 
-/* ---- int8 products: int8 weights x int8 activations (AVX512_VNNI; opt-in, approximate) ---- *
+/* ---- int8 weights x 12-bit inputs (AVX512_VNNI; opt-in, approximate) ------------------------ *
  * Kind I8_KIND weights (fused.py attach_int8) are one buffer per linear layer: [n][k] int8
- * (each output row quantized with its own scale: w = s_w[j] * q), then s_w ([n] float), then
- * each row's sum of q ([n] int32). Each pass quantizes every input row t with its own scale
- * (s_x[t] = max|x| / 127, q = round(x / s_x)), stored as q + 128 (unsigned: vpdpbusd multiplies
- * unsigned by signed bytes, 64 a cycle against float32's 16), so
- *     y[t][j] = s_x[t] * s_w[j] * sum_i q_x q_w = s_x[t] * s_w[j] * (sum_i u_x q_w - 128 sum_i q_w).
- * The sums are integers, exact in any order: a row's results do not depend on the other rows
- * of its pass (a request alone and in a batch get the same numbers). k % 64 == 0 and k <=
- * Q4_MAX_K (|sum| < 255 * 127 * 8192 < 2^31). */
+ * (each output row quantized with its own scale: w = s_w[j] * q), then s_w ([n] float). Each
+ * pass quantizes every input row t with its own scale to 12 bits (s_x[t] = max|x| / 2047,
+ * q = round(x / s_x), held as int16), and vpdpwssd sums the products, 32 a cycle against
+ * float32 FMAs' 16: y[t][j] = s_x[t] * s_w[j] * sum_i q_x q_w. (8-bit inputs, vpdpbusd's 64,
+ * moved the default model's next-token distribution ~15x more: outlier channels take a
+ * row's scale; docs/BENCHMARKS.md, *int8 linear layers*.) The sums are integers, exact in
+ * any order: a row's results do not depend on the other rows of its pass (a request alone
+ * and in a batch get the same numbers). k % 64 == 0 and k <= Q4_MAX_K (|sum| <= 2047 * 127 *
+ * 8192 < 2^31). */
 #define I8_KIND 1
+#define X_MAX 2047
 #define VNNI __attribute__((noinline, target("avx512f,avx512bw,avx512vnni")))
 #define AIV static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vnni")))
 
 static int i8_ok = -1;
 int pl_bf16_products(void);
 
-/* which products the CPU can take: kind 16, bfloat16 (AVX512_BF16); kind 8, int8 (AVX512_VNNI) */
+/* which products the CPU can take: kind 16, bfloat16 (AVX512_BF16); kind 8, the int8 weights'
+ * (AVX512_VNNI) */
 int pl_products(int kind) {
     if (kind == 16) return pl_bf16_products();
     if (i8_ok < 0)
@@ -500,44 +503,55 @@ int pl_products(int kind) {
     return kind == 8 && i8_ok;
 }
 
-/* u[0:k] = the unsigned int8 of x[0:k], s = its scale (0 for a zero row) */
-static void quantize_row(const float* x, long k, uint8_t* u, float* s) {
+/* u[0:k] = x[0:k] quantized to 12 bits, s = its scale (0 for a zero row) */
+static void quantize_row(const float* x, long k, int16_t* u, float* s) {
     float m = 0.f;
     for (long i = 0; i < k; i++) m = fmaxf(m, fabsf(x[i]));
-    float inv = m > 0.f ? 127.f / m : 0.f;
-    *s = m / 127.f;
-    for (long i = 0; i < k; i++) u[i] = (uint8_t)(128 + (int)nearbyintf(x[i] * inv));
+    float inv = m > 0.f ? (float)X_MAX / m : 0.f;
+    *s = m / (float)X_MAX;
+    for (long i = 0; i < k; i++) u[i] = (int16_t)nearbyintf(x[i] * inv);
+}
+
+/* the four sums of the lanes of a, b, c and d */
+AIV __m128i hsum4_i(__m512i a, __m512i b, __m512i c, __m512i d) {
+#define HALVES(v) _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1))
+    __m256i ab = _mm256_hadd_epi32(HALVES(a), HALVES(b));
+    __m256i cd = _mm256_hadd_epi32(HALVES(c), HALVES(d));
+#undef HALVES
+    __m256i all = _mm256_hadd_epi32(ab, cd);   /* a, b, c, d of lanes 0-3, then of lanes 4-7 */
+    return _mm_add_epi32(_mm256_castsi256_si128(all), _mm256_extracti128_si256(all, 1));
 }
 
 /* R rows of u x 4 rows of q: the integer sums c[r][j] = sum_i u[r][i] q[j][i] */
-AIV void tile_i8(const int R, const uint8_t* u, long ldu, const int8_t* q, long k, int32_t* c) {
+AIV void tile_i8(const int R, const int16_t* u, long ldu, const int8_t* q, long k, int32_t* c) {
     __m512i acc[4][4];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_si512();
-    for (long i = 0; i < k; i += 64) {
+    for (long i = 0; i < k; i += 32) {
         __m512i x[4];
         for (int r = 0; r < R; r++) x[r] = _mm512_loadu_si512((const void*)(u + r * ldu + i));
         for (int j = 0; j < 4; j++) {
-            __m512i y = _mm512_loadu_si512((const void*)(q + j * k + i));
-            for (int r = 0; r < R; r++) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], x[r], y);
+            __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + j * k + i)));
+            for (int r = 0; r < R; r++) acc[r][j] = _mm512_dpwssd_epi32(acc[r][j], x[r], y);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) c[r * 4 + j] = _mm512_reduce_add_epi32(acc[r][j]);
+        _mm_storeu_si128((__m128i*)(c + r * 4),
+                         hsum4_i(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
 
-#define TILE_I8(R) VNNI static void tile##R##_i8(const uint8_t* u, long ldu, const int8_t* q, \
-                                                  long k, int32_t* c) { tile_i8(R, u, ldu, q, k, c); }
+#define TILE_I8(R) VNNI static void tile##R##_i8(const int16_t* u, long ldu, const int8_t* q, \
+                                                  long k, int32_t* c) { \
+    tile_i8(R, u, ldu, q, k, c); }
 TILE_I8(1) TILE_I8(2) TILE_I8(3) TILE_I8(4)
 #undef TILE_I8
 
 /* columns [j0, j1) of y (row stride ldy) = the m quantized rows (u, s_x) . the I8_KIND weight
  * buffer wq of n rows of k */
-static void linear_i8(const uint8_t* u, const float* sx, long m, long k, const uint8_t* wq,
+static void linear_i8(const int16_t* u, const float* sx, long m, long k, const uint8_t* wq,
                       long n, long j0, long j1, float* y, long ldy) {
     const int8_t* q = (const int8_t*)wq;
     const float* sw = (const float*)(wq + n * k);
-    const int32_t* sum = (const int32_t*)(wq + n * k + n * sizeof(float));
     int32_t c[16];
     long j = j0;
     for (; j + 4 <= j1; j += 4) {
@@ -545,15 +559,14 @@ static void linear_i8(const uint8_t* u, const float* sx, long m, long k, const u
         for (long i = 0; i < m; ) {
             long left = m - i;
             int R = left >= 4 ? 4 : (int)left;
-            const uint8_t* ui = u + i * k;
+            const int16_t* ui = u + i * k;
             if (R == 4) tile4_i8(ui, k, qj, k, c);
             else if (R == 3) tile3_i8(ui, k, qj, k, c);
             else if (R == 2) tile2_i8(ui, k, qj, k, c);
             else tile1_i8(ui, k, qj, k, c);
             for (int r = 0; r < R; r++)
                 for (int t = 0; t < 4; t++)
-                    y[(i + r) * ldy + j + t] =
-                        (float)(c[r * 4 + t] - 128 * sum[j + t]) * (sx[i + r] * sw[j + t]);
+                    y[(i + r) * ldy + j + t] = (float)c[r * 4 + t] * (sx[i + r] * sw[j + t]);
             i += R;
         }
     }
@@ -561,8 +574,22 @@ static void linear_i8(const uint8_t* u, const float* sx, long m, long k, const u
         for (long i = 0; i < m; i++) {
             int32_t acc = 0;
             for (long x = 0; x < k; x++) acc += (int32_t)u[i * k + x] * q[j * k + x];
-            y[i * ldy + j] = (float)(acc - 128 * sum[j]) * (sx[i] * sw[j]);
+            y[i * ldy + j] = (float)acc * (sx[i] * sw[j]);
         }
+}
+
+/* y[m][n] = x[m][k] . the I8_KIND weights wq (n rows)^T, one thread: linear_i8 alone (tests);
+ * 0, -1 where the CPU or k cannot take it, -2 when out of memory */
+int pl_linear_i8(const float* x, long m, long k, const uint8_t* wq, long n, float* y) {
+    if (!pl_products(8) || k % 64 || k > Q4_MAX_K || m <= 0)
+        return -1;
+    int16_t* u = (int16_t*)malloc(sizeof(int16_t) * m * k);
+    float* sx = (float*)malloc(sizeof(float) * m);
+    if (!u || !sx) { free(u); free(sx); return -2; }
+    for (long i = 0; i < m; i++) quantize_row(x + i * k, k, u + i * k, sx + i);
+    linear_i8(u, sx, m, k, wq, n, 0, n, y, n);
+    free(u); free(sx);
+    return 0;
 }
 
 #define BK 128         /* keys per block */
@@ -1523,7 +1550,7 @@ static void rope(const float* x, const float* cos, const float* sin, long d, flo
 
 /* columns [j0, j1) of y = x . w^T (+ b): from the blocks wq where given (qkind 4: Q4_1,
  * 8: Q8_0), else float w */
-static void linear_any(const float* x, const uint8_t* xu, const float* xs, long m, long k,
+static void linear_any(const float* x, const int16_t* xu, const float* xs, long m, long k,
                        const float* w, const uint8_t* wq, int qkind, long n, const float* b,
                        long j0, long j1, float* y, long ldy) {
     if (!wq) {
@@ -1542,7 +1569,7 @@ static void linear_any(const float* x, const uint8_t* xu, const float* xs, long 
 }
 
 /* Columns [j0, j1) of y = x . w^T + b added to the residual stream r (both [m][ld]). */
-static void linear_residual(const float* x, const uint8_t* xu, const float* xs, long m, long k,
+static void linear_residual(const float* x, const int16_t* xu, const float* xs, long m, long k,
                             const float* w, const uint8_t* wq, int qkind, const float* b,
                             long j0, long j1, float* tmp, float* r, long ld) {
     linear_any(x, xu, xs, m, k, w, wq, qkind, ld, b, j0, j1, tmp, ld);
@@ -1576,7 +1603,7 @@ static void linear_residual(const float* x, const uint8_t* xu, const float* xs, 
  * qw (NULL: none): blocks of the linear weights, [layers][W_COUNT] like w (NULL where a
  * weight is float only), all of kind qkind (4: Q4_1, 8: Q8_0): read instead of w, giving the
  * same values (fused.py checks them); I8_KIND: int8 rows, and the inputs of those layers
- * quantized to int8 per token (approximate; where the CPU has AVX512_VNNI, else float).
+ * quantized to 12 bits per token (approximate; where the CPU has AVX512_VNNI, else float).
  * qout (NULL: none): the last token's rotated query rows of every layer, [layers][heads][d]
  * (before the softmax scale): the recompute policy query:K ranks cached tokens by them.
  * bf: the attention's products (Q.K and P.V) in bfloat16 for the rows of requests of at
@@ -1624,7 +1651,7 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                 + q * nq                /* attention output */
                 + 2 * q * inter         /* gate, up */
                 + q * widest            /* linear output before the residual add */
-                + (i8 ? q * widest / 4 + q : 0)   /* int8 inputs and their scales */
+                + (i8 ? q * widest / 2 + q : 0)   /* quantized inputs and their scales */
                 + pfloats;
     float* space = (float*)aligned_alloc(32, sizeof(float) * ((floats + 7) & ~7L));
     Partial* parts = (Partial*)malloc(sizeof(Partial) * plan.tasks * (ctx ? 2 : 1));
@@ -1638,7 +1665,7 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
     float *h = space, *qkv = h + q * hidden, *qs = qkv + q * nqkv, *att = qs + q * nq,
           *gate = att + q * nq, *up = gate + q * inter, *tmp = up + q * inter,
           *pspace = tmp + q * widest, *xs = pspace + pfloats;
-    uint8_t* xu = (uint8_t*)(xs + q);
+    int16_t* xu = (int16_t*)(xs + q);
     attend_partials(&plan, pspace, parts, ctx != NULL);
     long qblocks = (nq + LIN_BLOCK - 1) / LIN_BLOCK, kvblocks = (nkv + LIN_BLOCK - 1) / LIN_BLOCK;
     long hblocks = (hidden + LIN_BLOCK - 1) / LIN_BLOCK, iblocks = (inter + LIN_BLOCK - 1) / LIN_BLOCK;

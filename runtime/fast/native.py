@@ -49,7 +49,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: "NativeKernelsError | None" = None     # why required kernels are missing
 _tried = False
-_P, _L = ctypes.c_void_p, ctypes.c_long
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
 
 class NativeKernelsError(PromptLangError):
@@ -225,29 +225,19 @@ def _bind(library: Path) -> ctypes.CDLL:
         lib = ctypes.CDLL(str(library))
     except OSError as exc:
         raise _Unavailable(f"could not load {library} ({exc})") from None
+    signatures = {
+        "pl_linear": ([_P, _L, _L, _P, _L, _P, _P, _I], None),
+        "pl_attend": ([_P, _L, _L, _L, _F, _L, _P, _P, _P, _P, _P, _P, _L, _P, _P, _I], _I),
+        "pl_decoder": ([_P, _L, _P, _F, _F, _P, _P, _P, _L, _P, _P, _P, _P, _P, _P, _P, _L, _P,
+                        _L, _P, _P, _L, _P, _P, _P, _F, _F, _P, _I, _P, _I, _I], _I),
+        "pl_q_dequant": ([_P, _L, _L, _I, _P], None), "pl_wide": ([_I], _I),
+        "pl_linear_q8": ([_P, _L, _L, _P, _L, _P, _I], None), "pl_group": ([_I], _I),
+        "pl_linear_i8": ([_P, _L, _L, _P, _L, _P], _I), "pl_group_runs": ([], _L),
+        "pl_products": ([_I], _I)}
     try:
-        lib.pl_linear.argtypes = [_P, _L, _L, _P, _L, _P, _P, ctypes.c_int]
-        lib.pl_linear.restype = None
-        lib.pl_attend.argtypes = [_P, _L, _L, _L, ctypes.c_float, _L, _P, _P, _P, _P, _P, _P,
-                                  _L, _P, _P, ctypes.c_int]
-        lib.pl_attend.restype = ctypes.c_int
-        lib.pl_decoder.argtypes = [_P, _L, _P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _L,
-                                   _P, _P, _P, _P, _P, _P, _P, _L, _P, _L, _P, _P, _L, _P,
-                                   _P, _P, ctypes.c_float, ctypes.c_float, _P, ctypes.c_int,
-                                   _P, ctypes.c_int, ctypes.c_int]
-        lib.pl_decoder.restype = ctypes.c_int
-        lib.pl_q_dequant.argtypes = [_P, _L, _L, ctypes.c_int, _P]
-        lib.pl_q_dequant.restype = None
-        lib.pl_linear_q8.argtypes = [_P, _L, _L, _P, _L, _P, ctypes.c_int]
-        lib.pl_linear_q8.restype = None
-        lib.pl_wide.argtypes = [ctypes.c_int]
-        lib.pl_wide.restype = ctypes.c_int
-        lib.pl_group.argtypes = [ctypes.c_int]
-        lib.pl_group.restype = ctypes.c_int
-        lib.pl_group_runs.argtypes = []
-        lib.pl_group_runs.restype = ctypes.c_long
-        lib.pl_products.argtypes = [ctypes.c_int]
-        lib.pl_products.restype = ctypes.c_int
+        for name, (arguments, result) in signatures.items():
+            kernel = getattr(lib, name)
+            kernel.argtypes, kernel.restype = arguments, result
     except AttributeError as exc:                 # "...: undefined symbol: pl_attend"
         raise _Unavailable(f"{library} lacks a kernel ({exc})") from None
     lib.pl_wide(int(os.environ.get(WIDE_ENV, "1").strip().lower() not in ("0", "false", "no",
@@ -322,6 +312,16 @@ def linear_q8(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     y = torch.empty(m, blocks.shape[0])
     (_lib or _load()).pl_linear_q8(x.data_ptr(), m, k, blocks.data_ptr(), blocks.shape[0],
                                    y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def linear_i8(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """x [m, k] . W^T, W as fused.py's int8 `rows` (n of them): the int8 linear layer alone."""
+    m, k = x.shape
+    x, y = x.contiguous().float(), torch.empty(m, n)
+    if rows.numel() != n * (k + 4) or (_lib or _load()).pl_linear_i8(
+            x.data_ptr(), m, k, rows.data_ptr(), n, y.data_ptr()) != 0:
+        raise ValueError("linear_i8 takes k % 64 == 0 rows of n weights, on a CPU with VNNI")
     return y
 
 

@@ -1,6 +1,6 @@
 """int8 linear layers (fused.py `attach_int8`, kernels.c I8_KIND): every decoder weight as
-int8 rows with a scale per output row, every input row quantized to int8 with its own scale
-in the pass, integer sums by VNNI. An approximation of the float model, so its contract is a
+int8 rows with a scale per output row, every input row quantized to 12 bits with its own
+scale in the pass, integer sums by VNNI. An approximation of the float model, so its contract is a
 reference that computes the same numbers another way: transformers' layers with each linear
 layer replaced by that arithmetic in float64 (exact for these integer sums). Because the
 sums are integers, a request's numbers do not depend on the other rows of its pass."""
@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(
     not native.available() or not native.products_available("int8"),
     reason="needs the CPU kernels and AVX512_VNNI")
 
+X_MAX = 2047          # kernels.c: the inputs' 12 bits
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -32,23 +33,20 @@ def model(**extra) -> torch.nn.Module:
     return tiny("llama", hidden_size=128, intermediate_size=192, **extra)
 
 
-def unpack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int8_rows' (q, scale, sums) of `weight`."""
+def unpack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8_rows' (q, scale) of `weight`."""
     n, k = weight.shape
     buf = int8_rows(weight)
-    q = buf[:n * k].view(torch.int8).reshape(n, k)
-    scale = buf[n * k:n * k + 4 * n].view(torch.float32)
-    sums = buf[n * k + 4 * n:].view(torch.int32)
-    return q, scale, sums
+    return buf[:n * k].view(torch.int8).reshape(n, k), buf[n * k:].view(torch.float32)
 
 
 def int8_forward(self, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear as kernels.c computes it with I8_KIND weights."""
-    q, sw, _ = unpack(self.weight.detach())
+    q, sw = unpack(self.weight.detach())
     rows = x.reshape(-1, x.shape[-1]).float()
     m = rows.abs().amax(dim=1)
-    qx = torch.round(rows * torch.where(m > 0, 127 / m, 0)[:, None])
-    y = (qx.double() @ q.double().T).float() * ((m / 127)[:, None] * sw[None, :])
+    qx = torch.round(rows * torch.where(m > 0, X_MAX / m, 0)[:, None])
+    y = (qx.double() @ q.double().T).float() * ((m / X_MAX)[:, None] * sw[None, :])
     if self.bias is not None:
         y = y + self.bias
     return y.reshape(*x.shape[:-1], q.shape[0])
@@ -84,10 +82,27 @@ def served(adapter, input_ids, positions, past: Past, rows=None):
 def test_int8_rows_holds_each_row_s_quantized_values():
     w = torch.randn(8, 64) * torch.linspace(0.1, 3, 8)[:, None]
     w[3] = 0.0
-    q, scale, sums = unpack(w)
+    q, scale = unpack(w)
     assert q.abs().max() == 127 and torch.equal(q[3], torch.zeros(64, dtype=torch.int8))
-    assert torch.equal(sums, q.sum(dim=1, dtype=torch.int32))
     assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 64, 4), (5, 128, 36), (23, 576, 192), (4, 1536, 7)])
+def test_the_int8_linear_layer_is_its_integer_arithmetic_bit_for_bit(m, k, n):
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g) * torch.rand(k, generator=g) * 4
+    x[0, 3] = 40.0                                       # an outlier channel
+    if m > 2:
+        x[2] = 0.0                                       # a zero row: scale 0
+    lin = torch.nn.Linear(k, n, bias=False)
+    torch.nn.init.normal_(lin.weight, generator=g)
+    got = native.linear_i8(x, int8_rows(lin.weight.detach()), n)
+    assert torch.equal(got, int8_forward(lin, x))
+    assert not torch.equal(got, lin(x))
+    # integer sums: each row's numbers are its own, whatever rows share the pass
+    rows = int8_rows(lin.weight.detach())
+    for i in range(m):
+        assert torch.equal(native.linear_i8(x[i:i + 1], rows, n), got[i:i + 1])
 
 
 @pytest.mark.parametrize("new,past_len", [(1, 0), (5, 0), (1, 300), (19, 300), (64, 120)])
@@ -109,12 +124,13 @@ def test_the_fused_int8_pass_equals_the_int8_reference_and_not_the_float_model(
     want = reference(adapter, ids, positions, past, rows)
     for a, b, c in zip(got, want, served_float):
         assert a.shape == b.shape
-        # the same integer sums; the float parts around them differ from transformers' by
-        # summation order, which now and then moves an input across a rounding boundary (one
-        # step of one input: it then reaches the rows after it through the attention), so
-        # rows are held to the reference by their median, and the approximation to be real
+        # the same integer sums (the linear layer alone: bit for bit, above); the float parts
+        # around them differ from transformers' by summation order, which now and then moves
+        # an input across a rounding boundary (one step of 4095: it then reaches the rows
+        # after it through the attention), so rows are held to the reference by their median,
+        # and the approximation to be real
         error, off = per_token(a - b), per_token(a - c)
-        assert error.median() < 0.01 * off.median()
+        assert error.median() < 0.1 * off.median()
         assert off.min() > 0
 
 
@@ -130,7 +146,11 @@ def test_a_pass_the_fused_layers_do_not_take_is_the_float_model_s():
         assert torch.equal(a, b)
 
 
-def test_a_request_s_numbers_do_not_depend_on_its_batch():
+def test_a_request_in_a_batch_differs_from_alone_by_an_input_rounding_at_most():
+    """The linear layers give a row the same numbers in any batch (above); the attention's
+    float sums may differ from alone in the last bits (the batch decides its tasks' key
+    ranges: test_fused_batch's TOL), and that can move an input across a 12-bit rounding
+    boundary: one step of 4095 of that input's row, not more."""
     dec = FusedDecoder.of(model(), "Llama")
     assert dec.attach_int8() > 0
     layers, heads, d = len(dec.layers), dec.kv_heads, dec.head_dim
@@ -141,9 +161,11 @@ def test_a_request_s_numbers_do_not_depend_on_its_batch():
     got = dec.forward_batch(rs)
     assert got is not None
     for r, logits, (want, keys, values) in zip(rs, got, expected):
-        assert (logits - want).abs().max() < TOL
-        assert (r.new_keys - keys).abs().max() < TOL
-        assert (r.new_values - values).abs().max() < TOL
+        scale = want.abs().max().item()
+        assert per_token(logits - want).median() < 1e-3 * scale
+        assert (logits - want).abs().max() < 1e-2 * scale
+        assert (r.new_keys - keys).abs().max() < 1e-2 * keys.abs().max()
+        assert (r.new_values - values).abs().max() < 1e-2 * values.abs().max()
 
 
 def test_a_replaced_weight_turns_int8_off_and_float_serves():
