@@ -18,9 +18,9 @@ Workloads (issue 20):
             tokens), transformers' full prefill.
 
 The document and decode workloads run three times on promptlang: as the model computes
-(the default), from a bfloat16 store, and with llama.cpp's own approximations (a bf16
-store, int8 products in the linear layers, bf16 products in the attention: load's
-int8_linears and bf16_attention), each with a goal of its own.
+(the default), from a bfloat16 store, and with approximations of the kind llama.cpp makes
+(a bf16 store, int8 weights x 12-bit inputs in the linear layers, bf16 products in the
+attention: load's int8_linears and bf16_attention), each with a goal of its own.
 
 promptlang serves from a store of the run's own (memory only: nothing an earlier run
 stored is served). llama.cpp runs in a process of its own (bench/peers_llama.py, no torch)
@@ -52,8 +52,9 @@ from promptlang.bench.report import Goal, Section
 
 DOC_SCHEMA, RAG_SCHEMA = "peers-document", "peers-rag"
 BF16_STORE = "promptlang (bf16 store)"
-# llama.cpp's own approximations: 16-bit KV, 8-bit inputs to the linear layers (fast/fused.py
-# `approximated`; where the CPU lacks them, the float path runs under this name)
+# approximations of the kind llama.cpp makes (16-bit KV, quantized inputs to the linear
+# layers): fast/fused.py `approximated`; where the CPU lacks them, the float path runs
+# under this name
 APPROXIMATE = "promptlang (int8 linears, bf16 attention and store)"
 LLAMA_TIMEOUT = 3600.0           # seconds for llama.cpp's whole share, at most
 
@@ -148,9 +149,8 @@ def _document(llm, options: PeersOptions, report: PeersReport) -> list[list[int]
             report.decode["promptlang (float32 weights)"] = _per_token(
                 llm, prompts[-1], options.decode_tokens)
     # the document's KV stored in bfloat16 (read in place by the fused layers): llama.cpp
-    # keeps its KV cache in 16 bits too; then also its other approximations, int8 products
-    # in the linear layers (llama.cpp quantizes their inputs to 8 bits) and 16-bit ones in
-    # the attention
+    # keeps its KV cache in 16 bits too; then also with integer products in the linear
+    # layers (llama.cpp quantizes their inputs to 8 bits) and 16-bit ones in the attention
     _bf16_store(llm, text, prompts, options, report, BF16_STORE, contextlib.nullcontext())
     if decoder is not None:
         _bf16_store(llm, text, prompts, options, report, APPROXIMATE, decoder.approximated())

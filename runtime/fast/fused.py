@@ -309,17 +309,17 @@ class FusedDecoder:
         """Serve every linear weight of the decoder layers as int8 rows (kernels.c I8_KIND:
         each output row quantized with its own scale, built here from the float weights the
         layers hold now), their inputs quantized to 12 bits per token in each pass: VNNI's
-        integer products, 2x float32's per instruction, for every pass however many rows.
-        An approximation (docs/BENCHMARKS.md measures it), off unless asked for; replaces
-        attached blocks. Returns how many weights are served (0 where the CPU lacks
-        AVX512_VNNI or a width is not a multiple of 64)."""
-        self._q4, self._q4_seen, self._q4_table = {}, (), None
+        integer products (32 an instruction, on Zen 4 at about the float32 FMA's rate), for
+        every pass however many rows. An approximation (docs/BENCHMARKS.md measures it), off
+        unless asked for; replaces attached blocks. Returns how many weights are served (0,
+        and the blocks stay, where the CPU lacks AVX512_VNNI or a width is not a multiple
+        of 64)."""
         if (any(n % 64 or n > native.Q4_MAX_K for n in (self.hidden, self.inter,
                                                           self.heads * self.head_dim))
                 or not native.enabled() or not native.available()
                 or not native.products_available("int8")):
             return 0
-        self._q_kind = 1
+        self._q4, self._q4_seen, self._q4_table, self._q_kind = {}, (), None, 1
         for slot, (params, key) in enumerate(self._slots):
             weight = params.get(key)
             if (key == "weight" and weight is not None and weight.dim() == 2

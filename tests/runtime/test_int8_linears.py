@@ -221,3 +221,11 @@ def test_a_model_the_int8_tiles_cannot_take_loads_float_with_a_warning(tiny_mode
         eight = engine.load(tiny_model_dir, int8_linears=True)
     assert eight.adapter.fast.decoder.quantized_weights == 0
     assert eight.adapter.fingerprint == plain.adapter.fingerprint
+
+
+def test_where_int8_cannot_run_what_was_attached_stays(monkeypatch):
+    dec = FusedDecoder.of(model(), "Llama")
+    assert dec.attach_int8() == 21
+    monkeypatch.setattr(native, "products_available", lambda kind="bf16": False)
+    assert dec.attach_int8() == 0
+    assert dec.quantized_weights == 21
