@@ -229,3 +229,19 @@ def test_where_int8_cannot_run_what_was_attached_stays(monkeypatch):
     monkeypatch.setattr(native, "products_available", lambda kind="bf16": False)
     assert dec.attach_int8() == 0
     assert dec.quantized_weights == 21
+
+
+def test_the_commands_take_the_approximations(tiny_model_dir, tmp_path, capsys):
+    from promptlang import cli
+
+    (tmp_path / "s.pml").write_text("<schema name='s'><system>Be brief.</system>"
+                                    "<module name='doc'>The tower is old.</module></schema>")
+    (tmp_path / "p.pml").write_text("<prompt schema='s'><doc/><user>How old?</user>"
+                                    "<assistant></prompt>")
+    files = [str(tmp_path / "s.pml"), str(tmp_path / "p.pml"), "--max-new-tokens", "2"]
+    with pytest.warns(RuntimeWarning, match="int8_linears needs"):     # 32 wide
+        assert cli.main(["run", *files, "--model", str(tiny_model_dir), "--int8-linears",
+                         "--bf16-attention"]) == 0
+    capsys.readouterr()
+    assert cli.main(["serve", "--ray", "--int8-linears"]) == 2
+    assert "not available with --ray" in capsys.readouterr().err
