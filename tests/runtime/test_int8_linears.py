@@ -234,11 +234,9 @@ def test_where_int8_cannot_run_what_was_attached_stays(monkeypatch):
 def test_the_commands_take_the_approximations(tiny_model_dir, tmp_path, capsys):
     from promptlang import cli
 
-    (tmp_path / "s.pml").write_text("<schema name='s'><system>Be brief.</system>"
-                                    "<module name='doc'>The tower is old.</module></schema>")
-    (tmp_path / "p.pml").write_text("<prompt schema='s'><doc/><user>How old?</user>"
-                                    "<assistant></prompt>")
-    files = [str(tmp_path / "s.pml"), str(tmp_path / "p.pml"), "--max-new-tokens", "2"]
+    from .test_quantize import run_files
+
+    files = run_files(tmp_path, 2)
     with pytest.warns(RuntimeWarning, match="int8_linears needs"):     # 32 wide
         assert cli.main(["run", *files, "--model", str(tiny_model_dir), "--int8-linears",
                          "--bf16-attention"]) == 0

@@ -100,14 +100,19 @@ def test_what_cannot_be_quantized_is_a_clear_error(tiny_model_dir):
         quantize_model(tiny_model("gpt2"), "q8_0")
 
 
+def run_files(folder, tokens: int) -> list[str]:
+    """`promptlang run`'s arguments for a one-module schema and a prompt written to `folder`."""
+    (folder / "s.pml").write_text("<schema name='s'><system>Be brief.</system>"
+                                  "<module name='doc'>The tower is old.</module></schema>")
+    (folder / "p.pml").write_text("<prompt schema='s'><doc/><user>How old?</user>"
+                                  "<assistant></prompt>")
+    return [str(folder / "s.pml"), str(folder / "p.pml"), "--max-new-tokens", str(tokens)]
+
+
 def test_promptlang_run_takes_quantize(tiny_model_dir, tmp_path, capsys):
     from promptlang import cli
 
-    (tmp_path / "s.pml").write_text("<schema name='s'><system>Be brief.</system>"
-                                    "<module name='doc'>The tower is old.</module></schema>")
-    (tmp_path / "p.pml").write_text("<prompt schema='s'><doc/><user>How old?</user>"
-                                    "<assistant></prompt>")
-    files = [str(tmp_path / "s.pml"), str(tmp_path / "p.pml"), "--max-new-tokens", "3"]
+    files = run_files(tmp_path, 3)
     assert cli.main(["run", *files, "--model", str(tiny_model_dir), "--quantize", "q8_0"]) == 0
     capsys.readouterr()
     assert cli.main(["run", *files, "--quantize", "q4_1"]) == 1     # the default model: a GGUF
