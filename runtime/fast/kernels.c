@@ -391,6 +391,60 @@ static void q8_row_w(const uint8_t* row, long k, float* dst) {
     }
 }
 
+/* R rows of a x 4 Q4_1 rows of b (row stride `stride` bytes), each weight made in a register
+ * and multiplied in where tile_w over q4_row_w's buffer multiplies it: the same bits, without
+ * the buffer (a decode step's 1-3 rows: the dequantizing bounds them). A block's 32 weights
+ * take 16 values, d * q + m for q = 0..15: one FMA makes them all (d * q is exact in float32 --
+ * 11 bits times 4 -- so it rounds once, as q4_row_w's multiply-then-add does), and each
+ * weight is the lane its nibble picks (vpermps reads an index's low 4 bits: the low nibble
+ * as loaded, the high one after a shift). */
+static inline __attribute__((always_inline, target("avx512f")))
+void q4_tile_w(const int R, const float* a, long lda, const uint8_t* b, long stride, long k,
+               float* c, long ldc) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 acc[3][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    for (long blk = 0; blk < k / 32; blk++) {
+        __m512 x0[3], x1[3];
+        for (int r = 0; r < R; r++) {
+            x0[r] = _mm512_loadu_ps(a + r * lda + 32 * blk);
+            x1[r] = _mm512_loadu_ps(a + r * lda + 32 * blk + 16);
+        }
+        for (int j = 0; j < 4; j++) {
+            const uint8_t* q = b + j * stride + blk * Q4_BYTES;
+            int halves;
+            memcpy(&halves, q, 4);
+            __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));             /* d, m */
+            __m512 values = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), iota,
+                                            _mm512_broadcastss_ps(_mm_movehdup_ps(dm)));
+            __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 4)));
+            __m512 w0 = _mm512_permutexvar_ps(e, values);
+            __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(e, 4), values);
+            for (int r = 0; r < R; r++) {
+                acc[r][j] = _mm512_fmadd_ps(x0[r], w0, acc[r][j]);
+                acc[r][j] = _mm512_fmadd_ps(x1[r], w1, acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        _mm_storeu_ps(c + r * ldc, hsum4(half_sum(acc[r][0]), half_sum(acc[r][1]),
+                                         half_sum(acc[r][2]), half_sum(acc[r][3])));
+}
+
+#define Q4_TILE_W(R) __attribute__((noinline, target("avx512f"))) \
+    static void q4tile##R##_w(const float* a, long lda, const uint8_t* b, long stride, long k, \
+                              float* c, long ldc) { q4_tile_w(R, a, lda, b, stride, k, c, ldc); }
+Q4_TILE_W(1) Q4_TILE_W(2) Q4_TILE_W(3)
+#undef Q4_TILE_W
+#define Q4_FUSED_ROWS 3        /* passes of up to 3 rows take q4_tile_w */
+static int q4_fused = 1;       /* pl_q4_fused(0): the buffer instead (to measure one against the other) */
+
+int pl_q4_fused(int on) {
+    if (on >= 0) q4_fused = on;
+    return q4_fused;
+}
+
 /* out[r][0:k] = the weights of rows [0, rows) of blocks w (kind 4: Q4_1, 8: Q8_0; k % 32 ==
  * 0): for tests and checks */
 void pl_q_dequant(const uint8_t* w, long rows, long k, int kind, float* out) {
@@ -408,6 +462,16 @@ static void dots_q(const float* a, long lda, long m, const uint8_t* b, long n, l
     int w = use_wide(k);
     if (w) row = row == q4_row ? q4_row_w : (row == q8_row ? q8_row_w : row);
     long j = 0;
+    if (w && row == q4_row_w && q4_fused && m >= 1 && m <= Q4_FUSED_ROWS)
+        for (; j + 4 <= n; j += 4) {
+            if (j + 8 <= n)
+                for (long o = 0; o < 4 * stride; o += 64)
+                    _mm_prefetch((const char*)(b + (j + 4) * stride + o), _MM_HINT_T0);
+            const uint8_t* g = b + j * stride;
+            if (m == 1) q4tile1_w(a, lda, g, stride, k, c + j, ldc);
+            else if (m == 2) q4tile2_w(a, lda, g, stride, k, c + j, ldc);
+            else q4tile3_w(a, lda, g, stride, k, c + j, ldc);
+        }
     for (; j + 4 <= n; j += 4) {
         for (long r = 0; r < 4; r++) row(b + (j + r) * stride, k, buf + r * k);
         if (j + 8 <= n)

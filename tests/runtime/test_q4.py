@@ -52,7 +52,7 @@ def test_dequantized_blocks_are_gguf_s_values_bit_for_bit():
 
 
 @pytest.mark.parametrize("extra", [{}, {"attention_bias": True, "mlp_bias": True}])
-@pytest.mark.parametrize("new", [1, 3, 7, 19])
+@pytest.mark.parametrize("new", [1, 2, 3, 7, 19])
 def test_a_pass_from_q4_blocks_equals_the_float_pass_exactly(extra, new):
     model, blocks = q4_model(**extra)
     adapter = adapt(model)
