@@ -10,9 +10,10 @@ layer-1 KV deviates most is recomputed in layer 2, of those the r2 < r1 share de
 most in layer 2 goes on to layer 3, and so on, the shares averaging r. The runtime's
 `deviation:F` selects once, from layer 1 (as LMCache's implementation, `check_layers=[1]`).
 
-Each setting is ONE masked pass of the unmodified model (the DESIGN.md oracle's rule,
+Each setting is a masked pass of the unmodified model (the DESIGN.md oracle's rule,
 tests/studies/seam_tokens.py `occurrences`): every cached token once as stored (attending
-to its unit, as encoded) and every candidate once more as recomputed; an attention
+to its unit, as encoded: one pass per item, the past of every setting's pass) and every
+candidate once more as recomputed, with the request's own tokens; an attention
 function chooses, per layer, which of the two copies the request's rows read (the
 recomputed copy of a token selected for that layer, else the stored one), and scores the
 selected copies' deviation there (|dK|^2 / mean|K|^2 + |dV|^2 / mean|V|^2, dK between the
