@@ -1075,6 +1075,7 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                     }
                     qk_tile(6, qs + r * d, d, kt + jb, s + r * BK + jb);
                 }
+                if (r < nr) pull(&kahead);       /* a decode step's 3 rows: this pull only */
                 switch (nr - r) {
                     case 1: qk_tile(1, qs + r * d, d, kt + jb, s + r * BK + jb); break;
                     case 2: qk_tile(2, qs + r * d, d, kt + jb, s + r * BK + jb); break;
