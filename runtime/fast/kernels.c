@@ -297,10 +297,11 @@ static void dots(const float* a, long lda, long m, const float* b, long ldb, lon
 /* ---- Q4_1 weights, read as the GGUF stores them --------------------------------------------- *
  * A row of k weights is k / 32 blocks of 20 bytes: d and m (float16), then 16 bytes whose low
  * nibbles are the block's weights 0-15 and high nibbles 16-31; weight = d * q + m. The dot
- * tiles read each group of 4 weight rows dequantized into a float buffer in L1, computed as
- * gguf's dequantizer computes them (float32 multiply, then add: not fused), so the values are
- * the float32 weights a converted model holds, bit for bit, and a pass gives the float path's
- * results exactly, reading ~6.4x fewer weight bytes. */
+ * tiles read each group of 4 weight rows dequantized into a float buffer in L1 (passes of 1-3
+ * rows: made in registers, q4_tile_w), computed as gguf's dequantizer computes them (float32
+ * multiply, then add: not fused), so the values are the float32 weights a converted model
+ * holds, bit for bit, and a pass gives the float path's results exactly, reading ~6.4x fewer
+ * weight bytes. */
 #define Q4_BYTES 20           /* bytes per block of 32 */
 #define Q4_MAX_K 8192
 #define Q4_MAX_ROWS 3         /* passes of more rows take the float weights: for them the
