@@ -24,8 +24,11 @@ attention: load's int8_linears and bf16_attention), each with a goal of its own.
 
 promptlang serves from a store of the run's own (memory only: nothing an earlier run
 stored is served). llama.cpp runs in a process of its own (bench/peers_llama.py, no torch)
-after promptlang's measurements, with the same number of threads, on the default model's
-GGUF (the file the default model is converted from; for another model, pass --gguf).
+with the same number of threads, on the default model's GGUF (the file the default model
+is converted from; for another model, pass --gguf). The document and decode measurements
+take turns, one engine after the other in every round (the machine's speed drifts over
+minutes: each ratio compares rounds made side by side); the RAG requests, whose ratios are
+in the hundreds, run on llama.cpp after promptlang's.
 Without llama-cpp-python (an optional extra: `pip install llama-cpp-python`, a ~10 minute
 build on 2 cores) its column and the goals that need it say N/A. transformers' full prefill is the model's own
 forward (no promptlang kernels or hooks) over the same token ids.
@@ -39,6 +42,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -57,6 +61,7 @@ BF16_STORE = "promptlang (bf16 store)"
 # under this name
 APPROXIMATE = "promptlang (int8 linears, bf16 attention and store)"
 LLAMA_TIMEOUT = 3600.0           # seconds for llama.cpp's whole share, at most
+DECODE_ROUNDS = 3                # decode runs per engine, in turns (the median counts)
 
 
 @dataclass(frozen=True)
@@ -102,79 +107,179 @@ def run_peers(llm, options: PeersOptions = PeersOptions(), *, model_name: str = 
     gguf = options.gguf or _default_gguf(llm)
     # a store of this run's own, memory only: nothing earlier runs stored is served
     llm = LLM(llm.adapter, llm.tokenizer, ModuleStore(llm.adapter.device, disk_budget_bytes=0))
+    if gguf is None:
+        report.llama_missing = "no GGUF for this model (give --gguf FILE)"
     try:
-        doc_ids = _document(llm, options, report)
+        _document(llm, options, report, gguf, threads)
         rag_ids = _rag(llm, options, report)
     finally:
         llm.store.clear()
-    if gguf is None:
-        report.llama_missing = "no GGUF for this model (give --gguf FILE)"
-    else:
-        requests = [{"tokens": ids} for ids in doc_ids]
-        requests[-1]["decode"] = options.decode_tokens
-        requests += [{"tokens": ids} for ids in rag_ids]
-        out = _llama(gguf, threads, requests, max(len(i) for i in doc_ids + rag_ids) + 64
-                     + options.decode_tokens)
+    if gguf is not None and not report.llama_missing:
+        out = _llama(gguf, threads, [{"tokens": ids} for ids in rag_ids],
+                     max(len(i) for i in rag_ids) + 64)
         if "error" in out:
             report.llama_missing = out["error"]
         else:
-            results = out["results"]
-            report.llama_version = out["version"]
-            report.llama_reused = [r["reused"] for r in results]
-            n = len(doc_ids)
-            report.doc["llama.cpp"] = [r["ttft_s"] for r in results[1:n]]   # prefix hits
-            report.decode["llama.cpp"] = results[n - 1]["decode_s_per_token"]
-            report.rag["llama.cpp"] = [r["ttft_s"] for r in results[n:]]
+            report.llama_reused += [r["reused"] for r in out["results"]]
+            report.rag["llama.cpp"] = [r["ttft_s"] for r in out["results"]]
     report.quantized_weights, report.quantized_max_diff = quantized_check(llm)
     report.goals = goals(report)
     return report
 
 
-def _document(llm, options: PeersOptions, report: PeersReport) -> list[list[int]]:
-    """The document workload; returns the token ids of its requests (the first one warms
-    every cache, the last one is also the decode request)."""
-    text, item = document(llm.tokenizer, options.doc_tokens, seed=20)
-    llm.add_schema(doc_schema(DOC_SCHEMA, text))
-    questions = [item.question] + [f"{item.question} Answer in one sentence, #{i}."
-                                   for i in range(1, options.questions + 1)]
-    prompts = [doc_prompt(DOC_SCHEMA, q) for q in questions]
-    llm.generate(prompts[0], max_new_tokens=1)                  # the document is stored
-    report.doc["promptlang"] = [_ttft(llm, p) for p in prompts[1:]]
-    ids = [llm.bind(p).token_ids() for p in prompts]
-    report.doc["transformers"] = [_full_prefill(llm, ids[-1])]
-    report.decode["promptlang"] = _per_token(llm, prompts[-1], options.decode_tokens)
-    decoder = llm.adapter.fast.decoder
-    if decoder is not None and decoder.quantized_weights:
-        with decoder.quantized_off():
-            report.decode["promptlang (float32 weights)"] = _per_token(
-                llm, prompts[-1], options.decode_tokens)
-    # the document's KV stored in bfloat16 (read in place by the fused layers): llama.cpp
-    # keeps its KV cache in 16 bits too; then also with integer products in the linear
-    # layers (llama.cpp quantizes their inputs to 8 bits) and 16-bit ones in the attention
-    _bf16_store(llm, text, prompts, options, report, BF16_STORE, contextlib.nullcontext())
-    if decoder is not None:
-        _bf16_store(llm, text, prompts, options, report, APPROXIMATE, decoder.approximated())
-    return ids
-
-
-def _bf16_store(llm, text: str, prompts: list[str], options: PeersOptions,
-                report: PeersReport, name: str, numerics) -> None:
-    """The document workload again from a bf16 store of its own, under `numerics` (a
-    context manager): TTFT and decode under `name`."""
+def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,
+              threads: int) -> None:
+    """The document and decode workloads, every engine in turn in each round."""
     from promptlang.runtime.engine import LLM
     from promptlang.runtime.store import ModuleStore
 
-    half = LLM(llm.adapter, llm.tokenizer, ModuleStore(
+    text, item = document(llm.tokenizer, options.doc_tokens, seed=20)
+    schema = doc_schema(DOC_SCHEMA, text)
+    llm.add_schema(schema)
+    questions = [item.question] + [f"{item.question} Answer in one sentence, #{i}."
+                                   for i in range(1, options.questions + 1)]
+    prompts = [doc_prompt(DOC_SCHEMA, q) for q in questions]
+    ids = [llm.bind(p).token_ids() for p in prompts]
+    decoder = llm.adapter.fast.decoder
+    # the document's KV stored in bfloat16 (read in place by the fused layers): llama.cpp
+    # keeps its KV cache in 16 bits too; then also with integer products in the linear
+    # layers (llama.cpp quantizes their inputs to 8 bits) and 16-bit ones in the attention
+    half = {name: LLM(llm.adapter, llm.tokenizer, ModuleStore(
         llm.adapter.device, disk_budget_bytes=0, dtype=torch.bfloat16,
-        compute_dtype=torch.bfloat16))
+        compute_dtype=torch.bfloat16)) for name in (BF16_STORE, APPROXIMATE)}
+    numerics = {BF16_STORE: contextlib.nullcontext, APPROXIMATE: (
+        decoder.approximated if decoder is not None else contextlib.nullcontext)}
+    ttft, per_token = {"promptlang": lambda i: _ttft(llm, prompts[i])}, {
+        "promptlang": lambda: _per_token(llm, prompts[-1], options.decode_tokens)}
+    if decoder is not None and decoder.quantized_weights:
+        def float_weights():
+            with decoder.quantized_off():
+                return _per_token(llm, prompts[-1], options.decode_tokens)
+        per_token["promptlang (float32 weights)"] = float_weights
+    for name, engine in half.items():
+        def numbers(call, engine=engine, name=name):
+            with numerics[name]():
+                return call(engine)
+        ttft[name] = lambda i, numbers=numbers: numbers(lambda e: _ttft(e, prompts[i]))
+        per_token[name] = lambda numbers=numbers: numbers(
+            lambda e: _per_token(e, prompts[-1], options.decode_tokens))
+    llama = None
+    if gguf is not None:
+        llama = _LlamaLines.start(gguf, threads, max(len(i) for i in ids) + 64
+                                  + options.decode_tokens)
+        if isinstance(llama, str):
+            report.llama_missing, llama = llama, None
+        else:
+            report.llama_version = llama.version
+            ttft["llama.cpp"] = _guarded(
+                report, lambda i: llama.request(report, ids[i])["ttft_s"])
+            per_token["llama.cpp"] = _guarded(report, lambda: llama.request(
+                report, ids[-1], options.decode_tokens)["decode_s_per_token"])
     try:
-        with numerics:
-            half.add_schema(doc_schema(DOC_SCHEMA, text))
-            half.generate(prompts[0], max_new_tokens=1)
-            report.doc[name] = [_ttft(half, p) for p in prompts[1:]]
-            report.decode[name] = _per_token(half, prompts[-1], options.decode_tokens)
+        for engine in half.values():
+            engine.add_schema(schema)
+        for first in ttft.values():                       # every cache warm: not timed
+            first(0)
+        report.doc = {name: [] for name in ttft}
+        for i in range(1, len(prompts)):                  # new questions, engines in turn
+            for name in _turns(list(ttft), i):
+                value = ttft[name](i)
+                if value is not None:
+                    report.doc[name].append(value)
+        report.doc["transformers"] = [_full_prefill(llm, ids[-1])]
+        rounds: dict[str, list[float]] = {name: [] for name in per_token}
+        for r in range(DECODE_ROUNDS):
+            for name in _turns(list(per_token), r):
+                value = per_token[name]()
+                if value is not None:
+                    rounds[name].append(value)
+        report.decode = {name: _median(v) for name, v in rounds.items()}
+        if report.llama_missing:                          # it stopped on the way
+            report.doc.pop("llama.cpp", None)
+            report.decode.pop("llama.cpp", None)
     finally:
-        half.store.clear()
+        if llama is not None:
+            llama.close()
+        for engine in half.values():
+            engine.store.clear()
+
+
+def _guarded(report: PeersReport, call):
+    """`call`, or None once llama.cpp's process has failed (report.llama_missing says why)."""
+    def guarded(*args):
+        if report.llama_missing:
+            return None
+        try:
+            return call(*args)
+        except _LlamaFailed as failed:
+            report.llama_missing, report.llama_version = str(failed), None
+            return None
+    return guarded
+
+
+def _turns(names: list[str], r: int) -> list[str]:
+    """The engines' order in round r: each one first in turn."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
+class _LlamaFailed(Exception):
+    """llama.cpp's process answered with an error or not at all."""
+
+
+class _LlamaLines:
+    """bench/peers_llama.py --lines: llama.cpp in a process of its own, one request at a
+    time; killed after LLAMA_TIMEOUT seconds in all."""
+
+    def __init__(self, process: subprocess.Popen, timer: threading.Timer, version: str):
+        self.process, self.timer, self.version = process, timer, version
+
+    @classmethod
+    def start(cls, gguf: str, threads: int, n_ctx: int) -> "_LlamaLines | str":
+        """The session, or why there is none."""
+        process = subprocess.Popen([sys.executable, "-m", "promptlang.bench.peers_llama",
+                                    "--lines"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+        timer = threading.Timer(LLAMA_TIMEOUT, process.kill)
+        timer.daemon = True
+        timer.start()
+        session = cls(process, timer, "")
+        try:
+            hello = session._send({"gguf": gguf, "threads": threads, "n_ctx": n_ctx})
+        except _LlamaFailed as failed:
+            session.close()
+            return str(failed)
+        session.version = hello["version"]
+        return session
+
+    def request(self, report: PeersReport, tokens: Sequence[int], decode: int = 0) -> dict:
+        out = self._send({"tokens": list(tokens), "decode": decode})
+        report.llama_reused.append(out["reused"])
+        return out
+
+    def _send(self, message: dict) -> dict:
+        try:
+            self.process.stdin.write(json.dumps(message) + "\n")
+            self.process.stdin.flush()
+            line = self.process.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            err = self.process.stderr.read() if self.process.poll() is not None else ""
+            raise _LlamaFailed(f"llama.cpp's runner stopped (exit {self.process.poll()}): "
+                               f"{err.strip()[-400:]}")
+        out = json.loads(line)
+        if "error" in out:
+            raise _LlamaFailed(out["error"])
+        return out
+
+    def close(self) -> None:
+        self.timer.cancel()
+        try:
+            self.process.stdin.close()
+            self.process.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.process.kill()
 
 
 def _per_token(llm, prompt, tokens: int) -> float | None:
@@ -337,7 +442,8 @@ def sections(report: PeersReport) -> list[Section]:
         row(f"RAG {o.rag_k} of {o.rag_docs} (~{o.rag_doc_tokens} each)", name, values)
     lines = [f"same token ids to every engine; llama.cpp "
              f"{report.llama_version or 'not run: ' + str(report.llama_missing)}, in a "
-             "process of its own after promptlang's measurements, same thread count",
+             "process of its own, same thread count; document and decode: the engines in "
+             f"turn each round (decode: median of {DECODE_ROUNDS} runs each)",
              "document: llama.cpp's TTFT is its prefix hit (the previous request held the "
              "document); promptlang serves the document module from its store",
              f"RAG request kinds: {', '.join(report.rag_kinds)}; llama.cpp reused "

@@ -1,6 +1,7 @@
 """llama.cpp's side of `promptlang bench peers`, run in a process of its own (no torch here).
 
     python -m promptlang.bench.peers_llama < job.json > results.json
+    python -m promptlang.bench.peers_llama --lines      (one JSON object a line, both ways)
 
 The job: {"gguf": path, "threads": N, "n_ctx": N, "requests": [{"tokens": [...],
 "decode": N}, ...]}. The requests run in order on ONE `llama_cpp.Llama`, so its prompt
@@ -11,6 +12,10 @@ greedy token (TTFT), and with "decode": N, the time of each next greedy token (t
 generation does not stop at end-of-sequence, so every request decodes N tokens).
 The results: {"version": llama_cpp.__version__, "results": [{"ttft_s", "reused",
 "decode_s_per_token"}, ...]}, or {"error": why}.
+
+With --lines the parent interleaves its own measurements with llama.cpp's: the first line
+is the job without "requests" (answered by {"version": ...} or {"error": why}), then each
+line one request, answered by its result line; the process ends at end of input.
 """
 
 from __future__ import annotations
@@ -20,16 +25,20 @@ import sys
 import time
 
 
-def run(job: dict) -> dict:
-    try:
+class Session:
+    """One `llama_cpp.Llama` and its prompt cache."""
+
+    def __init__(self, job: dict):
         import llama_cpp
-    except ImportError as error:
-        return {"error": f"llama-cpp-python is not installed ({error})"}
-    llm = llama_cpp.Llama(model_path=job["gguf"], n_ctx=int(job["n_ctx"]),
-                          n_threads=int(job["threads"]), n_threads_batch=int(job["threads"]),
-                          n_batch=512, verbose=False, logits_all=False)
-    results = []
-    for request in job["requests"]:
+
+        self.version = llama_cpp.__version__
+        self.llm = llama_cpp.Llama(model_path=job["gguf"], n_ctx=int(job["n_ctx"]),
+                                   n_threads=int(job["threads"]),
+                                   n_threads_batch=int(job["threads"]), n_batch=512,
+                                   verbose=False, logits_all=False)
+
+    def request(self, request: dict) -> dict:
+        llm = self.llm
         tokens = [int(t) for t in request["tokens"]]
         before = list(llm._input_ids)            # what its prompt cache holds
         reused = 0
@@ -50,12 +59,51 @@ def run(job: dict) -> dict:
                 next(steps)
             per_token = (time.perf_counter() - began) / decode
         steps.close()
-        results.append({"ttft_s": ttft, "reused": min(reused, len(tokens) - 1),
-                        "decode_s_per_token": per_token})
-    return {"version": llama_cpp.__version__, "results": results}
+        return {"ttft_s": ttft, "reused": min(reused, len(tokens) - 1),
+                "decode_s_per_token": per_token}
+
+
+def _open(job: dict) -> Session | dict:
+    try:
+        return Session(job)
+    except ImportError as error:
+        return {"error": f"llama-cpp-python is not installed ({error})"}
+
+
+def run(job: dict) -> dict:
+    session = _open(job)
+    if isinstance(session, dict):
+        return session
+    return {"version": session.version,
+            "results": [session.request(r) for r in job["requests"]]}
+
+
+def _answer(out: dict) -> None:
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
+
+
+def lines() -> int:
+    """The --lines protocol (module docstring)."""
+    try:
+        session = _open(json.loads(sys.stdin.readline()))
+    except Exception as error:                   # reported to the parent, not raised there
+        session = {"error": f"{type(error).__name__}: {error}"}
+    if isinstance(session, dict):
+        _answer(session)
+        return 0
+    _answer({"version": session.version})
+    for line in sys.stdin:
+        try:
+            _answer(session.request(json.loads(line)))
+        except Exception as error:
+            _answer({"error": f"{type(error).__name__}: {error}"})
+    return 0
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--lines"]:
+        return lines()
     job = json.load(sys.stdin)
     try:
         out = run(job)
