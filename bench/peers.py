@@ -152,17 +152,12 @@ def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,
     ttft, per_token = {"promptlang": lambda i: _ttft(llm, prompts[i])}, {
         "promptlang": lambda: _per_token(llm, prompts[-1], options.decode_tokens)}
     if decoder is not None and decoder.quantized_weights:
-        def float_weights():
-            with decoder.quantized_off():
-                return _per_token(llm, prompts[-1], options.decode_tokens)
-        per_token["promptlang (float32 weights)"] = float_weights
+        per_token["promptlang (float32 weights)"] = _inside(decoder.quantized_off,
+                                                            per_token["promptlang"])
     for name, engine in half.items():
-        def numbers(call, engine=engine, name=name):
-            with numerics[name]():
-                return call(engine)
-        ttft[name] = lambda i, numbers=numbers: numbers(lambda e: _ttft(e, prompts[i]))
-        per_token[name] = lambda numbers=numbers: numbers(
-            lambda e: _per_token(e, prompts[-1], options.decode_tokens))
+        ttft[name] = _inside(numerics[name], lambda i, e=engine: _ttft(e, prompts[i]))
+        per_token[name] = _inside(numerics[name], lambda e=engine: _per_token(
+            e, prompts[-1], options.decode_tokens))
     llama = None
     if gguf is not None:
         llama = _LlamaLines.start(gguf, threads, max(len(i) for i in ids) + 64
@@ -202,6 +197,14 @@ def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,
             llama.close()
         for engine in half.values():
             engine.store.clear()
+
+
+def _inside(context, call):
+    """`call` run inside a fresh `context()` each time."""
+    def inside(*args):
+        with context():
+            return call(*args)
+    return inside
 
 
 def _guarded(report: PeersReport, call):
