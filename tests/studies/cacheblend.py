@@ -45,11 +45,10 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 import oracle  # noqa: E402  (the DESIGN.md oracle's reference model)
-from seam_tokens import occurrences  # noqa: E402
+from seam_tokens import bound_item, occurrences  # noqa: E402
 
 import promptlang  # noqa: E402
 from promptlang.bench import qa  # noqa: E402
-from promptlang.runtime.recompute.deviation import candidates  # noqa: E402
 
 
 class Blend:
@@ -175,12 +174,7 @@ def study(kinds, items: int, seed: int, ratios: list[float]) -> list[dict]:
     rows = []
     for kind in kinds:
         for item in qa.generate(items, seed=seed, kind=kind):
-            schema, prompt = qa.to_pml(item, f"qa-{item.id}")
-            bound = llm.bind(prompt, schema=schema, add_generation_prompt=True)
-            layout = bound.layout
-            gold = list(llm.tokenizer.encode(item.answer))
-            found = candidates(bound, lambda unit: layout.units[unit].context)
-            wanted = sorted(p for positions in found.values() for p in positions)
+            bound, gold, _, wanted = bound_item(llm, item)
             prepared = Item(plain, bound, wanted, gold)
             full, _ = prepared.logprobs(reference, "full")
             at = torch.arange(len(gold))

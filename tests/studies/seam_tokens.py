@@ -199,6 +199,17 @@ def adjacent_logprob(reference, bound, gold: list[int]) -> tuple[float, float]:
     return results[0], results[1]
 
 
+def bound_item(llm, item):
+    """An item's prompt bound over its schema (modules as the bench's), its gold answer's
+    token ids, its candidates per unit (deviation.candidates) and all of them, sorted."""
+    schema, prompt = qa.to_pml(item, f"qa-{item.id}")
+    bound = llm.bind(prompt, schema=schema, add_generation_prompt=True)
+    gold = list(llm.tokenizer.encode(item.answer))
+    found = candidates(bound, lambda unit: bound.layout.units[unit].context)
+    wanted = sorted(p for positions in found.values() for p in positions)
+    return bound, gold, found, wanted
+
+
 def study(kinds, items: int, seed: int, k: int, primer: str = "",
           primer_only: bool = False, adjacent: bool = False) -> list[dict]:
     llm = promptlang.load(exact_reuse=False)
@@ -208,12 +219,7 @@ def study(kinds, items: int, seed: int, k: int, primer: str = "",
     rows = []
     for kind in kinds:
         for item in qa.generate(items, seed=seed, kind=kind):
-            schema, prompt = qa.to_pml(item, f"qa-{item.id}")
-            bound = llm.bind(prompt, schema=schema, add_generation_prompt=True)
-            layout = bound.layout
-            gold = list(llm.tokenizer.encode(item.answer))
-            found = candidates(bound, lambda unit: layout.units[unit].context)
-            wanted = sorted(p for positions in found.values() for p in positions)
+            bound, gold, found, wanted = bound_item(llm, item)
             full, _, _ = gold_logprob(reference, bound, set(wanted), gold)
             WEIGHTS.clear()
             none, position, computed = gold_logprob(reference, bound, set(), gold, probe=True)
