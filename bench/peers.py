@@ -60,7 +60,7 @@ BF16_STORE = "promptlang (bf16 store)"
 # layers): fast/fused.py `approximated`; where the CPU lacks them, the float path runs
 # under this name
 APPROXIMATE = "promptlang (int8 linears, bf16 attention and store)"
-LLAMA_TIMEOUT = 3600.0           # seconds for llama.cpp's whole share, at most
+LLAMA_TIMEOUT = 3600.0           # seconds a llama.cpp session may last, at most
 DECODE_ROUNDS = 3                # decode runs per engine, in turns (the median counts)
 
 
@@ -114,14 +114,18 @@ def run_peers(llm, options: PeersOptions = PeersOptions(), *, model_name: str = 
         rag_ids = _rag(llm, options, report)
     finally:
         llm.store.clear()
-    if gguf is not None and not report.llama_missing:
-        out = _llama(gguf, threads, [{"tokens": ids} for ids in rag_ids],
-                     max(len(i) for i in rag_ids) + 64)
-        if "error" in out:
-            report.llama_missing = out["error"]
+    if gguf is not None and not report.llama_missing:        # RAG: llama.cpp after
+        llama = _LlamaLines.start(gguf, threads, max(len(i) for i in rag_ids) + 64)
+        if isinstance(llama, str):
+            report.llama_missing = llama
         else:
-            report.llama_reused += [r["reused"] for r in out["results"]]
-            report.rag["llama.cpp"] = [r["ttft_s"] for r in out["results"]]
+            try:
+                ttft = _guarded(report, lambda ids: llama.request(report, ids)["ttft_s"])
+                values = [ttft(ids) for ids in rag_ids]
+                if not report.llama_missing:
+                    report.rag["llama.cpp"] = values
+            finally:
+                llama.close()
     report.quantized_weights, report.quantized_max_diff = quantized_check(llm)
     report.goals = goals(report)
     return report
@@ -231,8 +235,8 @@ class _LlamaFailed(Exception):
 
 
 class _LlamaLines:
-    """bench/peers_llama.py --lines: llama.cpp in a process of its own, one request at a
-    time; killed after LLAMA_TIMEOUT seconds in all."""
+    """bench/peers_llama.py: llama.cpp in a process of its own, one request at a time;
+    killed after LLAMA_TIMEOUT seconds in all."""
 
     def __init__(self, process: subprocess.Popen, timer: threading.Timer, version: str):
         self.process, self.timer, self.version = process, timer, version
@@ -240,8 +244,7 @@ class _LlamaLines:
     @classmethod
     def start(cls, gguf: str, threads: int, n_ctx: int) -> "_LlamaLines | str":
         """The session, or why there is none."""
-        process = subprocess.Popen([sys.executable, "-m", "promptlang.bench.peers_llama",
-                                    "--lines"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        process = subprocess.Popen([sys.executable, "-m", "promptlang.bench.peers_llama"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True, env=dict(os.environ))
         timer = threading.Timer(LLAMA_TIMEOUT, process.kill)
         timer.daemon = True
@@ -355,21 +358,6 @@ def _default_gguf(llm) -> str | None:
     path = default_model_dir() / GGUF_FILE
     name = getattr(llm.tokenizer, "name", "") or ""
     return str(path) if path.is_file() and "smollm2" in name.lower() else None
-
-
-def _llama(gguf: str, threads: int, requests: list[dict], n_ctx: int) -> dict:
-    job = {"gguf": gguf, "threads": threads, "n_ctx": n_ctx, "requests": requests}
-    try:
-        done = subprocess.run([sys.executable, "-m", "promptlang.bench.peers_llama"],
-                              input=json.dumps(job), capture_output=True, text=True,
-                              timeout=LLAMA_TIMEOUT, env=dict(os.environ))
-    except subprocess.TimeoutExpired:
-        return {"error": f"llama.cpp's run took over {LLAMA_TIMEOUT:.0f} s"}
-    try:
-        return json.loads(done.stdout)
-    except json.JSONDecodeError:
-        return {"error": f"llama.cpp's runner failed (exit {done.returncode}): "
-                         f"{done.stderr.strip()[-400:]}"}
 
 
 # --- the report ------------------------------------------------------------------------------

@@ -1,21 +1,17 @@
 """llama.cpp's side of `promptlang bench peers`, run in a process of its own (no torch here).
 
-    python -m promptlang.bench.peers_llama < job.json > results.json
-    python -m promptlang.bench.peers_llama --lines      (one JSON object a line, both ways)
+    python -m promptlang.bench.peers_llama      (one JSON object a line, both ways)
 
-The job: {"gguf": path, "threads": N, "n_ctx": N, "requests": [{"tokens": [...],
-"decode": N}, ...]}. The requests run in order on ONE `llama_cpp.Llama`, so its prompt
-cache works as it does for its users: a request whose tokens start with the previous
-request's reuses that common prefix and computes the rest ("reused" says how many; any
-other request is computed whole). Per request: the time from the call to the first
-greedy token (TTFT), and with "decode": N, the time of each next greedy token (the
-generation does not stop at end-of-sequence, so every request decodes N tokens).
-The results: {"version": llama_cpp.__version__, "results": [{"ttft_s", "reused",
-"decode_s_per_token"}, ...]}, or {"error": why}.
-
-With --lines the parent interleaves its own measurements with llama.cpp's: the first line
-is the job without "requests" (answered by {"version": ...} or {"error": why}), then each
-line one request, answered by its result line; the process ends at end of input.
+The first line is the session: {"gguf": path, "threads": N, "n_ctx": N}, answered by
+{"version": llama_cpp.__version__} or {"error": why}; then each line one request,
+{"tokens": [...], "decode": N}, answered by {"ttft_s", "reused", "decode_s_per_token"} or
+{"error": why}; the process ends at end of input. The requests run in order on ONE
+`llama_cpp.Llama`, so its prompt cache works as it does for its users: a request whose
+tokens start with the previous request's reuses that common prefix and computes the rest
+("reused" says how many; any other request is computed whole). Per request: the time from
+the call to the first greedy token (TTFT), and with "decode": N, the time of each next
+greedy token (the generation does not stop at end-of-sequence, so every request decodes N
+tokens). The parent interleaves its own measurements with these requests.
 """
 
 from __future__ import annotations
@@ -70,21 +66,13 @@ def _open(job: dict) -> Session | dict:
         return {"error": f"llama-cpp-python is not installed ({error})"}
 
 
-def run(job: dict) -> dict:
-    session = _open(job)
-    if isinstance(session, dict):
-        return session
-    return {"version": session.version,
-            "results": [session.request(r) for r in job["requests"]]}
-
-
 def _answer(out: dict) -> None:
     sys.stdout.write(json.dumps(out) + "\n")
     sys.stdout.flush()
 
 
-def lines() -> int:
-    """The --lines protocol (module docstring)."""
+def main() -> int:
+    """The line protocol (module docstring)."""
     try:
         session = _open(json.loads(sys.stdin.readline()))
     except Exception as error:                   # reported to the parent, not raised there
@@ -98,18 +86,6 @@ def lines() -> int:
             _answer(session.request(json.loads(line)))
         except Exception as error:
             _answer({"error": f"{type(error).__name__}: {error}"})
-    return 0
-
-
-def main() -> int:
-    if sys.argv[1:] == ["--lines"]:
-        return lines()
-    job = json.load(sys.stdin)
-    try:
-        out = run(job)
-    except Exception as error:                   # reported to the parent, not raised there
-        out = {"error": f"{type(error).__name__}: {error}"}
-    json.dump(out, sys.stdout)
     return 0
 
 
