@@ -827,6 +827,124 @@ static void partial_reset(Partial* p, long nr, long d) {
 /* 16-bit kinds of a segment (the `half` flags; 0 is float32) */
 enum { HALF_BF16 = 1, HALF_FP16 = 2 };
 
+/* ---- a decode step's few rows (pl_few): scores straight from the key rows ---- *
+ * A decode step has 1-3 query rows per KV head (the group of query heads sharing it) and
+ * reads every key and value of the past once: too few rows to pay for transposing each block
+ * of keys (and, for a 16-bit store, widening it into a buffer first: both measured as most of
+ * the step). Here a key's values are multiplied along d with each row's (16 lanes of partial
+ * sums per row and key), and 8 keys' partials are folded into 8 scores by a shuffle tree;
+ * values are read the same way, straight from the store. 16-bit rows are widened in
+ * registers. The sums run in another order than the transposed tiles' (a lane holds dims
+ * c, c+16, ...), so a row's numbers in a step of this path differ from the same row's in a
+ * pass of more rows by float rounding; a request's rows take the same path alone or in a batch. */
+static int few_rows = 1;       /* pl_few(0): the transposed tiles for every row count (to measure) */
+
+int pl_few(int on) {
+    if (on >= 0) few_rows = on != 0;
+    return few_rows;
+}
+
+/* 16 values from element i of 16-bit `kind` (or float32) rows, as floats */
+AIW __m512 load16(const char* base, long i, int kind) {
+    if (kind == HALF_FP16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i)));
+    if (kind == HALF_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i))), 16));
+    return _mm512_loadu_ps((const float*)base + i);
+}
+
+/* the lane sums of a[0..7], in order */
+AIW __m256 fold8(const __m512* a) {
+    __m512 b[4];
+    for (int i = 0; i < 4; i++)     /* [a_2i, a_2i+1]: 8 partials each */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    /* 128-bit lane i: key i's 4 partials (c0), key 4 + i's (c1) */
+    __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+    __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+    __m512 e = _mm512_add_ps(_mm512_unpacklo_ps(c0, c1), _mm512_unpackhi_ps(c0, c1));
+    __m512 g = _mm512_add_ps(e, _mm512_permute_ps(e, 0x4E));   /* lane 4i: key i, 4i + 1: key 4 + i */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, g));
+}
+
+/* s[r][0:nk8] = q[r] . key j for NR rows over nk keys (rows of d values, d % 16 == 0); the
+ * scores of keys nk <= j < nk8 are 0 */
+AIW void qk_few_t(const int NR, const float* q, long d, const char* k, long nk, int kind, float* s) {
+    long j0 = 0;
+    for (; j0 + 8 <= nk; j0 += 8) {
+        __m512 a[3][8];
+        for (int r = 0; r < NR; r++)
+            for (int j = 0; j < 8; j++) a[r][j] = _mm512_setzero_ps();
+        for (long c = 0; c < d; c += 16)
+            for (int j = 0; j < 8; j++) {
+                __m512 kv = load16(k, (j0 + j) * d + c, kind);
+                for (int r = 0; r < NR; r++)
+                    a[r][j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * d + c), a[r][j]);
+            }
+        for (int r = 0; r < NR; r++) _mm256_storeu_ps(s + r * BK + j0, fold8(a[r]));
+    }
+    if (j0 < nk) {                  /* the last < 8 keys, and zeros after them */
+        __m512 a[3][8];
+        for (int r = 0; r < NR; r++)
+            for (int j = 0; j < 8; j++) a[r][j] = _mm512_setzero_ps();
+        for (long c = 0; c < d; c += 16)
+            for (int j = 0; j < 8; j++) {
+                if (j0 + j >= nk) break;
+                __m512 kv = load16(k, (j0 + j) * d + c, kind);
+                for (int r = 0; r < NR; r++)
+                    a[r][j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * d + c), a[r][j]);
+            }
+        for (int r = 0; r < NR; r++) _mm256_storeu_ps(s + r * BK + j0, fold8(a[r]));
+    }
+}
+
+/* acc[r][c0:c0+16U] += sum_{j < n} p[r][j] v[j][c0:c0+16U] for NR rows */
+AIW void pv_few_t(const int NR, const int U, const float* p, long n, const char* v, long d,
+                  long c0, int kind, float* acc) {
+    __m512 a[3][4];
+    for (int r = 0; r < NR; r++)
+        for (int u = 0; u < U; u++) a[r][u] = _mm512_loadu_ps(acc + r * d + c0 + 16 * u);
+    for (long j = 0; j < n; j++) {
+        __m512 vv[4];
+        for (int u = 0; u < U; u++) vv[u] = load16(v, j * d + c0 + 16 * u, kind);
+        for (int r = 0; r < NR; r++) {
+            __m512 b = _mm512_set1_ps(p[r * BK + j]);
+            for (int u = 0; u < U; u++) a[r][u] = _mm512_fmadd_ps(b, vv[u], a[r][u]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int u = 0; u < U; u++) _mm512_storeu_ps(acc + r * d + c0 + 16 * u, a[r][u]);
+}
+
+WIDE static void qk_few(long nr, const float* q, long d, const char* k, long nk, int kind, float* s) {
+    #define QK(n) case n: if (kind == HALF_FP16) qk_few_t(n, q, d, k, nk, HALF_FP16, s); \
+                          else if (kind == HALF_BF16) qk_few_t(n, q, d, k, nk, HALF_BF16, s); \
+                          else qk_few_t(n, q, d, k, nk, 0, s); break;
+    switch (nr) { QK(1) QK(2) QK(3) }
+    #undef QK
+}
+
+AIW void pv_few_k(const int NR, const int U, const float* p, long n, const char* v, long d,
+                  long c0, int kind, float* acc) {
+    if (kind == HALF_FP16) pv_few_t(NR, U, p, n, v, d, c0, HALF_FP16, acc);
+    else if (kind == HALF_BF16) pv_few_t(NR, U, p, n, v, d, c0, HALF_BF16, acc);
+    else pv_few_t(NR, U, p, n, v, d, c0, 0, acc);
+}
+
+/* acc[r][0:d] += sum_{j < n} p[r][j] v[j] for nr (<= 3) rows, 64 columns at a time (d % 16 == 0) */
+WIDE static void pv_few(long nr, const float* p, long n, const char* v, long d, int kind, float* acc) {
+    for (long c0 = 0; c0 < d; c0 += 64) {
+        int u = d - c0 >= 64 ? 4 : (int)(d - c0) / 16;
+        #define PV(n_, u_) case 4 * n_ + u_: pv_few_k(n_, u_, p, n, v, d, c0, kind, acc); break;
+        switch (4 * nr + u) {
+            PV(1, 1) PV(1, 2) PV(1, 3) PV(1, 4) PV(2, 1) PV(2, 2) PV(2, 3) PV(2, 4)
+            PV(3, 1) PV(3, 2) PV(3, 3) PV(3, 4)
+        }
+        #undef PV
+    }
+}
+
 /* dst[i] = src[i] for n 16-bit values (n % 8 == 0): bfloat16 (a float's upper half) or
  * IEEE half precision (F16C) */
 static void widen16(const uint16_t* src, long n, int kind, float* dst) {
@@ -984,6 +1102,7 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
      * are bound by the keys' and values' memory stream, and measured slower on them */
     bf = bf && d % 32 == 0;
     int wt = wide_tiles && nr > 6;
+    int few = wide_tiles && few_rows && !bf && nr <= 3 && d % 16 == 0;
     for (long r = 0; bf && r < nr; r++)
         to_bf16(qs + r * d, d, (uint16_t*)(qh + r * (d / 2)));
     partial_reset(part, nr, d);
@@ -1026,7 +1145,11 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
             Ahead vahead = ahead(values[g] + (j0 + BK) * d * es, next * d * es,
                                  (d / 32) * ((nr + 2) / 3));
             const float* vb = NULL;
-            if (bf)                                  /* bf16 pairs of keys */
+            int kind = es == 2 ? half[g] : 0;
+            if (few) {                                /* straight from the store */
+                for (long t = 0; t < nk16 / 16; t++) pull(&kahead);
+                qk_few(nr, qs, d, keys[g] + j0 * d * es, nk, kind, s);
+            } else if (bf)                                  /* bf16 pairs of keys */
                 transpose_block((const float*)block_bf16(keys[g] + j0 * d * es, nk, d,
                                                          es == 2 ? half[g] : 0, wide, t16),
                                 nk, d / 2, kt);
@@ -1035,7 +1158,8 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 transpose_block(wide, nk, d, kt);
             } else
                 transpose_block((const float*)(keys[g] + j0 * d * es), nk, d, kt);
-            if (bf)                                /* bf16 pairs of value rows */
+            if (few) {
+            } else if (bf)                         /* bf16 pairs of value rows */
                 pair_rows(block_bf16(values[g] + j0 * d * es, nk, d, es == 2 ? half[g] : 0,
                                      wide, t16), nk, d, (uint32_t*)wide);
             else if (es == 2) {
@@ -1043,7 +1167,7 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 vb = wide;
             } else
                 vb = (const float*)(values[g] + j0 * d * es);
-            for (long jb = 0; (wt || bf) && jb < nk16; jb += 32) {   /* 512-bit: 32 keys */
+            for (long jb = 0; !few && (wt || bf) && jb < nk16; jb += 32) {   /* 512-bit: 32 keys */
                 int cols16 = nk16 - jb >= 32 ? 2 : 1;
                 int64_t lo32 = 0;                            /* the tile's lowest position */
                 if (kp)
@@ -1065,7 +1189,7 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                         qk_w(rows, cols16, qs + r * d, d, kt + jb, s + r * BK + jb);
                 }
             }
-            for (long jb = 0; !wt && !bf && jb < nk16; jb += 16) {
+            for (long jb = 0; !few && !wt && !bf && jb < nk16; jb += 16) {
                 long r = 0;
                 for (; r + 6 <= nr; r += 6) {
                     pull(&kahead);
@@ -1135,6 +1259,12 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
             /* values only up to the last key a tile's rows see (the rest weigh 0) */
             for (long r = 0; bf && r < nr; r++)
                 to_bf16(s + r * BK, (nk + 31) & ~31L, (uint16_t*)(ph + r * (BK / 2)));
+            if (few) {
+                long n = 0;
+                for (long r = 0; r < nr; r++) n = visr[r] > n ? visr[r] : n;
+                for (long c = 0; c < d; c += 32) pull(&vahead);
+                if (n) pv_few(nr, s, n, values[g] + j0 * d * es, d, kind, acc);
+            }
             for (long c = 0; bf && c < d; c += 32)
                 for (long r = 0; r < nr; r += 6) {
                     long rows = nr - r < 6 ? nr - r : 6, n = 0;
@@ -1144,7 +1274,7 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                     if (n) pv_bf(rows, ph + r * (BK / 2), (n + 1) / 2, (const uint32_t*)wide + c,
                                  d, acc + r * d + c);
                 }
-            for (long c = 0; wt && !bf && c + 32 <= d; c += 32)
+            for (long c = 0; !few && wt && !bf && c + 32 <= d; c += 32)
                 for (long r = 0; r < nr; r += 6) {
                     long rows = nr - r < 6 ? nr - r : 6, n = 0;
                     pull(&vahead);
@@ -1152,7 +1282,7 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                     for (long i = 0; i < rows; i++) n = visr[r + i] > n ? visr[r + i] : n;
                     if (n) pv_w(rows, s + r * BK, n, vb + c, d, acc + r * d + c);
                 }
-            for (long c = 0; !wt && !bf && c + 32 <= d; c += 32) {
+            for (long c = 0; !few && !wt && !bf && c + 32 <= d; c += 32) {
                 long r = 0;
                 for (; r + 3 <= nr; r += 3) {
                     pull(&vahead);
@@ -1167,7 +1297,7 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 if (nr - r == 1 && visr[r])
                     pv_tile(1, s + r * BK, visr[r], vb + c, d, acc + r * d + c);
             }
-            for (long c = d & ~31L; c < d; c += 8)
+            for (long c = d & ~31L; !few && c < d; c += 8)
                 for (long r = 0; r < nr; r++)
                     if (visr[r]) pv_col8(s + r * BK, visr[r], vb + c, d, acc + r * d + c);
         }
@@ -1415,11 +1545,22 @@ static int attend_group(const Plan* p, long c, const float* qs, const void* cons
     int cz = 0;
     const char* kh = (const char*)keys[g] + h * kstride[g] * es;
     const char* vh = (const char*)values[g] + h * vstride[g] * es;
+    /* units of <= 3 rows take the few-rows path (attend_part): each alone, as ungrouped (the
+     * unit's keys still in this core's cache from the chain's previous task) */
+    int few = wide_tiles && few_rows && !bf && d % 16 == 0;
     for (long x = x0, xe; x < x1; x = xe) {
+        long t = p->run[x], u = p->t_unit[t], n = p->u_r1[u] - p->u_r0[u];
+        if (few && n <= 3) {
+            const float* q = qs + (h * p->rows + p->groups * p->tok[p->u_req[u]] + p->u_r0[u]) * d;
+            attend_part(q, 0, n, d, 1, &kh, &vh, &ln, &cz, &hf, NULL, NULL, 1, 0, ln, &parts[t],
+                        NULL, 1.f, NULL, bf);
+            xe = x + 1;
+            continue;
+        }
         long rows = 0;
         for (xe = x; xe < x1; xe++) {          /* units hold at most MAXR rows: one always fits */
             long u = p->t_unit[p->run[xe]], n = p->u_r1[u] - p->u_r0[u];
-            if (rows + n > MAXR) break;
+            if (rows + n > MAXR || (few && n <= 3)) break;
             long first = h * p->rows + p->groups * p->tok[p->u_req[u]] + p->u_r0[u];
             memcpy(gq + rows * d, qs + first * d, sizeof(float) * n * d);
             rows += n;

@@ -66,8 +66,7 @@ def off_by_env(environ=os.environ) -> bool:
 
 
 def required(environ=os.environ) -> bool:
-    """Whether PROMPTLANG_REQUIRE_NATIVE makes missing kernels an error on a CPU that can
-    run them (read when the kernels are first needed)."""
+    """Whether PROMPTLANG_REQUIRE_NATIVE makes missing kernels an error (CPUs that run them)."""
     return environ.get(REQUIRE_ENV, "0").strip().lower() in _TRUE and _supported_cpu()
 
 
@@ -133,8 +132,7 @@ def _supported_cpu() -> bool:
 
 
 def _build_and_load() -> ctypes.CDLL | None:
-    """The kernel library, or None (with a warning where the CPU could run it); raises
-    NativeKernelsError instead where PROMPTLANG_REQUIRE_NATIVE is set."""
+    """The kernel library, or None (with a warning; NativeKernelsError where required)."""
     if not _supported_cpu():
         return None
     try:
@@ -149,8 +147,7 @@ def _build_and_load() -> ctypes.CDLL | None:
 
 
 def _trusted_library() -> Path:
-    """The built library for this kernels.c, checked right before it is loaded; an
-    untrusted or altered one is rebuilt (with a warning), a missing one built."""
+    """The built library for this kernels.c, checked before it is loaded: rebuilt if untrusted."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise _Unavailable("no C compiler found (install one, or name it in $CC)")
@@ -233,7 +230,7 @@ def _bind(library: Path) -> ctypes.CDLL:
         "pl_q_dequant": ([_P, _L, _L, _I, _P], None), "pl_wide": ([_I], _I),
         "pl_linear_q8": ([_P, _L, _L, _P, _L, _P, _I], None), "pl_group": ([_I], _I),
         "pl_linear_i8": ([_P, _L, _L, _P, _L, _P], _I), "pl_group_runs": ([], _L),
-        "pl_products": ([_I], _I)}
+        "pl_products": ([_I], _I), "pl_few": ([_I], _I)}
     try:
         for name, (arguments, result) in signatures.items():
             kernel = getattr(lib, name)
@@ -250,16 +247,22 @@ def wide(on: bool | None = None) -> bool:
     has it and PROMPTLANG_AVX512 is not "0"); `on` turns them on (where supported) or off
     for the whole process. Both give every row the same numbers however many rows a pass has;
     the two differ from each other by summation order only."""
+    return _toggle("pl_wide", on)
+
+
+def few(on: bool | None = None) -> bool:
+    """Whether 1-3 query rows a KV head take kernels.c's few-rows attention (on: set it)."""
+    return _toggle("pl_few", on)
+
+
+def _toggle(kernel: str, on: bool | None) -> bool:
     lib = _lib or _load()
-    if lib is None:
-        return False
-    return bool(lib.pl_wide(-1 if on is None else int(on)))
+    return False if lib is None else bool(getattr(lib, kernel)(-1 if on is None else int(on)))
 
 
 def products_available(kind: str = "bf16") -> bool:
     """Whether pl_decoder's bf16 attention (AVX512_BF16) or int8 linears ("int8": VNNI) run."""
-    lib = _lib or _load()
-    return lib is not None and bool(lib.pl_products({"bf16": 16, "int8": 8}[kind]))
+    return _toggle("pl_products", {"bf16": 16, "int8": 8}[kind])
 
 
 def group_shared(on: bool | None = None) -> bool:
@@ -267,10 +270,7 @@ def group_shared(on: bool | None = None) -> bool:
     stored unit in place as one attention task over that unit (one pass over its keys, full
     tiles) instead of one task per request; `on` turns it on or off for the whole process.
     Both give every row the same numbers."""
-    lib = _lib or _load()
-    if lib is None:
-        return False
-    return bool(lib.pl_group(-1 if on is None else int(on)))
+    return _toggle("pl_group", on)
 
 
 def group_runs() -> int:
