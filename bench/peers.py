@@ -18,7 +18,7 @@ Workloads (issue 20):
             tokens), transformers' full prefill.
 
 The document and decode workloads run three times on promptlang: as the model computes
-(the default), from a bfloat16 store, and with approximations of the kind llama.cpp makes
+(the default), from a float16 store (llama.cpp's KV type), and with approximations of the kind llama.cpp makes
 (a bf16 store, int8 weights x 12-bit inputs in the linear layers, bf16 products in the
 attention: load's int8_linears and bf16_attention), each with a goal of its own.
 
@@ -55,7 +55,7 @@ from promptlang.bench.rag import build_prompt, build_schema, plan_requests
 from promptlang.bench.report import Goal, Section
 
 DOC_SCHEMA, RAG_SCHEMA = "peers-document", "peers-rag"
-BF16_STORE = "promptlang (bf16 store)"
+F16_STORE = "promptlang (f16 store)"        # llama.cpp's own KV type
 # approximations of the kind llama.cpp makes (16-bit KV, quantized inputs to the linear
 # layers): fast/fused.py `approximated`; where the CPU lacks them, the float path runs
 # under this name
@@ -145,13 +145,13 @@ def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,
     prompts = [doc_prompt(DOC_SCHEMA, q) for q in questions]
     ids = [llm.bind(p).token_ids() for p in prompts]
     decoder = llm.adapter.fast.decoder
-    # the document's KV stored in bfloat16 (read in place by the fused layers): llama.cpp
-    # keeps its KV cache in 16 bits too; then also with integer products in the linear
-    # layers (llama.cpp quantizes their inputs to 8 bits) and 16-bit ones in the attention
+    # the document's KV stored in float16 (read in place by the fused layers), as llama.cpp
+    # keeps its KV cache; and in bfloat16 with integer products in the linear layers
+    # (llama.cpp quantizes their inputs to 8 bits) and 16-bit ones in the attention
     half = {name: LLM(llm.adapter, llm.tokenizer, ModuleStore(
-        llm.adapter.device, disk_budget_bytes=0, dtype=torch.bfloat16,
-        compute_dtype=torch.bfloat16)) for name in (BF16_STORE, APPROXIMATE)}
-    numerics = {BF16_STORE: contextlib.nullcontext, APPROXIMATE: (
+        llm.adapter.device, disk_budget_bytes=0, dtype=dtype, compute_dtype=dtype))
+        for name, dtype in ((F16_STORE, torch.float16), (APPROXIMATE, torch.bfloat16))}
+    numerics = {F16_STORE: contextlib.nullcontext, APPROXIMATE: (
         decoder.approximated if decoder is not None else contextlib.nullcontext)}
     ttft, per_token = {"promptlang": lambda i: _ttft(llm, prompts[i])}, {
         "promptlang": lambda: _per_token(llm, prompts[-1], options.decode_tokens)}
@@ -393,7 +393,7 @@ def goals(report: PeersReport) -> list[Goal]:
               _median(rag.get(f"promptlang ({policy})")), _median(rag.get("transformers")),
               50, False, "medians")
     theirs = report.decode.get("llama.cpp")
-    for engine in ("promptlang", BF16_STORE, APPROXIMATE):
+    for engine in ("promptlang", F16_STORE, APPROXIMATE):
         mine, note = report.decode.get(engine), engine[len("promptlang"):]
         name = f"decode at the document's cached context >= llama.cpp's tokens/s{note}"
         if mine is None or theirs is None:

@@ -272,7 +272,7 @@ PEERS_GOALS = {"document ~6.4k, promptlang cached TTFT <= 0.8x llama.cpp's prefi
                "RAG 2 of 3, promptlang (seams) >= 100x faster than llama.cpp",
                "RAG 2 of 3, promptlang (seams) >= 50x faster than transformers' full prefill",
                "decode at the document's cached context >= llama.cpp's tokens/s",
-               "decode at the document's cached context >= llama.cpp's tokens/s (bf16 store)",
+               "decode at the document's cached context >= llama.cpp's tokens/s (f16 store)",
                "decode at the document's cached context >= llama.cpp's tokens/s "
                "(int8 linears, bf16 attention and store)",
                "the quantized path's logits equal the dequantized path's"}
@@ -292,8 +292,8 @@ def test_peers_quick_measures_promptlang_and_transformers_and_says_why_not_llama
     assert data["llama_missing"] and data["llama_version"] is None
     assert len(data["rag"]["promptlang (none)"]) == len(data["rag"]["transformers"]) == 2
     assert len(data["doc"]["promptlang"]) == 1 and data["decode"]["promptlang"] > 0
-    assert len(data["doc"]["promptlang (bf16 store)"]) == 1
-    assert data["decode"]["promptlang (bf16 store)"] > 0
+    assert len(data["doc"]["promptlang (f16 store)"]) == 1
+    assert data["decode"]["promptlang (f16 store)"] > 0
     approximate = "promptlang (int8 linears, bf16 attention and store)"
     assert len(data["doc"][approximate]) == 1 and data["decode"][approximate] > 0
     # a transformers folder, no GGUF: nothing is read quantized, and the goal says so
