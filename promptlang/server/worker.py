@@ -16,9 +16,9 @@ for the whole batch, each token sees its own request's KV only, and each request
 the one it gets alone). Between two steps the thread admits waiting jobs, up to `max_batch`
 requests at once: each is bound and assembled then, and a prefill of at most
 `prefill_in_step` tokens (a question after cached modules) runs in the next step: alone,
-before the decoders' next token, while fewer than `prefill_first_below` requests decode (its
-first token comes sooner, and few streams wait for it), else together with the decoders'
-tokens in one pass (the batch does not stall). A longer prefill (new text, recomputed
+before the decoders' next token, one prefill a step, while fewer than `prefill_first_below`
+requests decode (its first token comes sooner, and few streams wait for it), else together
+with the decoders' tokens in one pass (the batch does not stall). A longer prefill (new text, recomputed
 seams) runs alone, there and then.
 
 `Job.cancel()` (a client that went away) takes the job out before the next step; its

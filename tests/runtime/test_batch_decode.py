@@ -95,8 +95,8 @@ def test_prefills_that_join_a_step_decode_as_alone(llm, monkeypatch, recompute, 
     """Requests whose prefill runs inside a decode step (BatchStepper.join: LLM.start with
     `defer`), one joining while the others are already decoding; under `seams` a new
     combination's prefill recomputes the second module's tokens below the question (the
-    positional rule inside the batch). With prefill_first_below, the joining prefill runs
-    alone while the two others wait a step."""
+    positional rule inside the batch). With prefill_first_below, each joining prefill runs
+    alone, one a step in the order they joined, while the others wait."""
     if not native.available():
         pytest.skip("CPU kernels unavailable here")
     params = [SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=6),
@@ -120,19 +120,24 @@ def test_prefills_that_join_a_step_decode_as_alone(llm, monkeypatch, recompute, 
         return real(items)
     monkeypatch.setattr(llm.adapter, "forward_batch", counted)
     stepper = decode.BatchStepper(llm.adapter, prefill_first_below=first)
+    started = []
     try:
         for g in generations[:2]:
             stepper.join(g, g.decoder, g.opened.pending)
-        stepper.step()                                    # two prefills in one pass
+        started.append([e[0] for e in stepper.step()])   # with the decoders: both prefills
+        if first:
+            started.append([e[0] for e in stepper.step()])   # prefills first: the second
         stepper.join(generations[2], generations[2].decoder, generations[2].opened.pending)
         while len(stepper):
             stepper.step()
     finally:
         for g in generations:
             g.release()
-    assert calls[0] == [True, True]
-    if first:           # the third's prefill ran alone (no batched call), then all three
-        assert calls[1] == [False, False, False]
+    if first:           # one prefill a step, alone (no batched call); then the third alone
+        assert started == [[generations[0]], [generations[1]]]
+        assert calls[0] == [False, False, False]
     else:
+        assert sorted(started[0], key=id) == sorted(generations[:2], key=id)
+        assert calls[0] == [True, True]                   # two prefills in one pass
         assert sorted(calls[1]) == [False, False, True]   # the third joins two decoding
     assert [g.decoding.result()[1] for g in generations] == alone
