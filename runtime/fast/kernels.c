@@ -879,36 +879,29 @@ AIW void ahead_l2(const char* at, long bytes) {
     for (long o = 0; o < bytes; o += 64) _mm_prefetch(at + STREAM_AHEAD + o, _MM_HINT_T1);
 }
 
+/* s[r][j0:j0+8] = q[r] . key j for NR rows, keys j0 .. j0 + jn - 1 (jn <= 8; the rest 0) */
+AIW void qk_few8(const int NR, const float* q, long d, const char* k, long j0, const int jn,
+                 int kind, float* s) {
+    long es = kind ? 2 : 4;
+    __m512 a[3][8];
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < 8; j++) a[r][j] = _mm512_setzero_ps();
+    ahead_l2(k + j0 * d * es, jn * d * es);
+    for (long c = 0; c < d; c += 16)
+        for (int j = 0; j < jn; j++) {
+            __m512 kv = load16(k, (j0 + j) * d + c, kind);
+            for (int r = 0; r < NR; r++)
+                a[r][j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * d + c), a[r][j]);
+        }
+    for (int r = 0; r < NR; r++) _mm256_storeu_ps(s + r * BK + j0, fold8(a[r]));
+}
+
 /* s[r][0:nk8] = q[r] . key j for NR rows over nk keys (rows of d values, d % 16 == 0); the
  * scores of keys nk <= j < nk8 are 0 */
 AIW void qk_few_t(const int NR, const float* q, long d, const char* k, long nk, int kind, float* s) {
-    long j0 = 0, es = kind ? 2 : 4;
-    for (; j0 + 8 <= nk; j0 += 8) {
-        __m512 a[3][8];
-        for (int r = 0; r < NR; r++)
-            for (int j = 0; j < 8; j++) a[r][j] = _mm512_setzero_ps();
-        ahead_l2(k + j0 * d * es, 8 * d * es);
-        for (long c = 0; c < d; c += 16)
-            for (int j = 0; j < 8; j++) {
-                __m512 kv = load16(k, (j0 + j) * d + c, kind);
-                for (int r = 0; r < NR; r++)
-                    a[r][j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * d + c), a[r][j]);
-            }
-        for (int r = 0; r < NR; r++) _mm256_storeu_ps(s + r * BK + j0, fold8(a[r]));
-    }
-    if (j0 < nk) {                  /* the last < 8 keys, and zeros after them */
-        __m512 a[3][8];
-        for (int r = 0; r < NR; r++)
-            for (int j = 0; j < 8; j++) a[r][j] = _mm512_setzero_ps();
-        for (long c = 0; c < d; c += 16)
-            for (int j = 0; j < 8; j++) {
-                if (j0 + j >= nk) break;
-                __m512 kv = load16(k, (j0 + j) * d + c, kind);
-                for (int r = 0; r < NR; r++)
-                    a[r][j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * d + c), a[r][j]);
-            }
-        for (int r = 0; r < NR; r++) _mm256_storeu_ps(s + r * BK + j0, fold8(a[r]));
-    }
+    long j0 = 0;
+    for (; j0 + 8 <= nk; j0 += 8) qk_few8(NR, q, d, k, j0, 8, kind, s);
+    if (j0 < nk) qk_few8(NR, q, d, k, j0, (int)(nk - j0), kind, s);
 }
 
 /* acc[r][c0:c0+16U] += sum_{j < n} p[r][j] v[j][c0:c0+16U] for NR rows */
