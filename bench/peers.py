@@ -20,7 +20,10 @@ Workloads (issue 20):
 The document and decode workloads run three times on promptlang: as the model computes
 (the default), from a float16 store (llama.cpp's KV type), and with approximations of the kind llama.cpp makes
 (a bf16 store, int8 weights x 12-bit inputs in the linear layers, bf16 products in the
-attention: load's int8_linears and bf16_attention), each with a goal of its own.
+attention: load's int8_linears and bf16_attention), each with a goal of its own. The
+document goal with the model's numbers also says what a new question's arithmetic alone
+takes at the run's float32 sgemm rate (bench/floor.py `prefill_flops`; what llama.cpp's
+integer linear layers are not held to).
 
 promptlang serves from a store of the run's own (memory only: nothing an earlier run
 stored is served). llama.cpp runs in a process of its own (bench/peers_llama.py, no torch)
@@ -50,9 +53,11 @@ from typing import Any, Sequence
 import torch
 
 from promptlang.bench.latency.sweep import build_prompt as doc_prompt, build_schema as doc_schema
+from promptlang.bench.floor import prefill_flops
 from promptlang.bench.latency.sweep import document
 from promptlang.bench.rag import build_prompt, build_schema, plan_requests
 from promptlang.bench.report import Goal, Section
+from promptlang.bench.shapes import shape_from_config
 
 DOC_SCHEMA, RAG_SCHEMA = "peers-document", "peers-rag"
 F16_STORE = "promptlang (f16 store)"        # llama.cpp's own KV type
@@ -94,15 +99,18 @@ class PeersReport:
     llama_reused: list[int] = field(default_factory=list)        # its prefix hits, per request
     quantized_weights: int = 0                 # linear weights read as the GGUF stores them
     quantized_max_diff: float | None = None    # largest logit difference against float ones
+    question_flops: float | None = None        # a new question's arithmetic (bench/floor.py)
+    sgemm_flops_per_s: float | None = None     # the run's float32 matmul rate (None: unknown)
     goals: list[Goal] = field(default_factory=list)
 
 
 def run_peers(llm, options: PeersOptions = PeersOptions(), *, model_name: str = "",
-              threads: int | None = None) -> PeersReport:
+              threads: int | None = None, sgemm_flops_per_s: float | None = None) -> PeersReport:
+    """sgemm_flops_per_s: the machine's float32 matmul rate, for the document's arithmetic."""
     from promptlang.runtime.engine import LLM
     from promptlang.runtime.store import ModuleStore
 
-    report = PeersReport(options, model_name)
+    report = PeersReport(options, model_name, sgemm_flops_per_s=sgemm_flops_per_s)
     threads = threads or torch.get_num_threads()
     gguf = options.gguf or _default_gguf(llm)
     # a store of this run's own, memory only: nothing earlier runs stored is served
@@ -179,6 +187,10 @@ def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,
             engine.add_schema(schema)
         for first in ttft.values():                       # every cache warm: not timed
             first(0)
+        probe = llm.generate(doc_prompt(DOC_SCHEMA, f"{item.question} Answer in one sentence, "
+                                        "#0."), max_new_tokens=1)   # a timed question's shape
+        report.question_flops = prefill_flops(shape_from_config(llm.adapter.config),
+                                              probe.prefill_tokens, probe.cached_tokens)
         report.doc = {name: [] for name in ttft}
         for i in range(1, len(prompts)):                  # new questions, engines in turn
             for name in _turns(list(ttft), i):
@@ -383,6 +395,13 @@ def goals(report: PeersReport) -> list[Goal]:
     for engine, note in (("promptlang", ""), (APPROXIMATE, f" ({APPROXIMATE[12:-1]})")):
         ratio(f"document ~6.4k, promptlang cached TTFT <= 0.8x llama.cpp's prefix hit{note}",
               _median(doc.get(engine)), _median(doc.get("llama.cpp")), 0.8, True, "medians")
+    theirs = _median(doc.get("llama.cpp"))
+    if out[0].passed is not None and report.question_flops and report.sgemm_flops_per_s:
+        floor = report.question_flops / report.sgemm_flops_per_s      # the model's numbers
+        out[0] = Goal(out[0].name, out[0].passed, f"{out[0].detail}; the question's arithmetic "
+                      f"alone ({report.question_flops / 1e9:.1f} GFLOP) at this run's float32 "
+                      f"sgemm ({report.sgemm_flops_per_s / 1e9:.0f} GFLOP/s): {floor * 1e3:.0f}"
+                      f" ms = {floor / theirs:.2f}x")
     for policy in ("none", "seams"):
         ratio(f"RAG {report.options.rag_k} of {report.options.rag_docs}, promptlang "
               f"({policy}) >= 100x faster than llama.cpp",
@@ -454,5 +473,7 @@ def to_json(report: PeersReport) -> dict[str, Any]:
             "llama_reused": report.llama_reused,
             "quantized_weights": report.quantized_weights,
             "quantized_max_diff": report.quantized_max_diff,
+            "question_flops": report.question_flops,
+            "sgemm_flops_per_s": report.sgemm_flops_per_s,
             "goals": [{"name": g.name, "passed": g.passed, "detail": g.detail}
                       for g in report.goals]}

@@ -247,7 +247,8 @@ def _run_peers(run: _Run):
     options = peers.PeersOptions.quick() if run.args.quick else peers.PeersOptions()
     if run.args.gguf:
         options = replace(options, gguf=run.args.gguf)
-    report = peers.run_peers(run.llm, options, model_name=run.model_name)
+    report = peers.run_peers(run.llm, options, model_name=run.model_name,
+                             sgemm_flops_per_s=run.machine.matmul_flops_per_s)
     parts = peers.sections(report)
     print(render_text(parts))
     run.write("peers.json", lambda p: write_json(p, peers.to_json(report)))

@@ -292,6 +292,7 @@ def test_peers_quick_measures_promptlang_and_transformers_and_says_why_not_llama
     assert data["llama_missing"] and data["llama_version"] is None
     assert len(data["rag"]["promptlang (none)"]) == len(data["rag"]["transformers"]) == 2
     assert len(data["doc"]["promptlang"]) == 1 and data["decode"]["promptlang"] > 0
+    assert data["question_flops"] > 0 and data["sgemm_flops_per_s"] > 0
     assert len(data["doc"]["promptlang (f16 store)"]) == 1
     assert data["decode"]["promptlang (f16 store)"] > 0
     approximate = "promptlang (int8 linears, bf16 attention and store)"

@@ -1,8 +1,9 @@
-"""bench peers' side-by-side machinery: llama.cpp's line protocol and the engines' turns."""
+"""bench peers' side-by-side machinery: llama.cpp's line protocol, the engines' turns, and
+the document goal's arithmetic line."""
 
 from __future__ import annotations
 
-from promptlang.bench.peers import _LlamaLines, _turns
+from promptlang.bench.peers import PeersOptions, PeersReport, _LlamaLines, _turns, goals
 
 
 def test_a_session_that_cannot_start_says_why(tmp_path):
@@ -18,3 +19,16 @@ def test_every_engine_goes_first_once_every_len_rounds():
     orders = [_turns(names, r) for r in range(3)]
     assert [o[0] for o in orders] == names
     assert all(sorted(o) == names for o in orders)
+
+
+def test_the_document_goal_says_what_the_arithmetic_alone_allows():
+    """18 GFLOP at 180 GFLOP/s is 100 ms: 0.91x llama.cpp's 110 ms prefix hit."""
+    report = PeersReport(PeersOptions(), "m", doc={"promptlang": [0.14], "llama.cpp": [0.11]},
+                         question_flops=18e9, sgemm_flops_per_s=180e9)
+    first = goals(report)[0]
+    assert first.name == "document ~6.4k, promptlang cached TTFT <= 0.8x llama.cpp's prefix hit"
+    assert first.passed is False
+    assert first.detail == ("medians: 1.27x (140.0 vs 110.0 ms); the question's arithmetic alone "
+                            "(18.0 GFLOP) at this run's float32 sgemm (180 GFLOP/s): 100 ms = 0.91x")
+    report.sgemm_flops_per_s = None                  # not measured: no arithmetic line
+    assert goals(report)[0].detail == "medians: 1.27x (140.0 vs 110.0 ms)"
