@@ -96,6 +96,9 @@ def write_private(path: str | os.PathLike, data: bytes | Iterable[bytes | memory
         raise
 
 
+MISSING = "it does not exist"      # untrusted_reason's answer for a path with no file
+
+
 def untrusted_reason(path: str | os.PathLike) -> str | None:
     """Why the file at `path` must not be loaded, or None when it may be.
 
@@ -106,7 +109,7 @@ def untrusted_reason(path: str | os.PathLike) -> str | None:
     try:
         info = os.lstat(path)
     except FileNotFoundError:
-        return "it does not exist"
+        return MISSING
     except OSError as err:
         return f"it cannot be read ({err.strerror})"
     if not stat.S_ISREG(info.st_mode):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from promptlang.home import untrusted_reason, write_private
+from promptlang.home import MISSING, untrusted_reason, write_private
 from promptlang.runtime.kv import ModuleKV
 
 FORMAT = "promptlang-kv"
@@ -99,6 +99,8 @@ def read_file(path: Path, key: str,
     """Read and verify one KV file. FileNotFoundError: there is none; UntrustedFileError:
     it must not be read (see `untrusted_reason`); CorruptFileError: it failed a check."""
     reason = untrusted_reason(path)
+    if reason == MISSING:                   # evicted by another process: a plain miss (even
+        raise FileNotFoundError(path)       # if a writer's rename brings it back meanwhile)
     if reason is not None:
         os.lstat(path)                      # gone meanwhile: a plain miss
         raise UntrustedFileError(reason)
