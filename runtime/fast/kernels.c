@@ -1145,8 +1145,9 @@ static void attend_part(const float* qs, long r0, long nr, long d, long nseg,
                 if (bmin > qmax) continue;                   /* no row sees this block */
             }
             /* the next block's keys and values, pulled into the cache a slice per tile while
-             * this block computes (hides the memory stream: 94 -> 85 ms at 6.4k keys) */
-            long next = hi - (j0 + BK) < BK ? hi - (j0 + BK) : BK;
+             * this block computes (hides the memory stream: 94 -> 85 ms at 6.4k keys); the
+             * few-rows path streams its own (ahead_l2) */
+            long next = few ? 0 : hi - (j0 + BK) < BK ? hi - (j0 + BK) : BK;
             Ahead kahead = ahead(keys[g] + (j0 + BK) * d * es, next * d * es,
                                  (nk16 / 16) * ((nr + 5) / 6));
             Ahead vahead = ahead(values[g] + (j0 + BK) * d * es, next * d * es,
