@@ -12,8 +12,8 @@ Workloads (issue 20):
             mean over the tokens it made).
   rag       k of N ~700-token documents per request (bench/rag.py's plan: new sets,
             reorderings, repeats), a question: promptlang with recompute `none` (the
-            documents as encoded apart: the fast path) and with the default `seams` (a
-            new combination's later documents computed again: exact), llama.cpp with its
+            documents as encoded apart: the fast path) and with the default `exact` (a
+            new combination's later documents computed again), llama.cpp with its
             prompt cache (a hit only where a request starts with the previous one's
             tokens), transformers' full prefill.
 
@@ -58,6 +58,7 @@ from promptlang.bench.latency.sweep import document
 from promptlang.bench.rag import build_prompt, build_schema, plan_requests
 from promptlang.bench.report import Goal, Section
 from promptlang.bench.shapes import shape_from_config
+from promptlang.runtime.recompute.policy import DEFAULT_POLICY
 
 DOC_SCHEMA, RAG_SCHEMA = "peers-document", "peers-rag"
 F16_STORE = "promptlang (f16 store)"        # llama.cpp's own KV type
@@ -65,6 +66,7 @@ F16_STORE = "promptlang (f16 store)"        # llama.cpp's own KV type
 # layers): fast/fused.py `approximated`; where the CPU lacks them, the float path runs
 # under this name
 APPROXIMATE = "promptlang (int8 linears, bf16 attention and store)"
+EXACT_ROW = f"promptlang ({DEFAULT_POLICY})"   # RAG under the default policy
 LLAMA_TIMEOUT = 3600.0           # seconds a llama.cpp session may last, at most
 DECODE_ROUNDS = 3                # decode runs per engine, in turns (the median counts)
 
@@ -341,9 +343,9 @@ def _rag(llm, options: PeersOptions, report: PeersReport) -> list[list[int]]:
     plan = plan_requests(options.rag_docs, options.rag_k, options.rag_requests, seed=3)
     prompts = [build_prompt(r.docs, questions[r.question_of], RAG_SCHEMA) for r in plan]
     report.rag_kinds = [r.kind for r in plan]
-    # `none` first: it stores no exact entries, so `seams` then meets each combination new
+    # `none` first: it stores no exact entries, so `exact` then meets each combination new
     report.rag["promptlang (none)"] = [_ttft(llm, p, recompute="none") for p in prompts]
-    report.rag["promptlang (seams)"] = [_ttft(llm, p, recompute="seams") for p in prompts]
+    report.rag[EXACT_ROW] = [_ttft(llm, p, recompute=DEFAULT_POLICY) for p in prompts]
     ids = [llm.bind(p).token_ids() for p in prompts]
     report.rag["transformers"] = [_full_prefill(llm, i) for i in ids]
     return ids
@@ -402,7 +404,7 @@ def goals(report: PeersReport) -> list[Goal]:
                       f"alone ({report.question_flops / 1e9:.1f} GFLOP) at this run's float32 "
                       f"sgemm ({report.sgemm_flops_per_s / 1e9:.0f} GFLOP/s): {floor * 1e3:.0f}"
                       f" ms = {floor / theirs:.2f}x")
-    for policy in ("none", "seams"):
+    for policy in ("none", DEFAULT_POLICY):
         ratio(f"RAG {report.options.rag_k} of {report.options.rag_docs}, promptlang "
               f"({policy}) >= 100x faster than llama.cpp",
               _median(rag.get(f"promptlang ({policy})")), _median(rag.get("llama.cpp")), 100,
@@ -460,8 +462,8 @@ def sections(report: PeersReport) -> list[Section]:
              f"{report.llama_reused[-len(report.rag_kinds):] if report.llama_reused else '-'} "
              "prompt tokens per request from its cache",
              "promptlang (none): documents as encoded apart (the fast path; its cost in "
-             "answers: docs/RECOMPUTE.md); promptlang (seams): the default, exact at the "
-             "documents' seams (a new combination computes its later documents again)"]
+             "answers: docs/RECOMPUTE.md); promptlang (exact): the default, answers as the "
+             "full prefill's (a new combination computes its later documents again)"]
     return [Section(f"Peers ({report.model})", rows, lines),
             Section("Goals (issue 20)", (), [str(g) for g in report.goals])]
 

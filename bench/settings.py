@@ -23,8 +23,8 @@ DESCRIPTIONS = {
     "scaffold": "one scaffold per item (joint encoding)",
     "RULE+SPEC": "RULE's cached modules with recompute policy SPEC per request",
 }
-DEFAULT_RECOMPUTE = ("seams", "first:16", "first:32", "deviation:0.15")   # seams: the default
-QUICK_RECOMPUTE = ("seams", "first:2", "deviation:0.2")
+DEFAULT_RECOMPUTE = ("exact", "first:16", "first:32", "deviation:0.15")   # exact: the default
+QUICK_RECOMPUTE = ("exact", "first:2", "deviation:0.2")
 RECOMPUTE_RULES = ("cached", "isolate")    # the cached rules a policy is applied to
 STORE16 = "cached-bf16"       # the cached setting on a bfloat16 store
 

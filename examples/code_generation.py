@@ -6,7 +6,7 @@ Each source file of a small game is a @prompt function whose body is the file's 
 `main_entry` includes the files a request names (one optional module per file), then
 asks for a main entry point and generates it. Every file is encoded once, at a fixed
 position. Files encoded apart never saw each other, and code refers across files, so the
-default recompute policy (seams, docs/RECOMPUTE.md) computes the files after the first again
+default recompute policy (exact, docs/RECOMPUTE.md) computes the files after the first again
 the first time a selection of files is asked for -- the answer is then the full prefill's --
 and keeps that exact KV: every later request for the same files, in the same order, is
 served from the cache, and only the new text is computed. The example runs the selection
@@ -136,7 +136,7 @@ def main(llm=None, fast: bool | None = None) -> dict:
     files = frozenset({"map.py", "unit.py", "player.py", "game.py"})
     max_tokens = 4 if fast else 160
     llm.encode(main_entry.schema)                    # every file, once: the cache is warm
-    with main_entry.run(llm, files, 1) as first:     # a new selection: seams made exact
+    with main_entry.run(llm, files, 1) as first:     # a new selection: made exact
         print(f"first request for these files: {first.ttft * 1000:.0f} ms to the first "
               f"token ({first.opening.prefill_tokens} tokens computed, exact at the seams)")
     with main_entry.run(llm, files, max_tokens) as run:

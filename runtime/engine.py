@@ -450,7 +450,7 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     With the fused layers (Llama-family models on a CPU with the kernels) long units are
     read in place at that precision; otherwise they go back to `dtype` when copied into a
     request's buffer. Ignored if `store` is given. recompute: the default recompute policy
-    of requests whose schema names none ("seams": exact at module seams; docs/RECOMPUTE.md).
+    of requests whose schema names none ("exact": answers as the full prefill's; docs/RECOMPUTE.md).
     exact_reuse: keep the units a request makes exact and serve them to later requests with the same tokens
     before them (docs/RECOMPUTE.md, "Exact reuse"). quantized: a model from a GGUF (the
     default one included) has the fused layers read its Q4_1 linear weights and Q8_0 LM head

@@ -10,7 +10,8 @@ For every setting served from the guaranteed-context rule's modules (`cached`, a
 
 and the setting's warm TTFT at ~6k tokens is at least SEAM_SPEEDUP x faster than the
 baseline's (the cost section). The paired 95% intervals are printed beside the point
-estimates, which decide. The line of `cached` is the default policy's (`none`).
+estimates, which decide. The line of `cached` is policy `none`'s; the default policy's
+(`exact`) says so.
 """
 
 from __future__ import annotations

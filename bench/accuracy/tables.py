@@ -184,7 +184,7 @@ def sections(report: AccuracyReport) -> list[Section]:
             "token; recomputed: tokens computed again per request; select: seconds choosing "
             "them (deviation's layer-1 pass)",
             "cached+exact recomputes every token that missed something each time (a new "
-            "combination of modules), cached+seams every one that missed a module; "
+            "combination of modules), cached+seams every one that missed a module or text; "
             "'SETTING, seen before' is the same request again with exact reuse on: served "
             "the units the first one made exact",
             f"this section took {c.seconds / 60:.1f} min, encoding included"]))

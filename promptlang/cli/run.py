@@ -34,12 +34,13 @@ def register(subparsers: Any) -> None:
                      help="no reuse: the same tokens at positions 0..N-1, for comparison")
     run.add_argument("--isolate", action="store_true",
                      help="each module attends only to itself (the paper's rule); give "
-                          "--recompute none with it, or the default seams recomputes it all")
+                          "--recompute none with it, or the default exact recomputes it all")
     run.add_argument("--recompute", metavar="POLICY", default=None,
-                     help="cached tokens to compute again: seams, none, first:K, query:K, deviation:F, "
-                          "exact or ape[:T[:S]], each but seams and exact optionally +primed (default: the "
-                          "schema's recompute attribute, else seams: "
-                          "exact at module seams; see docs/RECOMPUTE.md)")
+                     help="cached tokens to compute again: exact, seams, none, first:K, query:K, "
+                          "deviation:F or ape[:T[:S]], each but exact and seams optionally +primed "
+                          "(default: the schema's recompute attribute, else exact: every cached "
+                          "token that missed a request token, answers as the full prefill's; see "
+                          "docs/RECOMPUTE.md)")
     run.add_argument("--temperature", type=float, default=0.0, metavar="T",
                      help="0 (default) is greedy")
     run.add_argument("--seed", type=int, default=None, metavar="S")

@@ -47,7 +47,7 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--max-batch", type=int, default=16, metavar="N",
                        help="requests decoded together, one pass per step (default 16)")
     serve.add_argument("--recompute", metavar="POLICY", default=None,
-                       help="the default recompute policy (default seams; docs/RECOMPUTE.md)")
+                       help="the default recompute policy (default exact; docs/RECOMPUTE.md)")
     serve.add_argument("--model-name", metavar="NAME", default=None,
                        help="the model id clients send and /v1/models lists (default: the "
                             "model's name)")

@@ -2,7 +2,7 @@
 
 policy.py   the policy as text ("none", "seams", "first:K", "query:K", "deviation:F",
             "exact", "ape[:T[:S]]") ->
-            `Recompute` (DEFAULT_POLICY: "seams"),
+            `Recompute` (DEFAULT_POLICY: "exact"),
             and a schema's `recompute` attribute read with its location
 choose.py   a policy -> the positions it recomputes for one request (`choose_positions`),
             and APE's contexts (`parallel_contexts`: which tokens the request's new ones

@@ -7,9 +7,9 @@ its location in `Schema.recompute_span`; `schema_policy` reads it here, so a mal
 one is an error located at the attribute). What each policy chooses: choose.py.
 
   none            serve every cached token as stored
-  seams           (the default) every cached token that missed another module or text
-                  computed per request, but not one that missed only an argument: exact
-                  at module seams, the paper's parameter reuse kept
+  seams           every cached token that missed another module or text computed per
+                  request, but not one that missed only an argument: exact at module
+                  seams, the paper's parameter reuse kept
   first:K         the first K cached tokens of every unit that missed a request token
                   before it (EPIC's LegoLink, arXiv 2410.15332: a module's first tokens
                   otherwise become spurious attention sinks; exact tokens are skipped)
@@ -21,8 +21,9 @@ one is an error located at the attribute). What each policy chooses: choose.py.
   deviation:F     the fraction F (0 < F <= 1) of the non-root units' cached tokens whose
                   layer-1 keys and values differ most from a pass over the whole request
                   (in the spirit of CacheBlend, arXiv 2405.16444); `F%` also works
-  exact           every cached token that missed a request token before it: the request
-                  then equals the full prefill (the cost of one, less the exact prefix)
+  exact           (the default) every cached token that missed a request token before it:
+                  the request then equals the full prefill (the cost of one, less the exact
+                  prefix and the module sequences seen before: exact.py)
   ape[:T[:S]]     APE (Adaptive Parallel Encoding, arXiv 2502.05431): the modules are
                   contexts encoded in parallel; the schema's own text after them is
                   recomputed, and every token the request computes attends to the
@@ -47,7 +48,7 @@ from promptlang.errors import PromptLangError, Span
 
 Kind = Literal["none", "seams", "first", "query", "deviation", "exact", "ape"]
 KINDS = ("none", "seams", "first", "query", "deviation", "exact", "ape")
-DEFAULT_POLICY = "seams"    # docs/RECOMPUTE.md, "What to use, and the default": why
+DEFAULT_POLICY = "exact"    # docs/RECOMPUTE.md, "What to use, and the default": why
 MAX_SPEC_CHARS = 64         # longer policy text is refused before it is read
 MAX_TOKENS_DIGITS = 9       # digits of K in first:K (int() of them stays cheap)
 APE_DEFAULTS = (0.9, 0.9)   # APE's temperature and scale: the paper's defaults (its code)

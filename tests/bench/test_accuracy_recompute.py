@@ -72,7 +72,7 @@ def test_seam_goal_passes_within_two_points_and_a_tenth_and_a_half_nat_at_30x():
                                     for s in SCORES})
         goals = {g.name.split()[0]: g for g in accuracy.seam_goals(report)}
         assert set(goals) == {"cached", "cached+first:4", "cached+deviation:0.15"}
-        assert not any("(the default policy)" in g.name for g in goals.values())   # seams
+        assert not any("(the default policy)" in g.name for g in goals.values())   # exact
         return goals["cached+first:4"], goals["cached"]
 
     same, cached = goal(80)
@@ -91,15 +91,16 @@ def test_seam_goal_passes_within_two_points_and_a_tenth_and_a_half_nat_at_30x():
 
 
 def test_the_default_policys_goal_line_says_so_with_its_speed_seen_before():
-    """The seams setting is the default policy's; its line also gives the speed of the same
-    modules seen before (the cost section's "cached+seams, seen before" row)."""
-    report = fake_report(SCORES | {"cached+seams": 80})
-    report.cost.points.append(accuracy.CostPoint(accuracy.seen_before("cached+seams"),
+    """The exact setting is the default policy's (seams is not); its line also gives the
+    speed of the same modules seen before (the cost section's "cached+exact, seen before")."""
+    report = fake_report(SCORES | {"cached+exact": 80, "cached+seams": 80})
+    report.cost.points.append(accuracy.CostPoint(accuracy.seen_before("cached+exact"),
                                                  [0.1] * 3, 0))
     goals = {g.name.split()[0]: g for g in accuracy.seam_goals(report)}
-    assert "(the default policy)" in goals["cached+seams"].name
-    assert goals["cached+seams"].passed is True
-    assert "(200.0x for the same modules seen before)" in goals["cached+seams"].detail
+    assert "(the default policy)" in goals["cached+exact"].name
+    assert "(the default policy)" not in goals["cached+seams"].name
+    assert goals["cached+exact"].passed is True
+    assert "(200.0x for the same modules seen before)" in goals["cached+exact"].detail
 
 
 def test_recovery_is_the_share_of_the_gap_won_back_with_its_interval():
@@ -348,7 +349,7 @@ def test_accuracy_on_a_tiny_model_runs_every_setting_and_the_cost(tiny_llm):
         assert result.answers["cached"].recomputed == 0
         assert result.answers["scaffold"].same_as_baseline in (True, False)
     cost = report.cost
-    assert [p.setting for p in cost.points] == list(names[1:]) + ["cached+seams, seen before"]
+    assert [p.setting for p in cost.points] == list(names[1:]) + ["cached+exact, seen before"]
     assert cost.point("cached+first:2").recomputed > 0
     assert all(len(p.seconds) == options.cost_repeats for p in cost.points)
     assert abs(cost.prompt_tokens - options.cost_tokens) <= 0.2 * options.cost_tokens

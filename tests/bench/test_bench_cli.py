@@ -17,11 +17,11 @@ LATENCY_GOALS = {"cached TTFT <= 2x floor", "cached >= 100x faster than baseline
                  "cached first token == baseline's at every length"}
 MEMORY_GOAL = "a 16-bit store halves KV bytes per token"
 ACCURACY_GOAL = "recompute recovers >= half the cached-vs-baseline gap at >= 10x"
-QUICK_SETTINGS = ("baseline", "cached", "cached+seams", "cached+first:2", "cached+deviation:0.2",
-                  "cached-bf16", "isolate", "isolate+seams", "isolate+first:2",
+QUICK_SETTINGS = ("baseline", "cached", "cached+exact", "cached+first:2", "cached+deviation:0.2",
+                  "cached-bf16", "isolate", "isolate+exact", "isolate+first:2",
                   "isolate+deviation:0.2", "scaffold")
 SEAM_GOALS = {"cached as right as the full prefill at >= 30x (issue 16)",
-              "cached+seams (the default policy) as right as the full prefill at >= 30x "
+              "cached+exact (the default policy) as right as the full prefill at >= 30x "
               "(issue 16)",
               "cached+first:2 as right as the full prefill at >= 30x (issue 16)",
               "cached+deviation:0.2 as right as the full prefill at >= 30x (issue 16)"}
@@ -133,7 +133,7 @@ def test_accuracy_quick_scores_every_setting_and_kind(tmp_path, capsys):
     assert set(goals(out)) == {ACCURACY_GOAL} | SEAM_GOALS
     data = json.loads((tmp_path / "accuracy.json").read_text())
     assert [p["setting"] for p in data["cost"]["points"]] == list(QUICK_SETTINGS[1:]) + [
-        "cached+seams, seen before"]
+        "cached+exact, seen before"]
     assert data["goals"][0]["name"] == ACCURACY_GOAL
 
 
@@ -269,8 +269,8 @@ PEERS_GOALS = {"document ~6.4k, promptlang cached TTFT <= 0.8x llama.cpp's prefi
                "(int8 linears, bf16 attention and store)",
                "RAG 2 of 3, promptlang (none) >= 100x faster than llama.cpp",
                "RAG 2 of 3, promptlang (none) >= 50x faster than transformers' full prefill",
-               "RAG 2 of 3, promptlang (seams) >= 100x faster than llama.cpp",
-               "RAG 2 of 3, promptlang (seams) >= 50x faster than transformers' full prefill",
+               "RAG 2 of 3, promptlang (exact) >= 100x faster than llama.cpp",
+               "RAG 2 of 3, promptlang (exact) >= 50x faster than transformers' full prefill",
                "decode at the document's cached context >= llama.cpp's tokens/s",
                "decode at the document's cached context >= llama.cpp's tokens/s (f16 store)",
                "decode at the document's cached context >= llama.cpp's tokens/s "

@@ -50,7 +50,7 @@ def model():
 
 def make_llm(model, disk_dir, **store_args) -> LLM:
     """Recompute "none": the counts below are those of units served as encoded (the
-    default policy, seams, is test_recompute.py's)."""
+    default policy, exact, is test_recompute.py's)."""
     llm = LLM.from_model(model, WordTokenizer(VOCAB, bos=True),
                          store=ModuleStore(disk_dir=disk_dir, **store_args), recompute="none")
     llm.add_schema(SCHEMA)
