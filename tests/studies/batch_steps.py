@@ -21,9 +21,9 @@ import time
 import torch
 
 SETTINGS = {                      # name -> (few-rows decode path, grouped shared units)
-    "few, grouped": (True, True),
-    "tiles, grouped": (False, True),
-    "few, ungrouped": (True, False),
+    "few-grouped": (True, True),
+    "tiles-grouped": (False, True),
+    "few-ungrouped": (True, False),
 }
 
 
@@ -59,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help="which of them, comma-separated (default: all)")
     args = parser.parse_args(argv)
+    chosen = {name: SETTINGS[name] for name in args.settings.split(",")}
     torch.set_num_threads(args.threads)
 
     import promptlang
@@ -81,12 +84,13 @@ def main(argv: list[str] | None = None) -> int:
                for r in plan_requests(8, 4, args.requests, seed=1)]
     alone = [llm.generate(p, max_new_tokens=args.max_new_tokens, temperature=0).text
              for p in prompts]
-    rates = {name: [] for name in SETTINGS}
-    same = {name: True for name in SETTINGS}
+    print("served alone; stepping together", flush=True)
+    rates = {name: [] for name in chosen}
+    same = {name: True for name in chosen}
     for r in range(args.rounds):
-        order = list(SETTINGS) if r % 2 == 0 else list(reversed(SETTINGS))
+        order = list(chosen) if r % 2 == 0 else list(reversed(chosen))
         for name in order:
-            few, grouped = SETTINGS[name]
+            few, grouped = chosen[name]
             native.few(few)
             native.group_shared(grouped)
             seconds, tokens, got = run_batch(llm, prompts, args.max_new_tokens, 48, 8)
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     native.group_shared(True)
     print(f"{args.requests} requests stepped together, {args.max_new_tokens} new tokens at "
           f"most, tokens/s (median of {args.rounds} rounds):")
-    for name in SETTINGS:
+    for name in chosen:
         print(f"  {name:16s} {statistics.median(rates[name]):7.1f}  "
               f"(all: {', '.join(f'{x:.1f}' for x in rates[name])}); every answer as alone: "
               f"{same[name]}")
