@@ -17,7 +17,7 @@ and pooled request buffers), in an order that rotates from request to request:
   promptlang  the cached request: the documents' KV from the store's memory tier (each
               at its schema position, whatever the order asked), the question prefilled;
               recompute policy `none` (documents as encoded apart: the fast path, whose
-              cost in answers docs/RECOMPUTE.md gives; the default `seams` computes a new
+              cost in answers docs/RECOMPUTE.md gives; the default `exact` computes a new
               combination's documents after the first again)
   prefix      a prefix cache, as vLLM's automatic prefix caching and llama.cpp's prompt
               cache give one: the documents in the request's order at positions 0..N-1;
