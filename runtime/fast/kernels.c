@@ -568,13 +568,21 @@ int pl_products(int kind) {
     return kind == 8 && i8_ok;
 }
 
-/* u[0:k] = x[0:k] quantized to 12 bits, s = its scale (0 for a zero row) */
-static void quantize_row(const float* x, long k, int16_t* u, float* s) {
-    float m = 0.f;
-    for (long i = 0; i < k; i++) m = fmaxf(m, fabsf(x[i]));
+/* u[0:k] = x[0:k] quantized to 12 bits, s = its scale (0 for a zero row); 16 lanes at a
+ * time (max |x| ignores a NaN, as fmaxf does; rounding to nearest even, as nearbyintf) */
+VNNI static void quantize_row(const float* x, long k, int16_t* u, float* s) {
+    __m512 vm = _mm512_setzero_ps();
+    long i = 0;
+    for (; i + 16 <= k; i += 16) vm = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), vm);
+    float m = _mm512_reduce_max_ps(vm);
+    for (long t = i; t < k; t++) m = fmaxf(m, fabsf(x[t]));
     float inv = m > 0.f ? (float)X_MAX / m : 0.f;
     *s = m / (float)X_MAX;
-    for (long i = 0; i < k; i++) u[i] = (int16_t)nearbyintf(x[i] * inv);
+    __m512 vi = _mm512_set1_ps(inv);
+    for (i = 0; i + 16 <= k; i += 16)
+        _mm256_storeu_si256((__m256i*)(u + i), _mm512_cvtsepi32_epi16(
+            _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), vi))));
+    for (; i < k; i++) u[i] = (int16_t)nearbyintf(x[i] * inv);
 }
 
 /* the four sums of the lanes of a, b, c and d */
