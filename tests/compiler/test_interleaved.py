@@ -13,16 +13,11 @@ from promptlang.compiler import CompileError, gen, select
 from promptlang.errors import PromptLangError
 from promptlang.tokenizer import WordTokenizer
 
+from tests.runtime.tiny import Words
+
 from .support import load
 
 VOCAB = 1000
-
-
-class Words(WordTokenizer):
-    """Decodes ids it has not encoded as ` w<id>` (a random model generates any id)."""
-
-    def decode(self, ids):
-        return "".join(self._text_of.get(int(i), f" w{int(i)}") for i in ids)
 
 
 PROGRAM = '''

@@ -13,15 +13,9 @@ import pytest
 from promptlang.errors import PromptLangError
 from promptlang.runtime.agent import Agent, AgentStep, Tool, parse_step, tool
 from promptlang.runtime.engine import LLM
-from promptlang.tokenizer import WordTokenizer
-from .tiny import tiny_llama
+from .tiny import Words, tiny_llama
 
 VOCAB = 1000
-
-
-class Words(WordTokenizer):
-    def decode(self, ids):
-        return "".join(self._text_of.get(int(i), f" w{int(i)}") for i in ids)
 
 
 @pytest.fixture(scope="module")

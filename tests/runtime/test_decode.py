@@ -11,8 +11,7 @@ from promptlang.runtime.decode import Decoder, LookupDrafter
 from promptlang.runtime.engine import LLM
 from promptlang.runtime.prefill import visibility
 from promptlang.runtime.sampling import Decoding, SamplingParams
-from promptlang.tokenizer import WordTokenizer
-from .tiny import tiny_llama
+from .tiny import Words, count_passes, tiny_llama
 
 VOCAB = 300
 
@@ -31,13 +30,6 @@ PROMPTS = [
 ]
 
 
-class Words(WordTokenizer):
-    """Decodes ids it has not encoded as ` w<id>`: every generated token has text."""
-
-    def decode(self, ids):
-        return "".join(self._text_of.get(int(i), f" w{int(i)}") for i in ids)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama(3, VOCAB)
@@ -48,19 +40,6 @@ def llm(model) -> LLM:
     llm = LLM.from_model(model, Words(VOCAB, bos=True))
     llm.add_schema(SCHEMA)
     return llm
-
-
-def passes_of(llm) -> list[int]:
-    """Record the token count of every model pass."""
-    seen: list[int] = []
-    forward = llm.adapter.forward
-
-    def counting(input_ids, *args, **kwargs):
-        seen.append(int(input_ids.shape[0]))
-        return forward(input_ids, *args, **kwargs)
-
-    llm.adapter.forward = counting
-    return seen
 
 
 class Oracle:
@@ -111,7 +90,7 @@ def test_accepted_drafts_save_passes_and_rejected_ones_change_nothing(llm):
 
 
 def test_drafts_never_feed_more_than_can_be_picked(llm):
-    fed = passes_of(llm)
+    fed = count_passes(llm)
     plain = llm.generate(PROMPTS[1], max_new_tokens=5)
     del fed[:]
     drafted = llm.generate(PROMPTS[1], max_new_tokens=5, draft=32)

@@ -12,8 +12,7 @@ import torch
 
 from promptlang.errors import PromptLangError, RoleError
 from promptlang.runtime.engine import LLM
-from promptlang.tokenizer import WordTokenizer
-from .tiny import tiny_llama
+from .tiny import Words, count_passes, tiny_llama
 
 VOCAB = 1000
 TOL = 1e-4
@@ -35,14 +34,6 @@ PLAIN_SCHEMA = '<schema name="plain"><system>You pick words.</system><user></sch
 PLAIN_PROMPT = '<prompt schema="plain">Pick one word.</user><assistant></prompt>'
 
 
-class Words(WordTokenizer):
-    """The word tokenizer, decoding ids it has not encoded as ` w<id>` (a random model
-    generates any id) so that every generated token has text of its own."""
-
-    def decode(self, ids):
-        return "".join(self._text_of.get(int(i), f" w{int(i)}") for i in ids)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama(11, VOCAB)
@@ -56,26 +47,13 @@ def llm(model) -> LLM:
     return llm
 
 
-def count_forwarded(llm) -> list[int]:
-    """Record the number of tokens of every model forward pass."""
-    seen: list[int] = []
-    forward = llm.adapter.forward
-
-    def counting(input_ids, *args, **kwargs):
-        seen.append(int(input_ids.shape[0]))
-        return forward(input_ids, *args, **kwargs)
-
-    llm.adapter.forward = counting
-    return seen
-
-
 def n_tokens(llm, *texts: str) -> int:
     return sum(len(llm.tokenizer.encode(t)) for t in texts)
 
 
 def test_each_turn_computes_only_its_new_tokens(llm):
     session = llm.session(PROMPT)
-    forwarded = count_forwarded(llm)
+    forwarded = count_passes(llm)
     opening = session.opening
     assert opening.cached_tokens + opening.prefill_tokens == session.length
     user_open, user_close = llm.tokenizer.role_affixes("user")

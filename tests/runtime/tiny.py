@@ -5,6 +5,29 @@ from __future__ import annotations
 import torch
 import transformers
 
+from promptlang.tokenizer import WordTokenizer
+
+
+class Words(WordTokenizer):
+    """The word tokenizer, decoding ids it has not encoded as ` w<id>` (a random model
+    generates any id), so that every generated token has text of its own."""
+
+    def decode(self, ids):
+        return "".join(self._text_of.get(int(i), f" w{int(i)}") for i in ids)
+
+
+def count_passes(llm) -> list[int]:
+    """From now on, the token count of every forward pass of `llm`'s model, in order."""
+    seen: list[int] = []
+    forward = llm.adapter.forward
+
+    def counting(input_ids, *args, **kwargs):
+        seen.append(int(input_ids.shape[0]))
+        return forward(input_ids, *args, **kwargs)
+
+    llm.adapter.forward = counting
+    return seen
+
 
 def tiny_llama(seed: int, vocab: int, *, layers: int = 2, kv_heads: int = 2,
                max_positions: int = 512, sharp: bool = True) -> torch.nn.Module:
