@@ -66,7 +66,7 @@ F16_STORE = "promptlang (f16 store)"        # llama.cpp's own KV type
 # layers): fast/fused.py `approximated`; where the CPU lacks them, the float path runs
 # under this name
 APPROXIMATE = "promptlang (int8 linears, bf16 attention and store)"
-EXACT_ROW = f"promptlang ({DEFAULT_POLICY})"   # RAG under the default policy
+DEFAULT_ROW = f"promptlang ({DEFAULT_POLICY})"   # RAG under the default policy
 LLAMA_TIMEOUT = 3600.0           # seconds a llama.cpp session may last, at most
 DECODE_ROUNDS = 3                # decode runs per engine, in turns (the median counts)
 
@@ -345,7 +345,7 @@ def _rag(llm, options: PeersOptions, report: PeersReport) -> list[list[int]]:
     report.rag_kinds = [r.kind for r in plan]
     # `none` first: it stores no exact entries, so `exact` then meets each combination new
     report.rag["promptlang (none)"] = [_ttft(llm, p, recompute="none") for p in prompts]
-    report.rag[EXACT_ROW] = [_ttft(llm, p, recompute=DEFAULT_POLICY) for p in prompts]
+    report.rag[DEFAULT_ROW] = [_ttft(llm, p, recompute=DEFAULT_POLICY) for p in prompts]
     ids = [llm.bind(p).token_ids() for p in prompts]
     report.rag["transformers"] = [_full_prefill(llm, i) for i in ids]
     return ids

@@ -101,9 +101,10 @@ def register(subparsers: Any) -> None:
     accuracy.add_argument("--seed", type=int, metavar="S", help="item seed (default 0)")
     accuracy.add_argument("--recompute", type=_recompute_list, metavar="SPEC,SPEC,...",
                           help="recompute policies, each adding the settings cached+SPEC and "
-                               "isolate+SPEC: exact, seams, first:K, query:K, deviation:F or ape[:T[:S]], the "
-                               "last four optionally +primed, or primed alone; 'none' for no "
-                               "such settings (default " + ",".join(DEFAULT_RECOMPUTE) + ")")
+                               "isolate+SPEC: exact, seams, first:K, query:K, deviation:F or "
+                               "ape[:T[:S]], the last four optionally +primed, or primed alone; "
+                               "'none' for no such settings (default "
+                               + ",".join(DEFAULT_RECOMPUTE) + ")")
     accuracy.add_argument("--recompute-rules", type=_rules, metavar="RULE,...",
                           help="the cached rules the policies apply to: cached (guaranteed "
                                "context), isolate (default both)")
