@@ -416,13 +416,26 @@ class FusedDecoder:
 
 
 def int8_rows(weight: torch.Tensor) -> torch.Tensor:
-    """kernels.c's I8_KIND buffer of a [n, k] float32 weight: q ([n, k] int8, each row
-    round(w / s) with s = max|w| / 127 of the row), then s ([n] float32), as one flat uint8
-    tensor."""
+    """kernels.c's I8_KIND buffer of a [n, k] float32 weight (k even): q (each row round(w / s)
+    with s = max|w| / 127 of the row, int8) -- the first n - n % 16 rows in panels of 16 with
+    their k-pairs interleaved ([panels, k / 2, 16, 2]), the rest as rows -- then s ([n]
+    float32), as one flat uint8 tensor. `int8_values` reads q back as [n, k]."""
     scale = weight.abs().amax(dim=1) / 127
     q = torch.round(weight / torch.where(scale > 0, scale, 1)[:, None]).clamp(-127, 127)
-    return torch.cat([q.to(torch.int8).view(torch.uint8).reshape(-1),
-                      scale.float().view(torch.uint8)])
+    q = q.to(torch.int8).view(torch.uint8)
+    n, k = q.shape
+    n16 = n - n % 16
+    panels = q[:n16].reshape(n16 // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
+    return torch.cat([panels.reshape(-1), q[n16:].reshape(-1), scale.float().view(torch.uint8)])
+
+
+def int8_values(buffer: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [n, k] int8, s [n] float32) of an `int8_rows` buffer."""
+    n16 = n - n % 16
+    panels = buffer[:n16 * k].view(torch.int8).reshape(n16 // 16, k // 2, 16, 2)
+    rows = panels.permute(0, 2, 1, 3).reshape(n16, k)
+    q = torch.cat([rows, buffer[n16 * k:n * k].view(torch.int8).reshape(n - n16, k)])
+    return q, buffer[n * k:].view(torch.float32)
 
 
 def _is_plain_layer(layer: torch.nn.Module, family: str) -> bool:

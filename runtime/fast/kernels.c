@@ -540,8 +540,12 @@ void pl_linear(const float* x, long m, long k, const float* w, long n, const flo
  * softmax takes exp2_neg directly. */
 
 /* ---- int8 weights x 12-bit inputs (AVX512_VNNI; opt-in, approximate) ------------------------ *
- * Kind I8_KIND weights (fused.py attach_int8) are one buffer per linear layer: [n][k] int8
- * (each output row quantized with its own scale: w = s_w[j] * q), then s_w ([n] float). Each
+ * Kind I8_KIND weights (fused.py attach_int8, int8_rows) are one buffer per linear layer: n x k
+ * int8 (each output row quantized with its own scale: w = s_w[j] * q), then s_w ([n] float).
+ * The int8 values of the first n16 = n - n % 16 rows lie in panels of 16 rows, k-pairs
+ * interleaved ([n16 / 16][k / 2][16][2]: a 512-bit vpdpwssd then takes 16 output columns'
+ * next two weights at once, against one input pair broadcast), the other rows plain
+ * ([n % 16][k]). Each
  * pass quantizes every input row t with its own scale to 12 bits (s_x[t] = max|x| / 2047,
  * q = round(x / s_x), held as int16), and vpdpwssd sums the products, 32 a cycle against
  * float32 FMAs' 16: y[t][j] = s_x[t] * s_w[j] * sum_i q_x q_w. (8-bit inputs, vpdpbusd's 64,
@@ -585,70 +589,82 @@ VNNI static void quantize_row(const float* x, long k, int16_t* u, float* s) {
     for (; i < k; i++) u[i] = (int16_t)nearbyintf(x[i] * inv);
 }
 
-/* the four sums of the lanes of a, b, c and d */
-AIV __m128i hsum4_i(__m512i a, __m512i b, __m512i c, __m512i d) {
-#define HALVES(v) _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1))
-    __m256i ab = _mm256_hadd_epi32(HALVES(a), HALVES(b));
-    __m256i cd = _mm256_hadd_epi32(HALVES(c), HALVES(d));
-#undef HALVES
-    __m256i all = _mm256_hadd_epi32(ab, cd);   /* a, b, c, d of lanes 0-3, then of lanes 4-7 */
-    return _mm_add_epi32(_mm256_castsi256_si128(all), _mm256_extracti128_si256(all, 1));
-}
-
-/* R rows of u x 4 rows of q: the integer sums c[r][j] = sum_i u[r][i] q[j][i] */
-AIV void tile_i8(const int R, const int16_t* u, long ldu, const int8_t* q, long k, int32_t* c) {
-    __m512i acc[4][4];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_si512();
-    for (long i = 0; i < k; i += 32) {
-        __m512i x[4];
-        for (int r = 0; r < R; r++) x[r] = _mm512_loadu_si512((const void*)(u + r * ldu + i));
-        for (int j = 0; j < 4; j++) {
-            __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + j * k + i)));
-            for (int r = 0; r < R; r++) acc[r][j] = _mm512_dpwssd_epi32(acc[r][j], x[r], y);
-        }
+/* R rows of u x one panel (16 weight rows, k-pairs interleaved): the integer sums of each
+ * row, 16 lanes (the panel's rows), into y (row stride ldy) scaled by s_x[r] * s_w[lane] */
+AIV void panel_i8(const int R, const int16_t* u, long ldu, const int8_t* q, long k,
+                  const float* sx, const float* sw, float* y, long ldy) {
+    __m512i acc[12];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
+    for (long i = 0; i < k; i += 2) {
+        __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + i * 16)));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_dpwssd_epi32(acc[r], w,
+                                         _mm512_set1_epi32(*(const int32_t*)(u + r * ldu + i)));
     }
+    __m512 vs = _mm512_loadu_ps(sw);
     for (int r = 0; r < R; r++)
-        _mm_storeu_si128((__m128i*)(c + r * 4),
-                         hsum4_i(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+        _mm512_storeu_ps(y + r * ldy, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]),
+                                                    _mm512_mul_ps(_mm512_set1_ps(sx[r]), vs)));
 }
 
-#define TILE_I8(R) VNNI static void tile##R##_i8(const int16_t* u, long ldu, const int8_t* q, \
-                                                  long k, int32_t* c) { \
-    tile_i8(R, u, ldu, q, k, c); }
-TILE_I8(1) TILE_I8(2) TILE_I8(3) TILE_I8(4)
-#undef TILE_I8
+#define PANEL_I8(R) VNNI static void panel##R##_i8(const int16_t* u, long ldu, const int8_t* q, \
+        long k, const float* sx, const float* sw, float* y, long ldy) { \
+    panel_i8(R, u, ldu, q, k, sx, sw, y, ldy); }
+PANEL_I8(1) PANEL_I8(2) PANEL_I8(3) PANEL_I8(4) PANEL_I8(5) PANEL_I8(6)
+PANEL_I8(7) PANEL_I8(8) PANEL_I8(9) PANEL_I8(10) PANEL_I8(11) PANEL_I8(12)
+#undef PANEL_I8
+
+/* sum_i u[i] q[i] over k (k % 32 == 0): a plain int8 row (the rows after the panels) */
+VNNI static int32_t dot_i8(const int16_t* u, const int8_t* q, long k) {
+    __m512i acc = _mm512_setzero_si512();
+    for (long i = 0; i < k; i += 32)
+        acc = _mm512_dpwssd_epi32(acc, _mm512_loadu_si512((const void*)(u + i)),
+                                  _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + i))));
+    return _mm512_reduce_add_epi32(acc);
+}
+
+/* the int8 weight of output row j, input i, in the I8_KIND layout of n rows of k (above) */
+static inline int8_t i8_at(const int8_t* q, long n, long k, long j, long i) {
+    long n16 = n - n % 16;
+    if (j >= n16) return q[n16 * k + (j - n16) * k + i];
+    return q[(j / 16) * 16 * k + (i / 2) * 32 + (j % 16) * 2 + i % 2];
+}
 
 /* columns [j0, j1) of y (row stride ldy) = the m quantized rows (u, s_x) . the I8_KIND weight
- * buffer wq of n rows of k */
+ * buffer wq of n rows of k: whole panels 12 input rows at a time, the rest one sum each
+ * (the same integers: exact in any order) */
 static void linear_i8(const int16_t* u, const float* sx, long m, long k, const uint8_t* wq,
                       long n, long j0, long j1, float* y, long ldy) {
     const int8_t* q = (const int8_t*)wq;
     const float* sw = (const float*)(wq + n * k);
-    int32_t c[16];
-    long j = j0;
-    for (; j + 4 <= j1; j += 4) {
-        const int8_t* qj = q + j * k;
+    long n16 = n - n % 16;
+    for (long j = j0; j < j1; ) {
+        if (j % 16 || j + 16 > n16 || j + 16 > j1) {     /* outside whole panels */
+            for (long i = 0; i < m; i++) {
+                int32_t acc = 0;
+                if (j >= n16)
+                    acc = dot_i8(u + i * k, q + n16 * k + (j - n16) * k, k);
+                else
+                    for (long x = 0; x < k; x++) acc += (int32_t)u[i * k + x] * i8_at(q, n, k, j, x);
+                y[i * ldy + j] = (float)acc * (sx[i] * sw[j]);
+            }
+            j++;
+            continue;
+        }
+        const int8_t* panel = q + j * k;
         for (long i = 0; i < m; ) {
-            long left = m - i;
-            int R = left >= 4 ? 4 : (int)left;
+            long R = m - i < 12 ? m - i : 12;
             const int16_t* ui = u + i * k;
-            if (R == 4) tile4_i8(ui, k, qj, k, c);
-            else if (R == 3) tile3_i8(ui, k, qj, k, c);
-            else if (R == 2) tile2_i8(ui, k, qj, k, c);
-            else tile1_i8(ui, k, qj, k, c);
-            for (int r = 0; r < R; r++)
-                for (int t = 0; t < 4; t++)
-                    y[(i + r) * ldy + j + t] = (float)c[r * 4 + t] * (sx[i + r] * sw[j + t]);
+            float* yi = y + i * ldy + j;
+            switch (R) {
+#define P(n_) case n_: panel##n_##_i8(ui, k, panel, k, sx + i, sw + j, yi, ldy); break;
+                P(1) P(2) P(3) P(4) P(5) P(6) P(7) P(8) P(9) P(10) P(11) P(12)
+#undef P
+            }
             i += R;
         }
+        j += 16;
     }
-    for (; j < j1; j++)                  /* a last group of fewer than 4 rows */
-        for (long i = 0; i < m; i++) {
-            int32_t acc = 0;
-            for (long x = 0; x < k; x++) acc += (int32_t)u[i * k + x] * q[j * k + x];
-            y[i * ldy + j] = (float)acc * (sx[i] * sw[j]);
-        }
 }
 
 /* y[m][n] = x[m][k] . the I8_KIND weights wq (n rows)^T, one thread: linear_i8 alone (tests);

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from promptlang.runtime.fast import fused, native
-from promptlang.runtime.fast.fused import FusedDecoder, int8_rows
+from promptlang.runtime.fast.fused import FusedDecoder, int8_rows, int8_values
 from promptlang.runtime.model import Past, adapt
 
 from .test_fused import TOL, VOCAB, encoded_past, tiny
@@ -35,9 +35,7 @@ def model(**extra) -> torch.nn.Module:
 
 def unpack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8_rows' (q, scale) of `weight`."""
-    n, k = weight.shape
-    buf = int8_rows(weight)
-    return buf[:n * k].view(torch.int8).reshape(n, k), buf[n * k:].view(torch.float32)
+    return int8_values(int8_rows(weight), *weight.shape)
 
 
 def int8_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,15 +77,21 @@ def served(adapter, input_ids, positions, past: Past, rows=None):
     return step.logits, step.keys.clone(), step.values.clone()
 
 
-def test_int8_rows_holds_each_row_s_quantized_values():
-    w = torch.randn(8, 64) * torch.linspace(0.1, 3, 8)[:, None]
+@pytest.mark.parametrize("n", [8, 16, 40])        # rows only, one panel, panels and rows
+def test_int8_rows_holds_each_row_s_quantized_values(n):
+    w = torch.randn(n, 64) * torch.linspace(0.1, 3, n)[:, None]
     w[3] = 0.0
     q, scale = unpack(w)
     assert q.abs().max() == 127 and torch.equal(q[3], torch.zeros(64, dtype=torch.int8))
     assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+    buf = int8_rows(w)
+    assert buf.numel() == n * (64 + 4)
+    if n >= 16:                  # a panel: row j's weights i, i + 1 at (i / 2) * 32 + 2j
+        assert buf[69] == q[2, 5].view(torch.uint8) and buf[33] == q[0, 3].view(torch.uint8)
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 64, 4), (5, 128, 36), (23, 576, 192), (4, 1536, 7)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 4), (5, 128, 36), (23, 576, 192), (4, 1536, 7),
+                                   (30, 64, 33)])
 def test_the_int8_linear_layer_is_its_integer_arithmetic_bit_for_bit(m, k, n):
     g = torch.Generator().manual_seed(m + k)
     x = torch.randn(m, k, generator=g) * torch.rand(k, generator=g) * 4
