@@ -590,20 +590,28 @@ VNNI static void quantize_row(const float* x, long k, int16_t* u, float* s) {
 }
 
 /* R rows of u x one panel (16 weight rows, k-pairs interleaved): the integer sums of each
- * row, 16 lanes (the panel's rows), into y (row stride ldy) scaled by s_x[r] * s_w[lane] */
+ * row, 16 lanes (the panel's rows), into y (row stride ldy) scaled by s_x[r] * s_w[lane].
+ * Fewer than 6 rows keep U sums each (k-pairs taken in turns, added at the end), so that
+ * the products do not wait on one another (one sum: a 1-row pass 1.5x slower) */
 AIV void panel_i8(const int R, const int16_t* u, long ldu, const int8_t* q, long k,
                   const float* sx, const float* sw, float* y, long ldy) {
-    __m512i acc[12];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
-    for (long i = 0; i < k; i += 2) {
-        __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + i * 16)));
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm512_dpwssd_epi32(acc[r], w,
-                                         _mm512_set1_epi32(*(const int32_t*)(u + r * ldu + i)));
-    }
+    const int U = R < 3 ? 4 : R < 6 ? 2 : 1;           /* k % 64 == 0: k / 2 pairs % 4 == 0 */
+    __m512i acc[4][12];
+    for (int v = 0; v < U; v++)
+        for (int r = 0; r < R; r++) acc[v][r] = _mm512_setzero_si512();
+    for (long i = 0; i < k; i += 2 * U)
+        for (int v = 0; v < U; v++) {
+            __m512i w = _mm512_cvtepi8_epi16(
+                _mm256_loadu_si256((const __m256i*)(q + (i + 2 * v) * 16)));
+            for (int r = 0; r < R; r++)
+                acc[v][r] = _mm512_dpwssd_epi32(
+                    acc[v][r], w, _mm512_set1_epi32(*(const int32_t*)(u + r * ldu + i + 2 * v)));
+        }
+    for (int v = 1; v < U; v++)
+        for (int r = 0; r < R; r++) acc[0][r] = _mm512_add_epi32(acc[0][r], acc[v][r]);
     __m512 vs = _mm512_loadu_ps(sw);
     for (int r = 0; r < R; r++)
-        _mm512_storeu_ps(y + r * ldy, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]),
+        _mm512_storeu_ps(y + r * ldy, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[0][r]),
                                                     _mm512_mul_ps(_mm512_set1_ps(sx[r]), vs)));
 }
 
