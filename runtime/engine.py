@@ -463,7 +463,7 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     bf16_attention: passes of 8+ new tokens compute the attention's products from bfloat16
     inputs (fused layers, CPUs with AVX512_BF16; ~0.8x a 6.4k question's TTFT): approximate.
     int8_linears: the fused layers' linear layers multiply int8 weights (a scale per row) by
-    12-bit inputs (a scale per token; CPUs with AVX512_VNNI; ~0.87x a 64-row pass): approximate.
+    12-bit inputs (a scale per token; CPUs with AVX512_VNNI; ~0.65x a 64-row pass): approximate.
 
     The loading runs on a thread that then ends (runtime/passing.py), so that the caller's
     thread keeps no OpenMP pool: a server's engine thread is then the only one that has one."""

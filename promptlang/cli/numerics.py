@@ -1,6 +1,6 @@
 """How the model computes, for the commands that load one (`run`, `serve`): --quantize,
---int8-linears, --bf16-attention (runtime/engine.py `load`; docs/BENCHMARKS.md measures
-what each costs in answers and buys in time)."""
+--kv-dtype, --int8-linears, --bf16-attention (runtime/engine.py `load`; docs/BENCHMARKS.md
+measures what each costs in answers and buys in time)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ def add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=("q4_1", "q8_0"), default=None,
                         help="weight-only quantization of a float --model (Llama family): "
                              "linear weights as Q4_1 or Q8_0 blocks, the LM head Q8_0")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32",
+                        help="the precision cached KV is kept and read at (default float32; "
+                             "float16, llama.cpp's KV type, halves its bytes and moves the "
+                             "next-token distribution by a KL of ~1e-7: docs/BENCHMARKS.md)")
     add_approximations(parser)
+
+
+KV_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def add_approximations(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +36,9 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if getattr(args, "quantize", None):
         options["quantize"] = args.quantize
+    if getattr(args, "kv_dtype", "float32") != "float32":
+        import torch
+        options["store_dtype"] = getattr(torch, args.kv_dtype)
     for name in ("int8_linears", "bf16_attention"):
         if getattr(args, name, False):
             options[name] = True

@@ -109,6 +109,31 @@ def run_files(folder, tokens: int) -> list[str]:
     return [str(folder / "s.pml"), str(folder / "p.pml"), "--max-new-tokens", str(tokens)]
 
 
+def test_the_commands_keep_cached_kv_at_the_kv_dtype(tiny_model_dir, tmp_path, capsys,
+                                                     monkeypatch):
+    from promptlang import cli
+    from promptlang.runtime import engine
+
+    loaded = []
+    real_load = engine.load
+    monkeypatch.setattr(engine, "load", lambda *a, **kw: loaded.append(real_load(*a, **kw))
+                        or loaded[-1])
+    files = run_files(tmp_path, 2)
+    assert cli.main(["run", *files, "--model", str(tiny_model_dir), "--kv-dtype", "float16"]) == 0
+    assert cli.main(["run", *files, "--model", str(tiny_model_dir)]) == 0
+    half, plain = (llm.store for llm in loaded)
+    assert half.dtype == torch.float16 and plain.dtype is None      # None: as computed (float32)
+    stored = {store: [e.key for e in store.entries() if "disk" not in e.tiers[:1]]
+              for store in (half, plain)}
+    assert stored[half] and stored[half] == stored[plain]
+    for key in stored[half]:                      # the same modules, in half the bytes
+        assert half.get(key).keys.dtype == half.get(key).values.dtype == torch.float16
+        assert half.get(key).keys.nbytes * 2 == plain.get(key).keys.nbytes
+    capsys.readouterr()
+    assert cli.main(["serve", "--ray", "--kv-dtype", "bfloat16"]) == 2
+    assert "not available with --ray" in capsys.readouterr().err
+
+
 def test_promptlang_run_takes_quantize(tiny_model_dir, tmp_path, capsys):
     from promptlang import cli
 
