@@ -603,9 +603,11 @@ AIV void panel_i8(const int R, const int16_t* u, long ldu, const int8_t* q, long
         for (int v = 0; v < U; v++) {
             __m512i w = _mm512_cvtepi8_epi16(
                 _mm256_loadu_si256((const __m256i*)(q + (i + 2 * v) * 16)));
-            for (int r = 0; r < R; r++)
-                acc[v][r] = _mm512_dpwssd_epi32(
-                    acc[v][r], w, _mm512_set1_epi32(*(const int32_t*)(u + r * ldu + i + 2 * v)));
+            for (int r = 0; r < R; r++) {
+                int32_t pair;                         /* two int16 inputs, one broadcast */
+                memcpy(&pair, u + r * ldu + i + 2 * v, sizeof pair);
+                acc[v][r] = _mm512_dpwssd_epi32(acc[v][r], w, _mm512_set1_epi32(pair));
+            }
         }
     for (int v = 1; v < U; v++)
         for (int r = 0; r < R; r++) acc[0][r] = _mm512_add_epi32(acc[0][r], acc[v][r]);
