@@ -633,34 +633,17 @@ VNNI static int32_t dot_i8(const int16_t* u, const int8_t* q, long k) {
     return _mm512_reduce_add_epi32(acc);
 }
 
-/* the int8 weight of output row j, input i, in the I8_KIND layout of n rows of k (above) */
-static inline int8_t i8_at(const int8_t* q, long n, long k, long j, long i) {
-    long n16 = n - n % 16;
-    if (j >= n16) return q[n16 * k + (j - n16) * k + i];
-    return q[(j / 16) * 16 * k + (i / 2) * 32 + (j % 16) * 2 + i % 2];
-}
-
 /* columns [j0, j1) of y (row stride ldy) = the m quantized rows (u, s_x) . the I8_KIND weight
- * buffer wq of n rows of k: whole panels 12 input rows at a time, the rest one sum each
- * (the same integers: exact in any order) */
+ * buffer wq of n rows of k: whole panels 12 input rows at a time, the plain rows after them
+ * one sum each (the same integers: exact in any order). j0 is a multiple of 16, and j1 too
+ * or n (the pass's column blocks: LIN_BLOCK), so a range never cuts a panel. */
+_Static_assert(LIN_BLOCK % 16 == 0, "linear_i8 takes whole panels of 16 rows");
 static void linear_i8(const int16_t* u, const float* sx, long m, long k, const uint8_t* wq,
                       long n, long j0, long j1, float* y, long ldy) {
     const int8_t* q = (const int8_t*)wq;
     const float* sw = (const float*)(wq + n * k);
-    long n16 = n - n % 16;
-    for (long j = j0; j < j1; ) {
-        if (j % 16 || j + 16 > n16 || j + 16 > j1) {     /* outside whole panels */
-            for (long i = 0; i < m; i++) {
-                int32_t acc = 0;
-                if (j >= n16)
-                    acc = dot_i8(u + i * k, q + n16 * k + (j - n16) * k, k);
-                else
-                    for (long x = 0; x < k; x++) acc += (int32_t)u[i * k + x] * i8_at(q, n, k, j, x);
-                y[i * ldy + j] = (float)acc * (sx[i] * sw[j]);
-            }
-            j++;
-            continue;
-        }
+    long n16 = n - n % 16, j = j0;
+    for (; j < j1 && j < n16; j += 16) {
         const int8_t* panel = q + j * k;
         for (long i = 0; i < m; ) {
             long R = m - i < 12 ? m - i : 12;
@@ -673,8 +656,11 @@ static void linear_i8(const int16_t* u, const float* sx, long m, long k, const u
             }
             i += R;
         }
-        j += 16;
     }
+    for (; j < j1; j++)                  /* the plain rows after the last whole panel */
+        for (long i = 0; i < m; i++)
+            y[i * ldy + j] = (float)dot_i8(u + i * k, q + n16 * k + (j - n16) * k, k)
+                             * (sx[i] * sw[j]);
 }
 
 /* y[m][n] = x[m][k] . the I8_KIND weights wq (n rows)^T, one thread: linear_i8 alone (tests);
