@@ -95,6 +95,8 @@ class PeersReport:
     doc: dict[str, list[float]] = field(default_factory=dict)     # engine -> TTFT seconds
     decode: dict[str, float | None] = field(default_factory=dict)  # engine -> s per token
     rag: dict[str, list[float]] = field(default_factory=dict)     # engine -> TTFT seconds
+    # engine -> tokens each timed document question computed (the rest: cached or reused)
+    doc_computed: dict[str, list[int]] = field(default_factory=dict)
     rag_kinds: list[str] = field(default_factory=list)
     llama_version: str | None = None
     llama_missing: str | None = None  # why llama.cpp was not measured
@@ -163,13 +165,16 @@ def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,
         for name, dtype in ((F16_STORE, torch.float16), (APPROXIMATE, torch.bfloat16))}
     numerics = {F16_STORE: contextlib.nullcontext, APPROXIMATE: (
         decoder.approximated if decoder is not None else contextlib.nullcontext)}
-    ttft, per_token = {"promptlang": lambda i: _ttft(llm, prompts[i])}, {
+    computed = report.doc_computed
+    ttft, per_token = {"promptlang": lambda i: _ttft(llm, prompts[i], computed.setdefault(
+        "promptlang", []))}, {
         "promptlang": lambda: _per_token(llm, prompts[-1], options.decode_tokens)}
     if decoder is not None and decoder.quantized_weights:
         per_token["promptlang (float32 weights)"] = _inside(decoder.quantized_off,
                                                             per_token["promptlang"])
     for name, engine in half.items():
-        ttft[name] = _inside(numerics[name], lambda i, e=engine: _ttft(e, prompts[i]))
+        ttft[name] = _inside(numerics[name], lambda i, e=engine, n=name: _ttft(
+            e, prompts[i], computed.setdefault(n, [])))
         per_token[name] = _inside(numerics[name], lambda e=engine: _per_token(
             e, prompts[-1], options.decode_tokens))
     llama = None
@@ -180,8 +185,8 @@ def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,
             report.llama_missing, llama = llama, None
         else:
             report.llama_version = llama.version
-            ttft["llama.cpp"] = _guarded(
-                report, lambda i: llama.request(report, ids[i])["ttft_s"])
+            ttft["llama.cpp"] = _guarded(report, lambda i: _llama_ttft(
+                llama.request(report, ids[i]), len(ids[i]), computed.setdefault("llama.cpp", [])))
             per_token["llama.cpp"] = _guarded(report, lambda: llama.request(
                 report, ids[-1], options.decode_tokens)["decode_s_per_token"])
     try:
@@ -189,6 +194,7 @@ def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,
             engine.add_schema(schema)
         for first in ttft.values():                       # every cache warm: not timed
             first(0)
+        computed.clear()
         probe = llm.generate(doc_prompt(DOC_SCHEMA, f"{item.question} Answer in one sentence, "
                                         "#0."), max_new_tokens=1)   # a timed question's shape
         report.question_flops = prefill_flops(shape_from_config(llm.adapter.config),
@@ -351,8 +357,16 @@ def _rag(llm, options: PeersOptions, report: PeersReport) -> list[list[int]]:
     return ids
 
 
-def _ttft(llm, prompt, **options) -> float:
-    return llm.generate(prompt, max_new_tokens=1, **options).timings.first_token
+def _ttft(llm, prompt, computed: list[int] | None = None, **options) -> float:
+    result = llm.generate(prompt, max_new_tokens=1, **options)
+    if computed is not None:
+        computed.append(result.prefill_tokens)
+    return result.timings.first_token
+
+
+def _llama_ttft(answer: dict, tokens: int, computed: list[int]) -> float:
+    computed.append(tokens - answer["reused"])
+    return answer["ttft_s"]
 
 
 @torch.inference_mode()
@@ -457,7 +471,10 @@ def sections(report: PeersReport) -> list[Section]:
              "process of its own, same thread count; document and decode: the engines in "
              f"turn each round (decode: median of {DECODE_ROUNDS} runs each)",
              "document: llama.cpp's TTFT is its prefix hit (the previous request held the "
-             "document); promptlang serves the document module from its store",
+             "document); promptlang serves the document module from its store, and the "
+             "question's opening from the previous question's (prompt tails: "
+             "runtime/tails.py); tokens computed per timed question: " + "; ".join(
+                 f"{name} {v}" for name, v in report.doc_computed.items()),
              f"RAG request kinds: {', '.join(report.rag_kinds)}; llama.cpp reused "
              f"{report.llama_reused[-len(report.rag_kinds):] if report.llama_reused else '-'} "
              "prompt tokens per request from its cache",
@@ -472,7 +489,7 @@ def to_json(report: PeersReport) -> dict[str, Any]:
     return {"model": report.model, "options": report.options.__dict__, "doc": report.doc,
             "decode": report.decode, "rag": report.rag, "rag_kinds": report.rag_kinds,
             "llama_version": report.llama_version, "llama_missing": report.llama_missing,
-            "llama_reused": report.llama_reused,
+            "llama_reused": report.llama_reused, "doc_computed": report.doc_computed,
             "quantized_weights": report.quantized_weights,
             "quantized_max_diff": report.quantized_max_diff,
             "question_flops": report.question_flops,

@@ -42,6 +42,8 @@ from promptlang.runtime.recompute.query import probe_choice
 from promptlang.runtime.prefill import baseline_prefill, prefill, uncached_tokens, with_last
 from promptlang.runtime.results import Opened, PendingPrefill, Prefilled, Result, Timings
 from promptlang.runtime.sampling import SamplingParams, options_to_params
+from promptlang.runtime.sources import read_prompt, read_schema
+from promptlang.runtime.tails import DEFAULT_BUDGET as TAIL_BUDGET, TailCache, plan_tail
 
 
 class TextStream:
@@ -73,7 +75,8 @@ class LLM:
     decode_room = 1024     # generated tokens a request buffer holds before it grows
 
     def __init__(self, adapter: ModelAdapter, tokenizer, store=None, *, isolate: bool = False,
-                 recompute: "str | Recompute" = DEFAULT_POLICY, exact_reuse: bool = True):
+                 recompute: "str | Recompute" = DEFAULT_POLICY, exact_reuse: bool = True,
+                 tail_budget_bytes: int = TAIL_BUDGET):
         if store is None:
             from promptlang.runtime.store import ModuleStore
             store = ModuleStore(device=adapter.device)
@@ -85,6 +88,7 @@ class LLM:
         self.exact_reuse = exact_reuse           # keep and serve exact units (recompute/exact.py)
         self.encoder = UnitEncoder(adapter, store, tokenizer.fingerprint, isolate=isolate)
         self.assembler = Assembler(adapter)
+        self.tails = TailCache(tail_budget_bytes)    # prompt tails seen before (tails.py)
         self._schemas: dict[str, tuple[nodes.Schema, SchemaLayout | None]] = {}
         self._lock = threading.Lock()
 
@@ -115,7 +119,7 @@ class LLM:
             self._check_layout(schema)
             layout, schema = schema, schema.schema
         elif isinstance(schema, (str, os.PathLike)) and not isinstance(schema, nodes.Schema):
-            schema = _read_schema(schema)
+            schema = read_schema(schema)
         if not isinstance(schema, nodes.Schema):
             raise PromptLangError(f"not a schema: {type(schema).__name__}")
         with self._lock:
@@ -301,6 +305,10 @@ class LLM:
 
         mark = time.perf_counter()
         ids, positions = uncached_tokens(plan.uncached(bound))
+        tail = None if plan or contexts is not None or all_logits else plan_tail(
+            self.tails, self.adapter.numerics, units, ids, positions)
+        if tail is not None:
+            units, ids, positions = tail.serve(units, ids, positions)
         cached = sum(int((~kv.placeholder).sum()) for _, kv in units)
         buffer = self.assembler.acquire(cached + len(ids) + room, request_keys(units, plan))
         with self._released_on_error(buffer):
@@ -312,10 +320,12 @@ class LLM:
             opened = Opened(buffer, None, bound.end, bound, t, len(ids), buffer.length,
                             len(plan), started, plan, tuple(served), approximate,
                             healed=healed, units=dict(stats.tiers),
-                            primed=tuple(sorted(primed)))
+                            primed=tuple(sorted(primed)), tail_tokens=tail.length if tail else 0, tail=tail)
 
             def finish(last: torch.Tensor) -> None:        # the prefill's KV is in the buffer
                 opened.logits = last
+                if tail is not None:
+                    tail.keep(self.tails, buffer)
                 if plan and self.exact_reuse and contexts is None:   # APE's tokens: not exact
                     exact.remember(self.store, bound, buffer, keys,
                                    exact.made_exact(bound, missed, plan.positions, list(served)),
@@ -385,7 +395,7 @@ class LLM:
         if isinstance(prompt, nodes.PromptDoc):
             return prompt
         if isinstance(prompt, (str, os.PathLike)):
-            return _read_prompt(prompt)
+            return read_prompt(prompt)
         doc, attached = getattr(prompt, "doc", None), getattr(prompt, "schema", None)
         if isinstance(doc, nodes.PromptDoc) and attached is not None:
             self.add_schema(attached)
@@ -419,31 +429,12 @@ def _policy(recompute) -> Recompute:
     return Recompute.parse(recompute)
 
 
-def _read_schema(source) -> nodes.Schema:
-    from promptlang.pml.parser import parse_file, parse_schema
-    if isinstance(source, str) and source.lstrip().startswith("<"):
-        return parse_schema(source, file="<schema>")
-    parsed = parse_file(source)
-    if not isinstance(parsed, nodes.Schema):
-        raise PromptLangError(f"{os.fspath(source)} holds a prompt, not a schema", parsed.span)
-    return parsed
-
-
-def _read_prompt(source) -> nodes.PromptDoc:
-    from promptlang.pml.parser import parse_file, parse_prompt
-    if isinstance(source, str) and source.lstrip().startswith("<"):
-        return parse_prompt(source, file="<prompt>")
-    parsed = parse_file(source)
-    if not isinstance(parsed, nodes.PromptDoc):
-        raise PromptLangError(f"{os.fspath(source)} holds a schema, not a prompt", parsed.span)
-    return parsed
-
-
 def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
          dtype: torch.dtype = torch.float32, isolate: bool = False, store=None,
          store_dtype: torch.dtype | None = None, recompute: "str | Recompute" = DEFAULT_POLICY,
          exact_reuse: bool = True, quantized: bool = True, quantize: str | None = None,
-         bf16_attention: bool = False, int8_linears: bool = False) -> LLM:
+         bf16_attention: bool = False, int8_linears: bool = False,
+         tail_budget_bytes: int = TAIL_BUDGET) -> LLM:
     """Load a causal LM (None: the embedded default, SmolLM2-135M-Instruct) ready to serve.
 
     store_dtype (e.g. torch.bfloat16): keep cached KV at that precision (half the bytes).
@@ -464,18 +455,22 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     inputs (fused layers, CPUs with AVX512_BF16; ~0.8x a 6.4k question's TTFT): approximate.
     int8_linears: the fused layers' linear layers multiply int8 weights (a scale per row) by
     12-bit inputs (a scale per token; CPUs with AVX512_VNNI; ~0.65x a 64-row pass): approximate.
+    tail_budget_bytes: KV of recent requests' last uncached runs kept for later requests that
+    start them the same way after the same units (runtime/tails.py; 0: off).
 
     The loading runs on a thread that then ends (runtime/passing.py), so that the caller's
     thread keeps no OpenMP pool: a server's engine thread is then the only one that has one."""
     from promptlang.runtime.passing import on_passing_thread
     return on_passing_thread(lambda: _load(name_or_path, device, dtype, isolate, store,
                                            store_dtype, recompute, exact_reuse, quantized,
-                                           quantize, bf16_attention, int8_linears),
+                                           quantize, bf16_attention, int8_linears,
+                                           tail_budget_bytes),
                              name="promptlang-load")
 
 
 def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, exact_reuse,
-          quantized, quantize=None, bf16_attention=False, int8_linears=False) -> LLM:
+          quantized, quantize=None, bf16_attention=False, int8_linears=False,
+          tail_budget_bytes=TAIL_BUDGET) -> LLM:
     from promptlang.runtime.loading import gguf_source, load_hf_model
     from promptlang.runtime.quantize import checked_scheme, quantize_model, serve_numerics
     scheme = checked_scheme(quantize, name_or_path, dtype)
@@ -490,4 +485,4 @@ def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, e
         # get() hands out the stored tensors as they are: no per-request conversion copy
         store = ModuleStore(device=adapter.device, dtype=store_dtype, compute_dtype=store_dtype)
     return LLM(adapter, tokenizer, store, isolate=isolate, recompute=recompute,
-               exact_reuse=exact_reuse)
+               exact_reuse=exact_reuse, tail_budget_bytes=tail_budget_bytes)

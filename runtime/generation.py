@@ -49,6 +49,8 @@ class Generation:
     def release(self) -> None:
         if not self._released:
             self._released = True
+            if self.opened.tail is not None:
+                self.opened.tail.keep_decoded(self.llm.tails, self.opened.buffer)
             self.llm.assembler.release(self.opened.buffer)
 
     def result(self) -> Result:
@@ -62,4 +64,4 @@ class Generation:
         return Result(text, token_ids, reason, t, opened.prefill_tokens, opened.cached_tokens,
                       opened.recomputed_tokens, len(opened.exact), opened.approximate_tokens,
                       None if self.constraint is None else self.constraint.complete,
-                      dict(opened.units), len(opened.primed))
+                      dict(opened.units), len(opened.primed), opened.tail_tokens)

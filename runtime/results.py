@@ -12,7 +12,7 @@ lets each import the other's types without importing the other module.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 
@@ -66,6 +66,9 @@ class Result:
     # tiers) or "encoded" (no tier held them)
     units: dict[str, int] = field(default_factory=dict)
     primed_units: int = 0        # modules served primed ("P+primed": recompute/primer.py)
+    # of cached_tokens: the opening of the request's last uncached run served from an
+    # earlier request's (prompt tails seen before: runtime/tails.py)
+    tail_tokens: int = 0
 
 
 @dataclass
@@ -90,6 +93,8 @@ class Opened:
     pending: PendingPrefill | None = None     # a prefill left to the caller (logits None)
     units: dict[str, int] = field(default_factory=dict)   # as Result.units
     primed: tuple[str, ...] = ()  # units served primed (recompute/primer.py)
+    tail_tokens: int = 0         # as Result.tail_tokens
+    tail: Any = None             # its prompt tail (runtime/tails.py TailUse), kept at the end
 
 
 @dataclass

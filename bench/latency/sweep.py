@@ -78,16 +78,18 @@ class _Case:
 
 class _Stores:
     """The LLMs of one length, sharing `llm`'s model: `memory` (a store without a disk
-    tier) and `tiered` (host tier only, with a disk tier in `folder`)."""
+    tier) and `tiered` (host tier only, with a disk tier in `folder`). Prompt tails are off:
+    the same question is asked again and again, and what is measured is the document served
+    from a tier with the question computed (a repeated question would compute one token)."""
 
     def __init__(self, llm: LLM, folder: Path):
         device = llm.adapter.device
         self.folder = folder
         self.memory = LLM(llm.adapter, llm.tokenizer,
-                          ModuleStore(device, disk_budget_bytes=0))
+                          ModuleStore(device, disk_budget_bytes=0), tail_budget_bytes=0)
         self.tiered = LLM(llm.adapter, llm.tokenizer,
                           ModuleStore(device, device_budget_bytes=0, host_tier=True,
-                                      disk_dir=folder))
+                                      disk_dir=folder), tail_budget_bytes=0)
 
     def close(self) -> None:
         self.memory.store.clear()

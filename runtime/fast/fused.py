@@ -399,6 +399,12 @@ class FusedDecoder:
             self._q4, self._q_kind, self._q4_seen, self._q4_table, self.bf16_attention = saved
 
     @property
+    def numerics(self) -> tuple:
+        """(int8 linears on, bfloat16 attention products on): the switches that change a
+        pass's numbers (Q4_1/Q8_0 blocks give the float weights' values: not among them)."""
+        return bool(self._q4) and self._q_kind == 1, bool(self.bf16_attention)
+
+    @property
     def quantized_weights(self) -> int:
         """How many linear weights are served from blocks (or int8 rows) now."""
         return len(self._q4) if self._quantized() is not None else 0

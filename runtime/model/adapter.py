@@ -160,6 +160,13 @@ class ModelAdapter:
             dtype in (torch.bfloat16, torch.float16) and self.dtype == torch.float32
             and self.fast.decoder is not None and self.fast.decoder.available())
 
+    @property
+    def numerics(self) -> tuple:
+        """The switches besides the weights that decide a pass's numbers (the fused layers'
+        opt-in approximations): KV computed under one setting is not another's."""
+        decoder = self.fast.decoder
+        return () if decoder is None else decoder.numerics
+
     def empty_kv(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.kv_shape
         shape = (s.layers, s.kv_heads, capacity)

@@ -1,0 +1,139 @@
+"""Prompt tails seen before (runtime/tails.py): a request whose last uncached run starts
+like an earlier request's, after the same units, is served that common prefix and computes
+the rest.
+
+The property: such a request equals DESIGN.md's oracle (one masked pass over the request,
+its uncached tokens attending to the served units and to each other), as it does without
+the reuse; what it reuses is exactly what the earlier request computed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from promptlang.runtime.engine import LLM
+from promptlang.runtime.prefill import prefill
+from promptlang.runtime.store import ModuleStore
+from promptlang.runtime.tails import TailCache
+from promptlang.tokenizer import WordTokenizer
+
+from .oracle import oracle_prefill
+from .test_oracle import SCHEMA, TOL, VOCAB, tiny_model
+
+FIRST = '<prompt schema="s"><a/><last/>Question one two three?</user></prompt>'
+SECOND = '<prompt schema="s"><a/><last/>Question one two four?</user></prompt>'
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def make(model, tail_budget_bytes=1 << 20) -> LLM:
+    llm = LLM.from_model(model, WordTokenizer(VOCAB, bos=True),
+                         store=ModuleStore(disk_budget_bytes=0), recompute="none")
+    llm.tails = TailCache(tail_budget_bytes)
+    llm.add_schema(SCHEMA)
+    return llm
+
+
+def last_logits(llm: LLM, prompt: str):
+    """The request's prefill (the last token's logits only, so a tail may be reused)."""
+    return llm.prefill(prompt, all_logits=False)
+
+
+def test_a_new_question_reuses_the_previous_ones_opening_and_equals_the_oracle(model):
+    llm, plain = make(model), make(model, tail_budget_bytes=0)
+    first = last_logits(llm, FIRST)
+    assert len(llm.tails) == 1
+    second = last_logits(llm, SECOND)
+    alone = last_logits(plain, SECOND)
+    want = oracle_prefill(llm.adapter, llm.bind(SECOND)).logits[-1]
+    # "Question one two" (and what precedes it in the user turn) came from the first request
+    reused = second.cached_length - alone.cached_length
+    assert reused >= 3 and llm.tails.hits == 1 and llm.tails.reused_tokens == reused
+    assert plain.tails.hits == 0 and len(plain.tails) == 0
+    for got in (second, alone):
+        assert (got.logits[-1] - want).abs().max() < TOL
+    assert (first.logits[-1] - want).abs().max() > 1e-3          # the test can fail
+    computed = lambda p: p.positions.shape[0] - p.cached_length   # noqa: E731
+    assert 1 <= computed(second) == computed(alone) - reused
+
+
+def test_a_repeated_request_computes_only_its_last_token_and_decodes_the_same(model):
+    llm, plain = make(model), make(model, tail_budget_bytes=0)
+    llm.generate(FIRST, max_new_tokens=1)
+    again = llm.generate(FIRST, max_new_tokens=6)
+    alone = plain.generate(FIRST, max_new_tokens=6)
+    assert again.prefill_tokens == 1 and again.tail_tokens == alone.prefill_tokens - 1
+    assert again.cached_tokens == alone.cached_tokens + again.tail_tokens
+    assert again.token_ids == alone.token_ids and alone.tail_tokens == 0
+
+
+def test_a_tail_serves_only_the_same_units_at_the_same_numerics(model, monkeypatch):
+    llm = make(model)
+    llm.generate(FIRST, max_new_tokens=1)
+    other_units = FIRST.replace("<a/>", "<b/>")
+    assert llm.generate(other_units, max_new_tokens=1).tail_tokens == 0
+    assert llm.generate(FIRST.replace("Question", "Query"), max_new_tokens=1).tail_tokens == 0
+    monkeypatch.setattr(type(llm.adapter), "numerics", property(lambda self: ("other",)))
+    assert llm.generate(FIRST, max_new_tokens=1).tail_tokens == 0
+    monkeypatch.undo()
+    assert llm.generate(FIRST, max_new_tokens=1).tail_tokens > 0
+
+
+def test_requests_that_recompute_or_read_all_logits_neither_use_nor_leave_tails(model):
+    llm = make(model)
+    llm.generate(FIRST, max_new_tokens=1, recompute="exact")   # a new seam: recomputed
+    assert len(llm.tails) == 0
+    llm.prefill(FIRST)                                          # every token's logits
+    assert len(llm.tails) == 0
+    llm.generate(FIRST, max_new_tokens=1)
+    assert len(llm.tails) == 1 and llm.prefill(FIRST).cached_length < llm.prefill(
+        FIRST, all_logits=False).cached_length
+
+
+def test_a_longer_tail_replaces_the_one_it_extends_and_the_budget_holds():
+    cache = TailCache(budget_bytes=2 * 2 * 3 * 4 * 4)   # two tails of 3 tokens (keys, values)
+    kv = lambda n: torch.zeros(1, 1, n, 4)                        # noqa: E731
+    cache.remember("c", [1, 2], [5, 6], kv(2), kv(2))
+    cache.remember("c", [1, 2, 3], [5, 6, 7], kv(3), kv(3))
+    assert len(cache) == 1
+    tail, n = cache.match("c", [1, 2, 3, 9], [5, 6, 7, 8])
+    assert n == 3 and tail.token_ids == (1, 2, 3)
+    assert cache.match("c", [1, 2, 3], [5, 6, 7])[1] == 2          # the last is computed
+    assert cache.match("c", [1, 2, 3], [6, 7, 8]) == (None, 0)     # other positions
+    assert cache.match("d", [1, 2, 3, 9], [5, 6, 7, 8]) == (None, 0)
+    cache.remember("c", [4, 4, 4], [5, 6, 7], kv(3), kv(3))
+    cache.remember("c", [8, 8, 8], [5, 6, 7], kv(3), kv(3))       # the least recent goes
+    assert len(cache) == 2 and cache.nbytes <= cache.budget_bytes
+    assert cache.match("c", [1, 2, 3, 9], [5, 6, 7, 8]) == (None, 0)
+    with pytest.raises(ValueError, match="tail_budget_bytes"):
+        TailCache(-1)
+
+
+def test_a_request_keeps_its_decoded_tokens_with_the_tail_as_one_pass_computes_them(model):
+    llm, plain = make(model), make(model, tail_budget_bytes=0)
+    first = llm.generate(FIRST, max_new_tokens=5)
+    assert first.finish_reason == "length" and len(llm.tails) == 1
+    (tail,) = llm.tails._tails.values()
+    decoded = first.token_ids[:-1]                 # the last picked token was never computed
+    assert list(tail.token_ids[-len(decoded):]) == decoded
+    # the prompt's last token and the decoded ones in one pass over the same request
+    # (`open` leaves the prompt's last token to the caller's first step)
+    n = len(decoded) + 1
+    opened = plain.open(FIRST, room=8)
+    try:
+        start = opened.buffer.length
+        prefill(plain.adapter, opened.buffer, list(tail.token_ids[-n:]),
+                list(tail.positions[-n:]))
+        want_keys = opened.buffer.slot_keys[:, :, start:start + n].clone()
+        want_values = opened.buffer.slot_values[:, :, start:start + n].clone()
+    finally:
+        plain.assembler.release(opened.buffer)
+    assert tail.positions[-n] == opened.position
+    assert (tail.keys[:, :, -n:] - want_keys).abs().max() < TOL
+    assert (tail.values[:, :, -n:] - want_values).abs().max() < TOL
+    # the same request again reuses the kept prompt tail (the decoded tokens follow it)
+    assert llm.generate(FIRST, max_new_tokens=1).prefill_tokens == 1
