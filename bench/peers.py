@@ -6,7 +6,12 @@ Workloads (issue 20):
   document  a ~6.4k-token document (latency.document) as a cached module, then new
             questions about it: promptlang serves the document from its store; llama.cpp
             serves it from its prompt cache (the previous request's tokens: a prefix hit,
-            its best case); transformers computes the whole prompt.
+            its best case); transformers computes the whole prompt. Two kinds of new
+            question, each engine asked the same: first ones that open as the previous
+            question (its words, a new number: both caches serve that opening too, the
+            prompt tails of runtime/tails.py on promptlang's side), then ones whose first
+            word no earlier prompt had (each engine computes the whole question). The
+            tokens each engine computed per question are in the report.
   decode    greedy tokens after the document's prompt: the time per token at that cached
             context (promptlang stops at end-of-sequence, llama.cpp does not: each the
             mean over the tokens it made).
@@ -18,12 +23,12 @@ Workloads (issue 20):
             tokens), transformers' full prefill.
 
 The document and decode workloads run three times on promptlang: as the model computes
-(the default), from a float16 store (llama.cpp's KV type), and with approximations of the kind llama.cpp makes
-(a bf16 store, int8 weights x 12-bit inputs in the linear layers, bf16 products in the
-attention: load's int8_linears and bf16_attention), each with a goal of its own. The
-document goal with the model's numbers also says what a new question's arithmetic alone
-takes at the run's float32 sgemm rate (bench/floor.py `prefill_flops`; what llama.cpp's
-integer linear layers are not held to).
+(the default), from a float16 store (llama.cpp's KV type), and with approximations of the
+kind llama.cpp makes (a bf16 store, int8 weights x 12-bit inputs in the linear layers,
+bf16 products in the attention: load's int8_linears and bf16_attention), each with goals
+of its own. The document goals with the model's numbers also say what the question's
+arithmetic alone takes at the run's float32 sgemm rate (bench/floor.py `prefill_flops`;
+what llama.cpp's integer linear layers are not held to).
 
 promptlang serves from a store of the run's own (memory only: nothing an earlier run
 stored is served). llama.cpp runs in a process of its own (bench/peers_llama.py, no torch)
@@ -33,8 +38,8 @@ take turns, one engine after the other in every round (the machine's speed drift
 minutes: each ratio compares rounds made side by side); the RAG requests, whose ratios are
 in the hundreds, run on llama.cpp after promptlang's.
 Without llama-cpp-python (an optional extra: `pip install llama-cpp-python`, a ~10 minute
-build on 2 cores) its column and the goals that need it say N/A. transformers' full prefill is the model's own
-forward (no promptlang kernels or hooks) over the same token ids.
+build on 2 cores) its column and the goals that need it say N/A. transformers' full prefill
+is the model's own forward (no promptlang kernels or hooks) over the same token ids.
 """
 
 from __future__ import annotations
@@ -42,13 +47,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -56,56 +59,18 @@ from promptlang.bench.latency.sweep import build_prompt as doc_prompt, build_sch
 from promptlang.bench.floor import prefill_flops
 from promptlang.bench.latency.sweep import document
 from promptlang.bench.rag import build_prompt, build_schema, plan_requests
-from promptlang.bench.report import Goal, Section
-from promptlang.bench.shapes import shape_from_config
+from promptlang.bench.peers_report import (APPROXIMATE, DECODE_ROUNDS, DEFAULT_ROW, F16_STORE,
+                                            QUESTION_KINDS, PeersOptions, PeersReport,
+                                            _median, goals)
 from promptlang.runtime.recompute.policy import DEFAULT_POLICY
+from promptlang.bench.shapes import shape_from_config
 
 DOC_SCHEMA, RAG_SCHEMA = "peers-document", "peers-rag"
-F16_STORE = "promptlang (f16 store)"        # llama.cpp's own KV type
-# approximations of the kind llama.cpp makes (16-bit KV, quantized inputs to the linear
-# layers): fast/fused.py `approximated`; where the CPU lacks them, the float path runs
-# under this name
-APPROXIMATE = "promptlang (int8 linears, bf16 attention and store)"
-DEFAULT_ROW = f"promptlang ({DEFAULT_POLICY})"   # RAG under the default policy
 LLAMA_TIMEOUT = 3600.0           # seconds a llama.cpp session may last, at most
-DECODE_ROUNDS = 3                # decode runs per engine, in turns (the median counts)
-
-
-@dataclass(frozen=True)
-class PeersOptions:
-    doc_tokens: int = 6400
-    questions: int = 3               # timed new questions about the cached document
-    decode_tokens: int = 64
-    rag_docs: int = 8
-    rag_k: int = 4
-    rag_doc_tokens: int = 700
-    rag_requests: int = 6
-    gguf: str | None = None          # the GGUF llama.cpp loads (default: the default model's)
-
-    @classmethod
-    def quick(cls) -> "PeersOptions":
-        return cls(doc_tokens=120, questions=1, decode_tokens=4, rag_docs=3, rag_k=2,
-                   rag_doc_tokens=30, rag_requests=2)
-
-
-@dataclass
-class PeersReport:
-    options: PeersOptions
-    model: str
-    doc: dict[str, list[float]] = field(default_factory=dict)     # engine -> TTFT seconds
-    decode: dict[str, float | None] = field(default_factory=dict)  # engine -> s per token
-    rag: dict[str, list[float]] = field(default_factory=dict)     # engine -> TTFT seconds
-    # engine -> tokens each timed document question computed (the rest: cached or reused)
-    doc_computed: dict[str, list[int]] = field(default_factory=dict)
-    rag_kinds: list[str] = field(default_factory=list)
-    llama_version: str | None = None
-    llama_missing: str | None = None  # why llama.cpp was not measured
-    llama_reused: list[int] = field(default_factory=list)        # its prefix hits, per request
-    quantized_weights: int = 0                 # linear weights read as the GGUF stores them
-    quantized_max_diff: float | None = None    # largest logit difference against float ones
-    question_flops: float | None = None        # a new question's arithmetic (bench/floor.py)
-    sgemm_flops_per_s: float | None = None     # the run's float32 matmul rate (None: unknown)
-    goals: list[Goal] = field(default_factory=list)
+# first words of the document's new questions of the second kind: none opens any other
+# prompt of the run (so no engine reuses any of the question from an earlier request)
+OPENERS = ("Briefly", "Quickly", "Carefully", "Honestly", "Simply", "Clearly", "Exactly",
+           "Plainly")
 
 
 def run_peers(llm, options: PeersOptions = PeersOptions(), *, model_name: str = "",
@@ -152,8 +117,13 @@ def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,
     text, item = document(llm.tokenizer, options.doc_tokens, seed=20)
     schema = doc_schema(DOC_SCHEMA, text)
     llm.add_schema(schema)
-    questions = [item.question] + [f"{item.question} Answer in one sentence, #{i}."
-                                   for i in range(1, options.questions + 1)]
+    n = options.questions
+    if not 1 <= n <= len(OPENERS):
+        raise ValueError(f"questions must be 1 to {len(OPENERS)}, not {n}")
+    # prompt 0 warms every cache (not timed); then n new questions that open as the one
+    # before (its words, a new number), then n whose first word no earlier prompt had
+    questions = [f"{item.question} Answer in one sentence, #{i}." for i in range(n + 1)] + [
+        f"{word}: {item.question}" for word in OPENERS[:n]]
     prompts = [doc_prompt(DOC_SCHEMA, q) for q in questions]
     ids = [llm.bind(p).token_ids() for p in prompts]
     decoder = llm.adapter.fast.decoder
@@ -165,18 +135,16 @@ def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,
         for name, dtype in ((F16_STORE, torch.float16), (APPROXIMATE, torch.bfloat16))}
     numerics = {F16_STORE: contextlib.nullcontext, APPROXIMATE: (
         decoder.approximated if decoder is not None else contextlib.nullcontext)}
-    computed = report.doc_computed
-    ttft, per_token = {"promptlang": lambda i: _ttft(llm, prompts[i], computed.setdefault(
-        "promptlang", []))}, {
-        "promptlang": lambda: _per_token(llm, prompts[-1], options.decode_tokens)}
+    # engine -> f(i): prompt i's (TTFT seconds, tokens computed)
+    ttft = {"promptlang": lambda i: _ttft(llm, prompts[i])}
+    per_token = {"promptlang": lambda: _per_token(llm, prompts[n], options.decode_tokens)}
     if decoder is not None and decoder.quantized_weights:
         per_token["promptlang (float32 weights)"] = _inside(decoder.quantized_off,
                                                             per_token["promptlang"])
     for name, engine in half.items():
-        ttft[name] = _inside(numerics[name], lambda i, e=engine, n=name: _ttft(
-            e, prompts[i], computed.setdefault(n, [])))
+        ttft[name] = _inside(numerics[name], lambda i, e=engine: _ttft(e, prompts[i]))
         per_token[name] = _inside(numerics[name], lambda e=engine: _per_token(
-            e, prompts[-1], options.decode_tokens))
+            e, prompts[n], options.decode_tokens))
     llama = None
     if gguf is not None:
         llama = _LlamaLines.start(gguf, threads, max(len(i) for i in ids) + 64
@@ -186,26 +154,29 @@ def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,
         else:
             report.llama_version = llama.version
             ttft["llama.cpp"] = _guarded(report, lambda i: _llama_ttft(
-                llama.request(report, ids[i]), len(ids[i]), computed.setdefault("llama.cpp", [])))
+                llama.request(report, ids[i]), len(ids[i])))
             per_token["llama.cpp"] = _guarded(report, lambda: llama.request(
-                report, ids[-1], options.decode_tokens)["decode_s_per_token"])
+                report, ids[n], options.decode_tokens)["decode_s_per_token"])
     try:
         for engine in half.values():
             engine.add_schema(schema)
         for first in ttft.values():                       # every cache warm: not timed
             first(0)
-        computed.clear()
-        probe = llm.generate(doc_prompt(DOC_SCHEMA, f"{item.question} Answer in one sentence, "
-                                        "#0."), max_new_tokens=1)   # a timed question's shape
-        report.question_flops = prefill_flops(shape_from_config(llm.adapter.config),
-                                              probe.prefill_tokens, probe.cached_tokens)
-        report.doc = {name: [] for name in ttft}
-        for i in range(1, len(prompts)):                  # new questions, engines in turn
-            for name in _turns(list(ttft), i):
-                value = ttft[name](i)
-                if value is not None:
-                    report.doc[name].append(value)
-        report.doc["transformers"] = [_full_prefill(llm, ids[-1])]
+        shape = shape_from_config(llm.adapter.config)
+        for (kind, _), timed in zip(QUESTION_KINDS, (range(1, n + 1), range(n + 1, 2 * n + 1))):
+            seconds = {name: [] for name in ttft}
+            setattr(report, kind, seconds)
+            computed = report.computed[kind] = {name: [] for name in ttft}
+            for r, i in enumerate(timed):                 # engines in turn
+                for name in _turns(list(ttft), r):
+                    value = ttft[name](i)
+                    if value is not None:
+                        seconds[name].append(value[0])
+                        computed[name].append(value[1])
+            if computed["promptlang"]:                    # its first timed question's work
+                new = computed["promptlang"][0]
+                report.question_flops[kind] = prefill_flops(shape, new, len(ids[timed[0]]) - new)
+        report.doc["transformers"] = [_full_prefill(llm, ids[n])]
         rounds: dict[str, list[float]] = {name: [] for name in per_token}
         for r in range(DECODE_ROUNDS):
             for name in _turns(list(per_token), r):
@@ -214,8 +185,8 @@ def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,
                     rounds[name].append(value)
         report.decode = {name: _median(v) for name, v in rounds.items()}
         if report.llama_missing:                          # it stopped on the way
-            report.doc.pop("llama.cpp", None)
-            report.decode.pop("llama.cpp", None)
+            for table in (report.doc, report.doc_new, report.decode):
+                table.pop("llama.cpp", None)
     finally:
         if llama is not None:
             llama.close()
@@ -264,7 +235,8 @@ class _LlamaLines:
     @classmethod
     def start(cls, gguf: str, threads: int, n_ctx: int) -> "_LlamaLines | str":
         """The session, or why there is none."""
-        process = subprocess.Popen([sys.executable, "-m", "promptlang.bench.peers_llama"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        process = subprocess.Popen([sys.executable, "-m", "promptlang.bench.peers_llama"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True, env=dict(os.environ))
         timer = threading.Timer(LLAMA_TIMEOUT, process.kill)
         timer.daemon = True
@@ -350,23 +322,21 @@ def _rag(llm, options: PeersOptions, report: PeersReport) -> list[list[int]]:
     prompts = [build_prompt(r.docs, questions[r.question_of], RAG_SCHEMA) for r in plan]
     report.rag_kinds = [r.kind for r in plan]
     # `none` first: it stores no exact entries, so `exact` then meets each combination new
-    report.rag["promptlang (none)"] = [_ttft(llm, p, recompute="none") for p in prompts]
-    report.rag[DEFAULT_ROW] = [_ttft(llm, p, recompute=DEFAULT_POLICY) for p in prompts]
+    report.rag["promptlang (none)"] = [_ttft(llm, p, recompute="none")[0] for p in prompts]
+    report.rag[DEFAULT_ROW] = [_ttft(llm, p, recompute=DEFAULT_POLICY)[0] for p in prompts]
     ids = [llm.bind(p).token_ids() for p in prompts]
     report.rag["transformers"] = [_full_prefill(llm, i) for i in ids]
     return ids
 
 
-def _ttft(llm, prompt, computed: list[int] | None = None, **options) -> float:
+def _ttft(llm, prompt, **options) -> tuple[float, int]:
+    """The request's TTFT (seconds) and the tokens it computed."""
     result = llm.generate(prompt, max_new_tokens=1, **options)
-    if computed is not None:
-        computed.append(result.prefill_tokens)
-    return result.timings.first_token
+    return result.timings.first_token, result.prefill_tokens
 
 
-def _llama_ttft(answer: dict, tokens: int, computed: list[int]) -> float:
-    computed.append(tokens - answer["reused"])
-    return answer["ttft_s"]
+def _llama_ttft(answer: dict, tokens: int) -> tuple[float, int]:
+    return answer["ttft_s"], tokens - answer["reused"]
 
 
 @torch.inference_mode()
@@ -386,113 +356,3 @@ def _default_gguf(llm) -> str | None:
     path = default_model_dir() / GGUF_FILE
     name = getattr(llm.tokenizer, "name", "") or ""
     return str(path) if path.is_file() and "smollm2" in name.lower() else None
-
-
-# --- the report ------------------------------------------------------------------------------
-
-def _median(values: Sequence[float] | None) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def goals(report: PeersReport) -> list[Goal]:
-    out = []
-    missing = report.llama_missing or "llama.cpp not measured"
-
-    def ratio(name: str, mine: float | None, theirs: float | None, target: float,
-              at_most: bool, what: str) -> None:
-        if mine is None or theirs is None:
-            out.append(Goal(name, None, missing if theirs is None else "not measured"))
-            return
-        r = mine / theirs if at_most else theirs / mine
-        out.append(Goal(name, r <= target if at_most else r >= target,
-                        f"{what}: {r:.2f}x ({mine * 1e3:.1f} vs {theirs * 1e3:.1f} ms)"))
-
-    doc, rag = report.doc, report.rag
-    for engine, note in (("promptlang", ""), (APPROXIMATE, f" ({APPROXIMATE[12:-1]})")):
-        ratio(f"document ~6.4k, promptlang cached TTFT <= 0.8x llama.cpp's prefix hit{note}",
-              _median(doc.get(engine)), _median(doc.get("llama.cpp")), 0.8, True, "medians")
-    theirs = _median(doc.get("llama.cpp"))
-    if out[0].passed is not None and report.question_flops and report.sgemm_flops_per_s:
-        floor = report.question_flops / report.sgemm_flops_per_s      # the model's numbers
-        out[0] = Goal(out[0].name, out[0].passed, f"{out[0].detail}; the question's arithmetic "
-                      f"alone ({report.question_flops / 1e9:.1f} GFLOP) at this run's float32 "
-                      f"sgemm ({report.sgemm_flops_per_s / 1e9:.0f} GFLOP/s): {floor * 1e3:.0f}"
-                      f" ms = {floor / theirs:.2f}x")
-    for policy in ("none", DEFAULT_POLICY):
-        ratio(f"RAG {report.options.rag_k} of {report.options.rag_docs}, promptlang "
-              f"({policy}) >= 100x faster than llama.cpp",
-              _median(rag.get(f"promptlang ({policy})")), _median(rag.get("llama.cpp")), 100,
-              False, "medians")
-        ratio(f"RAG {report.options.rag_k} of {report.options.rag_docs}, promptlang "
-              f"({policy}) >= 50x faster than transformers' full prefill",
-              _median(rag.get(f"promptlang ({policy})")), _median(rag.get("transformers")),
-              50, False, "medians")
-    theirs = report.decode.get("llama.cpp")
-    for engine in ("promptlang", F16_STORE, APPROXIMATE):
-        mine, note = report.decode.get(engine), engine[len("promptlang"):]
-        name = f"decode at the document's cached context >= llama.cpp's tokens/s{note}"
-        if mine is None or theirs is None:
-            out.append(Goal(name, None, missing if theirs is None else "not measured"))
-        else:
-            out.append(Goal(name, mine <= theirs, f"{1 / mine:.1f} vs {1 / theirs:.1f} "
-                                                  f"tokens/s = {theirs / mine:.2f}x"))
-    if report.quantized_max_diff is None:
-        out.append(Goal("the quantized path's logits equal the dequantized path's", None,
-                        "this model has no GGUF Q4_1 weights to read"))
-    else:
-        out.append(Goal("the quantized path's logits equal the dequantized path's",
-                        report.quantized_max_diff <= 1e-4,
-                        f"{report.quantized_weights} weights read as Q4_1 blocks; largest "
-                        f"logit difference {report.quantized_max_diff:.2g} (layers bit for "
-                        f"bit; the Q8_0 head sums in another order than torch's)"))
-    return out
-
-
-def sections(report: PeersReport) -> list[Section]:
-    o = report.options
-    ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
-    rows = []
-
-    def row(workload: str, engine: str, values=None, per_token=None) -> None:
-        rows.append({"workload": workload, "engine": engine,
-                     "TTFT ms (median)": ms(_median(values)),
-                     "min ms": ms(min(values)) if values else None,
-                     "max ms": ms(max(values)) if values else None,
-                     "n": len(values) if values else None, "ms/token": ms(per_token),
-                     "tokens/s": round(1 / per_token, 1) if per_token else None})
-    for name, values in report.doc.items():
-        row(f"document ~{o.doc_tokens}, new question", name, values)
-    for name, value in report.decode.items():
-        row("decode after the document", name, per_token=value)
-    for name, values in report.rag.items():
-        row(f"RAG {o.rag_k} of {o.rag_docs} (~{o.rag_doc_tokens} each)", name, values)
-    lines = [f"same token ids to every engine; llama.cpp "
-             f"{report.llama_version or 'not run: ' + str(report.llama_missing)}, in a "
-             "process of its own, same thread count; document and decode: the engines in "
-             f"turn each round (decode: median of {DECODE_ROUNDS} runs each)",
-             "document: llama.cpp's TTFT is its prefix hit (the previous request held the "
-             "document); promptlang serves the document module from its store, and the "
-             "question's opening from the previous question's (prompt tails: "
-             "runtime/tails.py); tokens computed per timed question: " + "; ".join(
-                 f"{name} {v}" for name, v in report.doc_computed.items()),
-             f"RAG request kinds: {', '.join(report.rag_kinds)}; llama.cpp reused "
-             f"{report.llama_reused[-len(report.rag_kinds):] if report.llama_reused else '-'} "
-             "prompt tokens per request from its cache",
-             "promptlang (none): documents as encoded apart (the fast path; its cost in "
-             "answers: docs/RECOMPUTE.md); promptlang (exact): the default, answers as the "
-             "full prefill's (a new combination computes its later documents again)"]
-    return [Section(f"Peers ({report.model})", rows, lines),
-            Section("Goals (issue 20)", (), [str(g) for g in report.goals])]
-
-
-def to_json(report: PeersReport) -> dict[str, Any]:
-    return {"model": report.model, "options": report.options.__dict__, "doc": report.doc,
-            "decode": report.decode, "rag": report.rag, "rag_kinds": report.rag_kinds,
-            "llama_version": report.llama_version, "llama_missing": report.llama_missing,
-            "llama_reused": report.llama_reused, "doc_computed": report.doc_computed,
-            "quantized_weights": report.quantized_weights,
-            "quantized_max_diff": report.quantized_max_diff,
-            "question_flops": report.question_flops,
-            "sgemm_flops_per_s": report.sgemm_flops_per_s,
-            "goals": [{"name": g.name, "passed": g.passed, "detail": g.detail}
-                      for g in report.goals]}

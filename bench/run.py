@@ -241,17 +241,18 @@ def _run_structured(run: _Run):
 def _run_peers(run: _Run):
     from dataclasses import replace
 
-    from promptlang.bench import peers
+    from promptlang.bench import peers, peers_report
     from promptlang.bench.report import render_markdown, render_text, write_json
 
-    options = peers.PeersOptions.quick() if run.args.quick else peers.PeersOptions()
+    options = peers_report.PeersOptions.quick() if run.args.quick else \
+        peers_report.PeersOptions()
     if run.args.gguf:
         options = replace(options, gguf=run.args.gguf)
     report = peers.run_peers(run.llm, options, model_name=run.model_name,
                              sgemm_flops_per_s=run.machine.matmul_flops_per_s)
-    parts = peers.sections(report)
+    parts = peers_report.sections(report)
     print(render_text(parts))
-    run.write("peers.json", lambda p: write_json(p, peers.to_json(report)))
+    run.write("peers.json", lambda p: write_json(p, peers_report.to_json(report)))
     run.write("peers.md", lambda p: p.write_text(render_markdown(parts)))
     return report, parts
 

@@ -267,6 +267,10 @@ def test_structured_quick_measures_both_sides_and_prints_the_goal(tmp_path, caps
 PEERS_GOALS = {"document ~6.4k, promptlang cached TTFT <= 0.8x llama.cpp's prefix hit",
                "document ~6.4k, promptlang cached TTFT <= 0.8x llama.cpp's prefix hit "
                "(int8 linears, bf16 attention and store)",
+               "document ~6.4k, new question with a new opening, promptlang cached TTFT <= "
+               "0.8x llama.cpp's prefix hit",
+               "document ~6.4k, new question with a new opening, promptlang cached TTFT <= "
+               "0.8x llama.cpp's prefix hit (int8 linears, bf16 attention and store)",
                "RAG 2 of 3, promptlang (none) >= 100x faster than llama.cpp",
                "RAG 2 of 3, promptlang (none) >= 50x faster than transformers' full prefill",
                "RAG 2 of 3, promptlang (exact) >= 100x faster than llama.cpp",
@@ -292,7 +296,10 @@ def test_peers_quick_measures_promptlang_and_transformers_and_says_why_not_llama
     assert data["llama_missing"] and data["llama_version"] is None
     assert len(data["rag"]["promptlang (none)"]) == len(data["rag"]["transformers"]) == 2
     assert len(data["doc"]["promptlang"]) == 1 and data["decode"]["promptlang"] > 0
-    assert data["question_flops"] > 0 and data["sgemm_flops_per_s"] > 0
+    assert len(data["doc_new"]["promptlang"]) == 1 and data["sgemm_flops_per_s"] > 0
+    assert data["question_flops"]["doc"] > 0 and data["question_flops"]["doc_new"] > 0
+    # the new opening computes more of the question than the repeated one
+    assert data["computed"]["doc_new"]["promptlang"][0] > data["computed"]["doc"]["promptlang"][0]
     assert len(data["doc"]["promptlang (f16 store)"]) == 1
     assert data["decode"]["promptlang (f16 store)"] > 0
     approximate = "promptlang (int8 linears, bf16 attention and store)"

@@ -3,7 +3,8 @@ the document goal's arithmetic line."""
 
 from __future__ import annotations
 
-from promptlang.bench.peers import PeersOptions, PeersReport, _LlamaLines, _turns, goals
+from promptlang.bench.peers import _LlamaLines, _turns
+from promptlang.bench.peers_report import PeersOptions, PeersReport, goals
 
 
 def test_a_session_that_cannot_start_says_why(tmp_path):
@@ -24,7 +25,7 @@ def test_every_engine_goes_first_once_every_len_rounds():
 def test_the_document_goal_says_what_the_arithmetic_alone_allows():
     """18 GFLOP at 180 GFLOP/s is 100 ms: 0.91x llama.cpp's 110 ms prefix hit."""
     report = PeersReport(PeersOptions(), "m", doc={"promptlang": [0.14], "llama.cpp": [0.11]},
-                         question_flops=18e9, sgemm_flops_per_s=180e9)
+                         question_flops={"doc": 18e9}, sgemm_flops_per_s=180e9)
     first = goals(report)[0]
     assert first.name == "document ~6.4k, promptlang cached TTFT <= 0.8x llama.cpp's prefix hit"
     assert first.passed is False
@@ -32,3 +33,16 @@ def test_the_document_goal_says_what_the_arithmetic_alone_allows():
                             "(18.0 GFLOP) at this run's float32 sgemm (180 GFLOP/s): 100 ms = 0.91x")
     report.sgemm_flops_per_s = None                  # not measured: no arithmetic line
     assert goals(report)[0].detail == "medians: 1.27x (140.0 vs 110.0 ms)"
+
+
+def test_a_question_with_a_new_opening_has_goals_and_arithmetic_of_its_own():
+    report = PeersReport(PeersOptions(), "m", doc={"promptlang": [0.14], "llama.cpp": [0.11]},
+                         doc_new={"promptlang": [0.15], "llama.cpp": [0.25]},
+                         question_flops={"doc": 18e9, "doc_new": 27e9},
+                         sgemm_flops_per_s=180e9)
+    new = [g for g in goals(report) if "new opening" in g.name]
+    assert [g.passed for g in new] == [True, None]        # the approximations: not measured
+    assert new[0].detail == ("medians: 0.60x (150.0 vs 250.0 ms); the question's arithmetic "
+                             "alone (27.0 GFLOP) at this run's float32 sgemm (180 GFLOP/s): "
+                             "150 ms = 0.60x")
+    assert new[1].detail == "not measured"
