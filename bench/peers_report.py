@@ -167,7 +167,17 @@ def sections(report: PeersReport) -> list[Section]:
              "answers: docs/RECOMPUTE.md); promptlang (exact): the default, answers as the "
              "full prefill's (a new combination computes its later documents again)"]
     return [Section(f"Peers ({report.model})", rows, lines),
-            Section("Goals (issue 20)", (), [str(g) for g in report.goals])]
+            Section("Goals (issue 20)", (), [str(g) for g in report.goals
+                                             if not _default_policy(g)]),
+            Section(f"Goals of the default policy ({DEFAULT_POLICY}: answers as the full "
+                    "prefill's, issue 16)", (), [str(g) for g in report.goals
+                                                 if _default_policy(g)])]
+
+
+def _default_policy(goal: Goal) -> bool:
+    """A RAG goal of the default policy, whose cost on a new combination of documents is the
+    seams issue's (16): issue 20's RAG goals are the cached path's (`none`)."""
+    return f"({DEFAULT_POLICY})" in goal.name
 
 
 def to_json(report: PeersReport) -> dict[str, Any]:
