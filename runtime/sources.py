@@ -9,20 +9,21 @@ from promptlang.pml import nodes
 
 
 def read_schema(source) -> nodes.Schema:
-    from promptlang.pml.parser import parse_file, parse_schema
-    if isinstance(source, str) and source.lstrip().startswith("<"):
-        return parse_schema(source, file="<schema>")
-    parsed = parse_file(source)
-    if not isinstance(parsed, nodes.Schema):
-        raise PromptLangError(f"{os.fspath(source)} holds a prompt, not a schema", parsed.span)
-    return parsed
+    from promptlang.pml.parser import parse_schema
+    return _read(source, parse_schema, nodes.Schema, "schema", "prompt")
 
 
 def read_prompt(source) -> nodes.PromptDoc:
-    from promptlang.pml.parser import parse_file, parse_prompt
+    from promptlang.pml.parser import parse_prompt
+    return _read(source, parse_prompt, nodes.PromptDoc, "prompt", "schema")
+
+
+def _read(source, parse_text, kind: type, name: str, other: str):
+    """PML text (it starts with "<") parsed as `name`, or a file that must hold one."""
+    from promptlang.pml.parser import parse_file
     if isinstance(source, str) and source.lstrip().startswith("<"):
-        return parse_prompt(source, file="<prompt>")
+        return parse_text(source, file=f"<{name}>")
     parsed = parse_file(source)
-    if not isinstance(parsed, nodes.PromptDoc):
-        raise PromptLangError(f"{os.fspath(source)} holds a schema, not a prompt", parsed.span)
+    if not isinstance(parsed, kind):
+        raise PromptLangError(f"{os.fspath(source)} holds a {other}, not a {name}", parsed.span)
     return parsed
