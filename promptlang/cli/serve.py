@@ -48,6 +48,9 @@ def register(subparsers: Any) -> None:
                        help="requests decoded together, one pass per step (default 16)")
     serve.add_argument("--recompute", metavar="POLICY", default=None,
                        help="the default recompute policy (default exact; docs/RECOMPUTE.md)")
+    serve.add_argument("--tail-mib", type=int, default=None, metavar="MIB",
+                       help="KV of recent requests' prompt tails kept for later requests "
+                            "that start the same way (default 64; 0: off; runtime/tails.py)")
     serve.add_argument("--model-name", metavar="NAME", default=None,
                        help="the model id clients send and /v1/models lists (default: the "
                             "model's name)")
@@ -80,14 +83,24 @@ def _serve(args: argparse.Namespace) -> int:
         print("promptlang serve: --max-queue and --max-batch must be at least 1",
               file=sys.stderr)
         return 2
+    if args.tail_mib is not None and args.tail_mib < 0:
+        print(f"promptlang serve: --tail-mib must be >= 0, not {args.tail_mib}",
+              file=sys.stderr)
+        return 2
     if args.ray:
+        if args.tail_mib is not None:
+            print("promptlang serve: --tail-mib is not available with --ray yet (each replica "
+                  "keeps the default 64 MiB)", file=sys.stderr)
+            return 2
         if numerics.load_options(args):
             print("promptlang serve: --quantize, --kv-dtype, --int8-linears and --bf16-attention "
                   "are not available with --ray yet (the replicas load the checkpoint as it is)",
                   file=sys.stderr)
             return 2
         return _serve_ray(args)
-    options = {} if args.recompute is None else {"recompute": args.recompute}
+    options: dict[str, Any] = {} if args.recompute is None else {"recompute": args.recompute}
+    if args.tail_mib is not None:
+        options["tail_budget_bytes"] = args.tail_mib << 20
     llm = engine.load(args.model, **options, **numerics.load_options(args))
     functions = load_schemas(llm, args.schemas)
     name = args.model_name or _model_name(args.model)

@@ -407,8 +407,8 @@ def _prometheus(state: ServerState) -> str:
         lines.append(f'promptlang_requests_total{{endpoint="{endpoint}",status="{status}"}} '
                      f"{count}")
     counters = [("prompt_tokens_total", "Prompt tokens of answered requests.", m.prompt_tokens),
-                ("cached_tokens_total", "Prompt tokens served from cached modules.",
-                 m.cached_tokens),
+                ("cached_tokens_total", "Prompt tokens served from cached modules or from "
+                 "an earlier request's prompt tail.", m.cached_tokens),
                 ("completion_tokens_total", "Generated tokens.", m.completion_tokens),
                 ("first_token_seconds_sum", "Seconds from each request's start to its first "
                  "token, summed.", m.first_token_seconds),
@@ -441,4 +441,14 @@ def _prometheus(state: ServerState) -> str:
     lines += ["# HELP promptlang_store_misses_total Module KV encoded because no tier held it.",
               "# TYPE promptlang_store_misses_total counter",
               f"promptlang_store_misses_total {stats.misses}"]
+    tails = state.llm.tails                                # runtime/tails.py
+    lines += ["# HELP promptlang_tail_hits_total Requests served the opening of their last "
+              "uncached run from an earlier request's.",
+              "# TYPE promptlang_tail_hits_total counter",
+              f"promptlang_tail_hits_total {tails.hits}",
+              "# HELP promptlang_tail_reused_tokens_total Tokens those requests did not compute.",
+              "# TYPE promptlang_tail_reused_tokens_total counter",
+              f"promptlang_tail_reused_tokens_total {tails.reused_tokens}",
+              "# HELP promptlang_tail_bytes KV bytes of prompt tails kept now.",
+              "# TYPE promptlang_tail_bytes gauge", f"promptlang_tail_bytes {tails.nbytes}"]
     return "\n".join(lines) + "\n"

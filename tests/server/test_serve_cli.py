@@ -79,3 +79,26 @@ def test_serve_answers_pml_and_drains_the_stream_in_flight_on_sigterm(tmp_path,
         if process.poll() is None:
             process.kill()
             process.wait(TIMEOUT)
+
+
+class _Loaded(Exception):
+    """engine.load was reached (with these keyword arguments): no model is loaded."""
+
+
+def test_tail_mib_sizes_the_engines_prompt_tails_and_is_checked(monkeypatch, capsys):
+    from promptlang.cli import main
+    from promptlang.runtime import engine
+
+    def load(*args, **options):
+        raise _Loaded(options)
+    monkeypatch.setattr(engine, "load", load)
+    with pytest.raises(_Loaded) as loaded:
+        main(["serve", "--tail-mib", "3"])
+    assert loaded.value.args[0]["tail_budget_bytes"] == 3 << 20
+    with pytest.raises(_Loaded) as loaded:
+        main(["serve"])
+    assert "tail_budget_bytes" not in loaded.value.args[0]        # load's default
+    assert main(["serve", "--tail-mib", "-1"]) == 2
+    assert "--tail-mib must be >= 0, not -1" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--tail-mib", "0"]) == 2
+    assert "--tail-mib is not available with --ray" in capsys.readouterr().err

@@ -328,8 +328,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_buffer(model):
 
 def test_metrics_count_requests_tokens_and_cache_hits(served):
     server, _ = served
-    server.client().chat.completions.create(model="tiny", messages=[], max_tokens=2,
-                                            extra_body={"promptlang": {"pml": PML}})
+    for _ in range(3):        # the same request: by the third its prompt tail is kept
+        server.client().chat.completions.create(model="tiny", messages=[], max_tokens=2,
+                                                extra_body={"promptlang": {"pml": PML}})
     with urllib.request.urlopen(server.url + "/metrics", timeout=TIMEOUT) as response:
         text = response.read().decode()
     assert 'promptlang_requests_total{endpoint="chat",status="200"}' in text
@@ -339,6 +340,9 @@ def test_metrics_count_requests_tokens_and_cache_hits(served):
     assert values["promptlang_queue_length"] == 0
     assert values["promptlang_steps_total"] >= 1 and values["promptlang_engine_busy_seconds_total"] > 0
     assert sum(v for k, v in values.items() if k.startswith("promptlang_store_hits_total")) > 0
+    assert values["promptlang_tail_hits_total"] >= 1
+    assert values["promptlang_tail_reused_tokens_total"] >= values["promptlang_tail_hits_total"]
+    assert values["promptlang_tail_bytes"] > 0
 
 
 def test_the_server_binds_loopback_by_default():
