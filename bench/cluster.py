@@ -224,7 +224,9 @@ def measure_costs(llm, schema, plan, questions, options: ClusterOptions,
     from promptlang.runtime.store import ModuleStore
 
     store = ModuleStore(disk_dir=folder)
-    engine = LLM(llm.adapter, llm.tokenizer, store, recompute="none")
+    # no prompt tails: the same request is timed again and again, and what is measured is
+    # the documents served from each tier with the question computed
+    engine = LLM(llm.adapter, llm.tokenizer, store, recompute="none", tail_budget_bytes=0)
     engine.add_schema(schema)
     request = plan[0]
     prompt = build_prompt(request.docs, questions[request.question_of], SCHEMA)

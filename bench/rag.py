@@ -15,7 +15,9 @@ Every request is served three ways, on one engine (the same adapter, weights, ke
 and pooled request buffers), in an order that rotates from request to request:
 
   promptlang  the cached request: the documents' KV from the store's memory tier (each
-              at its schema position, whatever the order asked), the question prefilled;
+              at its schema position, whatever the order asked), the question prefilled
+              (its opening served from a recent request's prompt tail where one matches
+              after the same documents: runtime/tails.py, as the prefix policy does);
               recompute policy `none` (documents as encoded apart: the fast path, whose
               cost in answers docs/RECOMPUTE.md gives; the default `exact` computes a new
               combination's documents after the first again)

@@ -31,8 +31,10 @@ def _exact_reuse(llm, setting: str, request, repeats: int) -> CostPoint:
     from promptlang.runtime.engine import LLM
 
     this, prompt, schema, _, spec = request
-    # the settings' store: every timed request of the section has run by now
-    reuse = LLM(this.adapter, this.tokenizer, this.store, isolate=this.isolate)
+    # the settings' store: every timed request of the section has run by now; no prompt
+    # tails, as the settings' own LLMs (the question is computed on every repeat)
+    reuse = LLM(this.adapter, this.tokenizer, this.store, isolate=this.isolate,
+                tail_budget_bytes=0)
     results = [reuse.generate(prompt, schema=schema, max_new_tokens=1, recompute=spec)
                for _ in range(1 + repeats)][1:]
     if any(r.exact_units == 0 for r in results):

@@ -459,3 +459,14 @@ def test_exact_is_the_baseline_per_item_and_its_repeat_is_served_exactly(tiny_ll
     reuse = report.cost.point(accuracy.seen_before("cached+exact"))
     assert exact_point.recomputed > 0 and reuse.recomputed == 0
     assert len(reuse.seconds) == options.cost_repeats
+
+
+def test_the_settings_compute_a_repeated_question_every_time(tiny_llm):
+    """The cost section times the same question again and again: no setting may serve it
+    from an earlier request's prompt tail (runtime/tails.py), or its TTFT is a repeat's."""
+    item = qa.generate(1, seed=5, kind="dependent", docs_per_item=2, doc_words=12)[0]
+    llms = accuracy._rule_llms(tiny_llm, 64 << 20)
+    llm, prompt, schema, _, spec = accuracy._requests(item, llms, ["cached"])["cached"]
+    first, again = (llm.generate(prompt, schema=schema, max_new_tokens=1, recompute=spec)
+                    for _ in range(2))
+    assert again.tail_tokens == 0 and again.prefill_tokens == first.prefill_tokens > 1
