@@ -320,8 +320,7 @@ class LLM:
             opened = Opened(buffer, None, bound.end, bound, t, len(ids), buffer.length,
                             len(plan), started, plan, tuple(served), approximate,
                             healed=healed, units=dict(stats.tiers),
-                            primed=tuple(sorted(primed)),
-                            tail_tokens=tail.length if tail else 0, tail=tail)
+                            primed=tuple(sorted(primed)), tail=tail)
 
             def finish(last: torch.Tensor) -> None:        # the prefill's KV is in the buffer
                 opened.logits = last

@@ -12,7 +12,7 @@ lets each import the other's types without importing the other module.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
@@ -21,6 +21,7 @@ from promptlang.runtime.recompute.plan import NO_RECOMPUTE, RecomputePlan
 if TYPE_CHECKING:
     from promptlang.pml.binding import BoundPrompt
     from promptlang.runtime.assembler import KVBuffer
+    from promptlang.runtime.tails import TailUse
 
 
 @dataclass
@@ -93,8 +94,12 @@ class Opened:
     pending: PendingPrefill | None = None     # a prefill left to the caller (logits None)
     units: dict[str, int] = field(default_factory=dict)   # as Result.units
     primed: tuple[str, ...] = ()  # units served primed (recompute/primer.py)
-    tail_tokens: int = 0         # as Result.tail_tokens
-    tail: Any = None             # its prompt tail (runtime/tails.py TailUse), kept at the end
+    tail: "TailUse | None" = None  # its prompt tail (runtime/tails.py), kept at the end
+
+    @property
+    def tail_tokens(self) -> int:
+        """As Result.tail_tokens."""
+        return 0 if self.tail is None else self.tail.length
 
 
 @dataclass

@@ -129,14 +129,14 @@ class TailCache:
 
     def remember(self, context: str, token_ids: Sequence[int], positions: Sequence[int],
                  keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keep a request's tail (`keys`, `values`: [L, H_kv, n, D], copied here); kept
-        tails it extends (a prefix of its tokens, same context) are dropped."""
+        """Keep a request's tail (`keys`, `values`: [L, H_kv, n, D], kept as given: tensors
+        nothing else writes to); kept tails it extends (a prefix of its tokens, same
+        context) are dropped."""
         n = len(token_ids)
-        if not self.enabled or n == 0 or \
-                (keys.numel() * keys.element_size()) * 2 > self.budget_bytes:
+        if n == 0 or not self.fits(keys.numel() * keys.element_size() * 2):
             return
         tail = Tail(context, tuple(int(t) for t in token_ids), tuple(int(p) for p in positions),
-                    keys.clone(), values.clone())
+                    keys, values)
         with self._lock:
             for ident, old in list(self._tails.items()):
                 if old.context == context and len(old.token_ids) <= n and \
@@ -149,6 +149,10 @@ class TailCache:
             while self._bytes > self.budget_bytes:
                 _, old = self._tails.popitem(last=False)
                 self._bytes -= old.nbytes
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a tail of `nbytes` (keys and values) may be kept."""
+        return self.enabled and nbytes <= self.budget_bytes
 
     def clear(self) -> None:
         with self._lock:
@@ -192,13 +196,18 @@ class TailUse:
 
     def _remember(self, cache: TailCache, buffer) -> None:
         start, end = self.start, buffer.length
+        row = buffer.slot_keys[:, :, :1]                  # one token's keys
+        if not cache.fits(row.numel() * row.element_size() * 2 * (self.length + end - start)):
+            return                                        # not copied only to be dropped
         ids = self.token_ids[:self.length] + buffer.token_ids[start:end].tolist()
         positions = self.positions[:self.length] + buffer.positions[start:end].tolist()
         keys = buffer.slot_keys[:, :, start:end]
         values = buffer.slot_values[:, :, start:end]
-        if self.reused is not None and self.length:
+        if self.reused is not None and self.length:      # new tensors, as are the clones
             keys = torch.cat([self.reused.keys[:, :, :self.length], keys], dim=2)
             values = torch.cat([self.reused.values[:, :, :self.length], values], dim=2)
+        else:                                            # the buffer is reused after us
+            keys, values = keys.clone(), values.clone()
         cache.remember(self.context, ids, positions, keys, values)
 
 
