@@ -307,15 +307,17 @@ class LLM:
         ids, positions = uncached_tokens(plan.uncached(bound))
         tail = None if plan or contexts is not None or all_logits else plan_tail(
             self.tails, self.adapter.numerics, units, ids, positions)
-        if tail is not None:
-            units, ids, positions = tail.serve(units, ids, positions)
         cached = sum(int((~kv.placeholder).sum()) for _, kv in units)
         buffer = self.assembler.acquire(cached + len(ids) + room, request_keys(units, plan))
         with self._released_on_error(buffer):
             self.assembler.assemble(buffer, units, plan)
+            if tail is not None:
+                ids, positions = tail.place(buffer, ids, positions)
             buffer.contexts = None if contexts is None else \
                 contexts._replace(context=contexts.context.to(buffer.positions.device))
-            ids, positions = with_last(buffer, ids, positions)
+            whole = None if tail is None else tail.logits    # the tail seen whole before
+            if whole is None:
+                ids, positions = with_last(buffer, ids, positions)
             t.assemble = time.perf_counter() - mark
             opened = Opened(buffer, None, bound.end, bound, t, len(ids), buffer.length,
                             len(plan), started, plan, tuple(served), approximate,
@@ -325,11 +327,14 @@ class LLM:
             def finish(last: torch.Tensor) -> None:        # the prefill's KV is in the buffer
                 opened.logits = last
                 if tail is not None:
-                    tail.keep(self.tails, buffer)
+                    tail.keep(self.tails, buffer, last)
                 if plan and self.exact_reuse and contexts is None:   # APE's tokens: not exact
                     exact.remember(self.store, bound, buffer, keys,
                                    exact.made_exact(bound, missed, plan.positions, list(served)),
                                    bound.layout.schema.name)
+            if whole is not None:                        # nothing to compute
+                opened.logits = whole
+                return opened, whole[None]
             if len(ids) <= defer and not all_logits:
                 opened.pending = PendingPrefill(ids, positions, finish)
                 return opened, None

@@ -9,6 +9,11 @@ numerics whose tail starts with the same tokens at the same positions is served 
 prefix from it and computes only the rest (`TailCache.match`). This is the prefix cache
 llama.cpp and vLLM keep, applied after promptlang's modules: a new question that repeats the
 previous one's opening, a retried request, or a conversation's next turn computes what is new.
+A tail also keeps the logits its pass gave after its last prompt token, so a request whose
+whole tail was seen before (a repeated request) computes nothing and starts from exactly the
+logits the first one had: the same answer by construction, not only up to the rounding of
+recomputing that token in a pass of another shape (which int8 inputs can turn into another
+greedy pick).
 
 The reused tokens are exactly what the earlier request's pass computed for them; the new
 request's own tokens then attend to them as to any cached token (the oracle: one masked pass
@@ -23,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -43,23 +48,12 @@ class Tail:
     positions: tuple[int, ...]
     keys: torch.Tensor
     values: torch.Tensor
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)   # n -> after n tokens
 
     @property
     def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() + \
-            self.values.numel() * self.values.element_size()
-
-    def piece(self, n: int) -> tuple[str, UnitKV]:
-        """Its first `n` tokens as a unit a request buffer is assembled from, with a key
-        naming exactly them."""
-        digest = hashlib.sha256(repr((self.context, self.token_ids[:n],
-                                      self.positions[:n])).encode()).hexdigest()[:24]
-        device = self.keys.device
-        return f"tail:{digest}", UnitKV(
-            self.keys[:, :, :n], self.values[:, :, :n],
-            torch.tensor(self.positions[:n], dtype=torch.int64, device=device),
-            torch.tensor(self.token_ids[:n], dtype=torch.int64, device=device),
-            torch.zeros(n, dtype=torch.bool, device=device))
+        return sum(t.numel() * t.element_size()
+                   for t in (self.keys, self.values, *self.logits.values()))
 
 
 def tail_context(unit_keys: Sequence[str], numerics: tuple) -> str:
@@ -104,9 +98,10 @@ class TailCache:
     def match(self, context: str, token_ids: Sequence[int], positions: Sequence[int]
               ) -> tuple[Tail | None, int]:
         """The kept tail under `context` sharing the longest prefix (ids and positions)
-        with the request's, and that length; at most all but the last token (whose output
-        the request needs). (None, 0) if none shares MIN_REUSE tokens."""
-        limit = len(token_ids) - 1
+        with the request's, and that length: all of the request's tokens where the tail
+        kept the logits after them (the request computes nothing), else at most all but the
+        last (whose output the request needs). (None, 0) if none shares MIN_REUSE tokens."""
+        whole = len(token_ids)
         best, length = None, 0
         with self._lock:
             for ident, tail in self._tails.items():
@@ -117,7 +112,8 @@ class TailCache:
                     if a != b or p != q:
                         break
                     n += 1
-                n = min(n, limit)
+                if n < whole or whole not in tail.logits:
+                    n = min(n, whole - 1)
                 if n > length:
                     best, length, key = tail, n, ident
             if best is None or length < MIN_REUSE:
@@ -128,20 +124,25 @@ class TailCache:
         return best, length
 
     def remember(self, context: str, token_ids: Sequence[int], positions: Sequence[int],
-                 keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keep a request's tail (`keys`, `values`: [L, H_kv, n, D], kept as given: tensors
+                 keys: torch.Tensor, values: torch.Tensor,
+                 logits: dict[int, torch.Tensor] | None = None) -> None:
+        """Keep a request's tail (`keys`, `values`: [L, H_kv, n, D]; `logits`: the
+        next-token logits [V] after its first k tokens, by k; all kept as given: tensors
         nothing else writes to); kept tails it extends (a prefix of its tokens, same
-        context) are dropped."""
+        context) are dropped, their logits kept with it."""
         n = len(token_ids)
-        if n == 0 or not self.fits(keys.numel() * keys.element_size() * 2):
+        rows = sum(t.numel() * t.element_size() for t in (logits or {}).values())
+        if n == 0 or not self.fits(keys.numel() * keys.element_size() * 2 + rows):
             return
         tail = Tail(context, tuple(int(t) for t in token_ids), tuple(int(p) for p in positions),
-                    keys, values)
+                    keys, values, dict(logits or {}))
         with self._lock:
             for ident, old in list(self._tails.items()):
                 if old.context == context and len(old.token_ids) <= n and \
                         old.token_ids == tail.token_ids[:len(old.token_ids)] and \
                         old.positions == tail.positions[:len(old.positions)]:
+                    for k, row in old.logits.items():
+                        tail.logits.setdefault(k, row)
                     self._bytes -= old.nbytes
                     del self._tails[ident]
             self._tails[id(tail)] = tail
@@ -169,46 +170,57 @@ class TailUse:
     positions: list[int]
     reused: Tail | None = None
     length: int = 0                 # tokens served from `reused`
-    start: int | None = None        # buffer slot of the first computed token (once kept)
+    start: int | None = None        # buffer slot of the tail's first token (once placed)
 
-    def serve(self, units: list, ids: list[int], positions: list[int]
-              ) -> tuple[list, list[int], list[int]]:
-        """The request's units with the reused prefix as one more, and the tokens it still
-        computes."""
-        if self.reused is None or not self.length:
-            return units, ids, positions
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """The logits after the request's whole tail, where it reuses all of it (then it
+        computes nothing); a copy of the kept ones. None where it computes tokens."""
+        if self.reused is None or self.length < len(self.token_ids):
+            return None
+        return self.reused.logits[self.length].clone()
+
+    def place(self, buffer, ids: list[int], positions: list[int]
+              ) -> tuple[list[int], list[int]]:
+        """Write the reused prefix's KV into `buffer` right after its assembled units --
+        the slots the earlier request's pass wrote it to, so every later pass sees the
+        same pieces in the same order as there (the same numbers, not only up to
+        rounding) -- and return the tokens the request still computes."""
+        self.start = buffer.length
         n = self.length
-        return units + [self.reused.piece(n)], ids[n:], positions[n:]
+        if self.reused is None or not n:
+            return ids, positions
+        at, tail = buffer.length, self.reused
+        buffer.slot_keys[:, :, at:at + n] = tail.keys[:, :, :n]
+        buffer.slot_values[:, :, at:at + n] = tail.values[:, :, :n]
+        buffer.positions[at:at + n] = torch.tensor(tail.positions[:n])
+        buffer.token_ids[at:at + n] = torch.tensor(tail.token_ids[:n])
+        buffer.length = at + n
+        return ids[n:], positions[n:]
 
-    def keep(self, cache: TailCache, buffer) -> None:
-        """After the prefill: keep the whole tail (the reused prefix, then the KV the pass
-        appended to `buffer`)."""
-        self.start = buffer.length - (len(self.token_ids) - self.length)
-        self._remember(cache, buffer)
+    def keep(self, cache: TailCache, buffer, last: torch.Tensor | None) -> None:
+        """After the prefill (`last`: the logits after the tail; None: the request reused
+        all of it, nothing new): keep the whole tail, from `buffer`."""
+        if last is not None:
+            self._remember(cache, buffer, {len(self.token_ids): last.detach().clone()})
 
     def keep_decoded(self, cache: TailCache, buffer) -> None:
         """When the request ends: keep the tail with the tokens decoded after it (their KV
         is in `buffer` up to its length; the last picked token was never computed), so that
         a request that goes on from the answer reuses it too."""
-        if self.start is not None and buffer.length > self.start + len(self.token_ids) \
-                - self.length:
+        if self.start is not None and buffer.length > self.start + len(self.token_ids):
             self._remember(cache, buffer)
 
-    def _remember(self, cache: TailCache, buffer) -> None:
+    def _remember(self, cache: TailCache, buffer, logits=None) -> None:
         start, end = self.start, buffer.length
         row = buffer.slot_keys[:, :, :1]                  # one token's keys
-        if not cache.fits(row.numel() * row.element_size() * 2 * (self.length + end - start)):
+        if not cache.fits(row.numel() * row.element_size() * 2 * (end - start)):
             return                                        # not copied only to be dropped
-        ids = self.token_ids[:self.length] + buffer.token_ids[start:end].tolist()
-        positions = self.positions[:self.length] + buffer.positions[start:end].tolist()
-        keys = buffer.slot_keys[:, :, start:end]
-        values = buffer.slot_values[:, :, start:end]
-        if self.reused is not None and self.length:      # new tensors, as are the clones
-            keys = torch.cat([self.reused.keys[:, :, :self.length], keys], dim=2)
-            values = torch.cat([self.reused.values[:, :, :self.length], values], dim=2)
-        else:                                            # the buffer is reused after us
-            keys, values = keys.clone(), values.clone()
-        cache.remember(self.context, ids, positions, keys, values)
+        # the buffer is reused after us: copies
+        cache.remember(self.context, buffer.token_ids[start:end].tolist(),
+                       buffer.positions[start:end].tolist(),
+                       buffer.slot_keys[:, :, start:end].clone(),
+                       buffer.slot_values[:, :, start:end].clone(), logits)
 
 
 def plan_tail(cache: TailCache, numerics: tuple, units: list[tuple[str, UnitKV]],

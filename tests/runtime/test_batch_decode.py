@@ -105,6 +105,7 @@ def test_prefills_that_join_a_step_decode_as_alone(llm, monkeypatch, recompute, 
     alone = [llm.generate(p, sampling=s, recompute=recompute).token_ids
              for p, s in zip(PROMPTS, params)]
     llm.store.clear()                  # the combination is new again: seams recompute
+    llm.tails.clear()                  # and no prompt tail serves the whole request
     generations = [llm.start(p, sampling=s, recompute=recompute, defer=64)
                    for p, s in zip(PROMPTS, params)]
     assert all(g.opened.pending is not None and g.opened.logits is None for g in generations)

@@ -61,14 +61,25 @@ def test_a_new_question_reuses_the_previous_ones_opening_and_equals_the_oracle(m
     assert 1 <= computed(second) == computed(alone) - reused
 
 
-def test_a_repeated_request_computes_only_its_last_token_and_decodes_the_same(model):
+def test_a_repeated_request_computes_nothing_and_starts_from_the_first_ones_logits(model):
     llm, plain = make(model), make(model, tail_budget_bytes=0)
-    llm.generate(FIRST, max_new_tokens=1)
+    first = llm.generate(FIRST, max_new_tokens=1)
     again = llm.generate(FIRST, max_new_tokens=6)
     alone = plain.generate(FIRST, max_new_tokens=6)
-    assert again.prefill_tokens == 1 and again.tail_tokens == alone.prefill_tokens - 1
+    assert first.prefill_tokens == alone.prefill_tokens > 1
+    assert again.prefill_tokens == 0 and again.tail_tokens == alone.prefill_tokens
     assert again.cached_tokens == alone.cached_tokens + again.tail_tokens
     assert again.token_ids == alone.token_ids and alone.tail_tokens == 0
+    # the very logits of the first request's pass, not a recomputation of its last token
+    once = last_logits(llm, FIRST)
+    want = oracle_prefill(llm.adapter, llm.bind(FIRST)).logits[-1]
+    assert once.positions.shape[0] == once.cached_length          # nothing computed
+    assert torch.equal(once.logits[-1], last_logits(llm, FIRST).logits[-1])
+    assert (once.logits[-1] - want).abs().max() < TOL
+    (tail,) = llm.tails._tails.values()
+    kept = tail.logits[alone.prefill_tokens]              # after the prompt's tail
+    once.logits[-1].add_(1.0)                                     # the caller's copy
+    assert not torch.equal(once.logits[-1], kept)
 
 
 def test_a_tail_serves_only_the_same_units_at_the_same_numerics(model, monkeypatch):
@@ -103,6 +114,14 @@ def test_a_longer_tail_replaces_the_one_it_extends_and_the_budget_holds():
     tail, n = cache.match("c", [1, 2, 3, 9], [5, 6, 7, 8])
     assert n == 3 and tail.token_ids == (1, 2, 3)
     assert cache.match("c", [1, 2, 3], [5, 6, 7])[1] == 2          # the last is computed
+    cache.remember("c", [1, 2, 3], [5, 6, 7], kv(3), kv(3), {3: torch.zeros(2)})
+    assert cache.match("c", [1, 2, 3], [5, 6, 7])[1] == 3          # with its logits: all
+    cache.remember("c", [1, 2, 3, 4], [5, 6, 7, 8], kv(4), kv(4))  # extends it, keeps them
+    (longer,) = cache._tails.values()
+    assert set(longer.logits) == {3} and cache.match("c", [1, 2, 3], [5, 6, 7])[1] == 3
+    assert cache.match("c", [1, 2, 3, 4], [5, 6, 7, 8])[1] == 3    # no logits after 4
+    cache.clear()
+    cache.remember("c", [1, 2, 3], [5, 6, 7], kv(3), kv(3))
     assert cache.match("c", [1, 2, 3], [6, 7, 8]) == (None, 0)     # other positions
     assert cache.match("d", [1, 2, 3, 9], [5, 6, 7, 8]) == (None, 0)
     cache.remember("c", [4, 4, 4], [5, 6, 7], kv(3), kv(3))
@@ -136,4 +155,24 @@ def test_a_request_keeps_its_decoded_tokens_with_the_tail_as_one_pass_computes_t
     assert (tail.keys[:, :, -n:] - want_keys).abs().max() < TOL
     assert (tail.values[:, :, -n:] - want_values).abs().max() < TOL
     # the same request again reuses the kept prompt tail (the decoded tokens follow it)
-    assert llm.generate(FIRST, max_new_tokens=1).prefill_tokens == 1
+    assert llm.generate(FIRST, max_new_tokens=1).prefill_tokens == 0
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["copied", "read-in-place"])
+def test_a_repeated_request_decodes_bit_for_bit_as_the_first_did(model, in_place):
+    """The reused tail sits in the buffer where the first request's pass wrote it, so every
+    decode step sees the same pieces in the same order: the decoded tokens' KV equals the
+    first request's exactly (not only within rounding; int8 inputs would turn rounding
+    into other greedy picks), whether the units are copied or read in place."""
+    llm = make(model)
+    if in_place:
+        llm.assembler.share_min_tokens = 1
+    first = llm.generate(FIRST, max_new_tokens=8)
+    (kept,) = llm.tails._tails.values()
+    keys, values = kept.keys.clone(), kept.values.clone()
+    again = llm.generate(FIRST, max_new_tokens=8)
+    assert again.prefill_tokens == 0 and again.token_ids == first.token_ids
+    (tail,) = llm.tails._tails.values()
+    assert tail is not kept and tail.token_ids == kept.token_ids
+    assert torch.equal(tail.keys, keys) and torch.equal(tail.values, values)
+    assert (llm.assembler.shared_tokens > 0) == in_place
