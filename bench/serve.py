@@ -10,14 +10,19 @@ their streams never holds this process's interpreter lock), one thread each with
   chat  a plain chat request (system text and a one-line question; documents travel as
         cached modules in the rag requests, not as new text)
 
-drawn from a fixed set of `distinct` requests. Before the timed levels every distinct
-request is served once alone (greedy): the reference answer, and its modules' KV (and exact
-entries, under the default recompute policy) are stored, so the levels measure serving.
+built on a fixed set of `distinct` requests (their documents and questions), and every
+request sent is new: its question starts with its own number ("Request 17: ..."), as a
+served RAG workload asks new questions of the same documents. Before the timed levels
+every request the levels will send is served once alone (greedy): the reference answer;
+its modules' KV (and exact entries, under the default recompute policy) are stored then,
+so the levels measure serving. The prompt tails those runs keep are dropped before each
+level (runtime/tails.py: a request seen whole before computes nothing, which would make
+the levels measure a cache of answers): in a level every request computes its question.
 
 For each level of concurrency (1, 4, 16, 32 clients; 1 and 2 with --quick) every client
 sends `requests` requests one after another, more where the level would send fewer than
 `level_requests` in all (one client: 16 in a row, so that every level sees each distinct
-request at least twice, the same mix); a level stops early at `level_timeout`
+request's documents at least twice, the same mix); a level stops early at `level_timeout`
 seconds (what was not sent counts as not sent, not as lost). Per level: requests answered
 and lost (an exception, or a stream without its end), TTFT p50 and p99 (to the first
 generated text), the time per output token after the first (median over requests),
@@ -62,7 +67,7 @@ class ServeOptions:
     requests: int = 4                # per client per level
     level_requests: int = 16         # ... and at least this many per level in all (one client:
                                      # 16 in a row, every distinct request twice, as the others)
-    distinct: int = 8                # distinct requests the clients draw from
+    distinct: int = 8                # distinct documents/questions the requests draw from
     docs: int = 8                    # RAG documents in the schema
     k: int = 4                       # documents per RAG request
     doc_tokens: int = 300
@@ -181,7 +186,12 @@ def run_serve(llm, options: ServeOptions = ServeOptions(), *, model_name: str = 
         report.shape = shape_from_config(llm.adapter.config)
     except ValueError:           # a config without the numbers: no ceiling
         report.shape = None
-    bodies, plain = _workload(llm, options)
+    levels = list(options.clients)
+    if 1 in levels and len(levels) > 1:                           # the baseline, once more
+        levels.append(1)
+    counts = sorted(set(levels) | (set(options.llama_clients) if options.llama_server else set()))
+    sends = _workload(llm, options, [_per_client(options, c) * c for c in counts])
+    sends = dict(zip(counts, sends))                  # clients -> (bodies, plain) per send
     server = _Server(create_app(llm, model_name="bench", max_queue=max(options.clients) + 1))
     clients = concurrent.futures.ProcessPoolExecutor(
         1, mp_context=multiprocessing.get_context("spawn"))
@@ -189,14 +199,14 @@ def run_serve(llm, options: ServeOptions = ServeOptions(), *, model_name: str = 
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none",
                                timeout=options.request_timeout, max_retries=0)
         began = time.perf_counter()
-        references = [_one(client, body).text for body in bodies]
+        references = {c: [_one(client, body).text for body in sends[c][0]]
+                      for c in dict.fromkeys(levels)}
         report.reference_seconds = time.perf_counter() - began
-        levels = list(options.clients)
-        if 1 in levels and len(levels) > 1:                       # the baseline, once more
-            levels.append(1)
         for i, count in enumerate(levels):
+            llm.tails.clear()                     # the references' tails: every request new
             before = engine_counters(server.url)
-            level = clients.submit(_level, server.url, bodies, references, count, options)
+            level = clients.submit(_level, server.url, sends[count][0], references[count],
+                                   count, options)
             report.levels.append(level.result(options.level_timeout + options.request_timeout
                                               + CHILD_START_SECONDS))
             report.levels[-1].again = i == len(options.clients)
@@ -205,7 +215,8 @@ def run_serve(llm, options: ServeOptions = ServeOptions(), *, model_name: str = 
             report.levels[-1].busy = after[1] - before[1]
         server.stop()
         if options.llama_server:
-            _llama_levels(report, plain, clients, options)
+            _llama_levels(report, {c: sends[c][1] for c in options.llama_clients}, clients,
+                          options)
     finally:
         clients.shutdown(cancel_futures=True)
         server.stop()
@@ -213,63 +224,77 @@ def run_serve(llm, options: ServeOptions = ServeOptions(), *, model_name: str = 
     return report
 
 
-def _llama_levels(report: ServeReport, bodies: list[dict], clients, options) -> None:
-    """The same load on llama-cpp-python's server (serve_peer.py), after promptlang's."""
+def _llama_levels(report: ServeReport, sends: dict[int, list[dict]], clients,
+                  options) -> None:
+    """The same load on llama-cpp-python's server (serve_peer.py), after promptlang's:
+    `sends`, the plain chat form of the requests each level sends."""
     import openai
     import torch
 
-    from promptlang.bench import serve_peer
+    from promptlang.bench.serve_peer import LlamaServer, available
     from promptlang.default_model import GGUF_FILE, default_model_dir
 
     gguf = default_model_dir() / GGUF_FILE
-    report.llama_missing = serve_peer.available() or (
+    report.llama_missing = available() or (
         None if gguf.is_file() else f"no default model GGUF at {gguf}")
     if report.llama_missing:
         return
-    peer = serve_peer.LlamaServer(str(gguf), torch.get_num_threads(), n_ctx=4096)
+    peer = LlamaServer(str(gguf), torch.get_num_threads(), n_ctx=4096)
     try:
         client = openai.OpenAI(base_url=peer.url + "/v1", api_key="none",
                                timeout=options.request_timeout, max_retries=0)
-        references = [_one(client, body).text for body in bodies]
         for count in options.llama_clients:
-            level = clients.submit(_level, peer.url, bodies, references, count, options)
+            references = [_one(client, body).text for body in sends[count]]
+            level = clients.submit(_level, peer.url, sends[count], references, count, options)
             report.llama_levels.append(level.result(
                 options.level_timeout + options.request_timeout + CHILD_START_SECONDS))
     finally:
         peer.stop()
 
 
-def _workload(llm, options: ServeOptions) -> tuple[list[dict], list[dict]]:
-    """The distinct request bodies (keyword arguments of chat.completions.create), and
-    the same requests as plain chat (for a server without the promptlang field)."""
+def _per_client(options: ServeOptions, clients: int) -> int:
+    """Requests each client of a level sends, one after another."""
+    return max(options.requests, -(-options.level_requests // clients))
+
+
+def _workload(llm, options: ServeOptions, levels: Sequence[int]
+              ) -> list[tuple[list[dict], list[dict]]]:
+    """For levels sending `levels[i]` requests: each request's body (keyword arguments of
+    chat.completions.create), and the same request as plain chat (for a server without the
+    promptlang field). Request n of all is distinct request n % `distinct` (RAG and chat in
+    turns) with its question numbered n + 1."""
     from promptlang.bench.latency.sweep import document
+    from promptlang.bench.serve_peer import plain_body
+    from promptlang.pml.writer import write
 
     texts, questions = [], []
     for i in range(options.docs):
         text, item = document(llm.tokenizer, options.doc_tokens, seed=9000 + i)
         texts.append(text)
         questions.append(item.question)
-    schema = build_schema(texts, "serve-bench")
-    llm.add_schema(schema)
-    from promptlang.pml.writer import write
-
-    from promptlang.bench.serve_peer import plain_body
-
+    llm.add_schema(build_schema(texts, "serve-bench"))
     plan = plan_requests(options.docs, options.k, options.distinct, seed=1)
-    bodies, plain = [], []
-    for j, request in enumerate(plan):
-        question = questions[request.question_of]
-        if j % 2 == 0:
-            pml = write(build_prompt(request.docs, question, "serve-bench"))
-            bodies.append({"messages": [], "extra_body": {"promptlang": {"pml": pml}}})
-        else:
-            bodies.append({"messages": [                    # a short chat turn
-                {"role": "system", "content": qa.SYSTEM_PROMPT},
-                {"role": "user", "content": f"Question: {question}"}]})
-        bodies[-1].update(model="bench", max_tokens=options.max_tokens, temperature=0)
-        plain.append(plain_body(bodies[-1], texts, request.docs, question) if j % 2 == 0
-                     else dict(bodies[-1]))
-    return bodies, plain
+    out, first = [], 0
+    for sent in levels:
+        bodies, plain = [], []
+        for n in range(first, first + sent):
+            j = n % len(plan)
+            request = plan[j]
+            question = f"Request {n + 1}: {questions[request.question_of]}"
+            if j % 2 == 0:
+                pml = write(build_prompt(request.docs, question, "serve-bench"))
+                body = {"messages": [], "extra_body": {"promptlang": {"pml": pml}}}
+            else:
+                body = {"messages": [                       # a short chat turn
+                    {"role": "system", "content": qa.SYSTEM_PROMPT},
+                    {"role": "user", "content": f"Question: {question}"}]}
+            body.update(model="bench", max_tokens=options.max_tokens, temperature=0)
+            bodies.append(body)
+            plain.append(plain_body(body, texts, request.docs, question) if j % 2 == 0
+                         else dict(body))
+        out.append((bodies, plain))
+        first += sent
+    return out
 
 
 def _one(client, body: dict) -> Sample:
@@ -321,7 +346,7 @@ def _level(url: str, bodies: Sequence[dict], references: Sequence[str], clients:
     import openai
 
     deadline = time.perf_counter() + options.level_timeout
-    per_client = max(options.requests, -(-options.level_requests // clients))
+    per_client = _per_client(options, clients)
     lock = threading.Lock()
     level = Level(clients, 0.0)
 
@@ -331,7 +356,7 @@ def _level(url: str, bodies: Sequence[dict], references: Sequence[str], clients:
         for r in range(per_client):
             if time.perf_counter() > deadline:
                 return
-            which = (index * per_client + r) % len(bodies)
+            which = index * per_client + r          # every request its own
             with lock:
                 level.sent += 1
             sample = _one(client, bodies[which])
@@ -407,8 +432,9 @@ def sections(report: ServeReport) -> list[Section]:
              f"field, alternating with plain chat), {o.max_tokens} new tokens, greedy; "
              f"{o.requests} requests per client per level, at least {o.level_requests} per "
              "level in all",
-             f"each distinct request was served once alone first (the reference; "
-             f"{report.reference_seconds:.1f} s), so its modules are stored",
+             f"every request is new (its question numbered) and was served once alone "
+             f"first (the reference; {report.reference_seconds:.1f} s), so its modules "
+             "are stored; the prompt tails those runs kept are dropped before each level",
              "concurrent requests decode together (continuous batching, up to 16 per step); "
              "a new request's short prefill runs in the next step: alone while fewer than 8 "
              "decode, else with the decoders' tokens in one pass",
@@ -431,28 +457,11 @@ def sections(report: ServeReport) -> list[Section]:
     out = [Section(f"Serving under load ({report.model})",
                    [level.row() for level in report.levels], lines)]
     if o.llama_server:
+        from promptlang.bench import serve_peer
         out.append(Section("The same load on llama-cpp-python's server",
                            [level.row() for level in report.llama_levels],
-                           _llama_lines(report)))
+                           serve_peer.llama_lines(report)))
     return out + [Section("Goals (issue 18)", (), [str(g) for g in report.goals])]
-
-
-def _llama_lines(report: ServeReport) -> list[str]:
-    if report.llama_missing:
-        return [f"not run: {report.llama_missing}"]
-    lines = ["llama-cpp-python's OpenAI server (python -m llama_cpp.server) on the default "
-             "model's Q4_1 GGUF, same threads; the same requests as plain chat (a RAG "
-             "request's documents as text); identical: equal to its own answer alone"]
-    ours = {level.clients: level for level in report.levels if not level.again}
-    for level in report.llama_levels:
-        mine = ours.get(level.clients)
-        if mine is not None and level.tokens_per_s() > 0 and mine.ttft(0.5) is not None \
-                and level.ttft(0.5) is not None:
-            lines.append(f"{level.clients} clients: promptlang {mine.tokens_per_s():.1f} "
-                         f"vs llama-cpp-python {level.tokens_per_s():.1f} tokens/s "
-                         f"({mine.tokens_per_s() / level.tokens_per_s():.1f}x); TTFT p50 "
-                         f"{mine.ttft(0.5) * 1e3:.0f} vs {level.ttft(0.5) * 1e3:.0f} ms")
-    return lines
 
 
 def to_json(report: ServeReport) -> dict:

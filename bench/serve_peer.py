@@ -8,7 +8,7 @@ as text in its user message, in the order promptlang lays them out, then the que
 cannot take PML). Its `interrupt_requests` is off: by default a new request cuts the
 stream in progress off (measured: 2 of 3 concurrent streams ended without text). It
 sends no usage in a stream, so its tokens are counted one per content chunk. Each
-distinct request is served once alone first (its own reference:
+request is served once alone first (its own reference:
 its 4-bit weights do not give promptlang's float32 answers), then the levels. Its server
 answers one request at a time (llama-cpp-python holds one model behind a lock); its prompt
 cache keeps the previous request's tokens.
@@ -83,3 +83,22 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(30)
+
+
+def llama_lines(report) -> list[str]:
+    """The report's lines about llama-cpp-python's levels beside promptlang's."""
+    if report.llama_missing:
+        return [f"not run: {report.llama_missing}"]
+    lines = ["llama-cpp-python's OpenAI server (python -m llama_cpp.server) on the default "
+             "model's Q4_1 GGUF, same threads; the same requests as plain chat (a RAG "
+             "request's documents as text); identical: equal to its own answer alone"]
+    ours = {level.clients: level for level in report.levels if not level.again}
+    for level in report.llama_levels:
+        mine = ours.get(level.clients)
+        if mine is not None and level.tokens_per_s() > 0 and mine.ttft(0.5) is not None \
+                and level.ttft(0.5) is not None:
+            lines.append(f"{level.clients} clients: promptlang {mine.tokens_per_s():.1f} "
+                         f"vs llama-cpp-python {level.tokens_per_s():.1f} tokens/s "
+                         f"({mine.tokens_per_s() / level.tokens_per_s():.1f}x); TTFT p50 "
+                         f"{mine.ttft(0.5) * 1e3:.0f} vs {level.ttft(0.5) * 1e3:.0f} ms")
+    return lines

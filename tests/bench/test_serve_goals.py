@@ -80,3 +80,34 @@ def test_the_throughput_goal_prints_the_arithmetic_ceiling_when_measured():
     bare = ServeReport(ServeOptions(), "m", levels)
     assert "at most" not in {g.name: g.detail for g in goals(bare)}[
         "tokens/s at 16 clients >= 5x one client's"]
+
+
+def test_every_request_a_level_sends_is_new_and_its_plain_form_asks_the_same():
+    """bench serve sends no request twice (each question numbered), so no level is served
+    from prompt tails of whole requests seen before (runtime/tails.py), yet the requests
+    cycle over the same documents and questions."""
+    from promptlang.bench.serve import _workload
+    from promptlang.hf_tokenizer import load_tokenizer
+
+    class Schemas:
+        tokenizer = load_tokenizer()
+        added: list = []
+
+        def add_schema(self, schema):
+            self.added.append(schema)
+
+    llm = Schemas()
+    options = ServeOptions.quick()
+    levels = _workload(llm, options, [2, 4, 2])
+    assert len(llm.added) == 1 and [len(b) for b, _ in levels] == [2, 4, 2]
+    assert all(len(b) == len(p) for b, p in levels)
+    texts = [repr(body) for bodies, _ in levels for body in bodies]
+    assert len(set(texts)) == len(texts) == 8
+    for n, text in enumerate(texts):
+        assert f"Request {n + 1}: " in text
+    plain = [repr(body) for _, bodies in levels for body in bodies]
+    assert all(f"Request {n + 1}: " in text for n, text in enumerate(plain))
+    # request n is distinct request n % distinct: the same documents, another number
+    first, again = levels[0][0][0], levels[1][0][1]          # requests 1 and 4 (distinct 3)
+    assert first["extra_body"]["promptlang"]["pml"].replace("Request 1:", "Request 4:") \
+        == again["extra_body"]["promptlang"]["pml"]
