@@ -15,7 +15,9 @@ logits the first one had: the same answer by construction, not only up to the ro
 recomputing that token in a pass of another shape (which int8 inputs can turn into another
 greedy pick).
 
-The reused tokens are exactly what the earlier request's pass computed for them; the new
+The reused KV is copied into the request's buffer at the slots the earlier pass wrote it to
+(after the assembled units), so the request's passes see the pieces the first one saw. The
+reused tokens are exactly what the earlier request's pass computed for them; the new
 request's own tokens then attend to them as to any cached token (the oracle: one masked pass
 over the request; tests/runtime/test_tails.py). Requests that recompute cached tokens, attend
 in parallel (APE), or have uncached tokens between units neither use nor leave tails.
@@ -180,6 +182,7 @@ class TailUse:
             return None
         return self.reused.logits[self.length].clone()
 
+    @torch.inference_mode()          # the buffer's tensors are inference tensors
     def place(self, buffer, ids: list[int], positions: list[int]
               ) -> tuple[list[int], list[int]]:
         """Write the reused prefix's KV into `buffer` right after its assembled units --
@@ -198,11 +201,10 @@ class TailUse:
         buffer.length = at + n
         return ids[n:], positions[n:]
 
-    def keep(self, cache: TailCache, buffer, last: torch.Tensor | None) -> None:
-        """After the prefill (`last`: the logits after the tail; None: the request reused
-        all of it, nothing new): keep the whole tail, from `buffer`."""
-        if last is not None:
-            self._remember(cache, buffer, {len(self.token_ids): last.detach().clone()})
+    def keep(self, cache: TailCache, buffer, last: torch.Tensor) -> None:
+        """After the prefill: keep the whole tail, from `buffer`, with `last`, the logits
+        after it."""
+        self._remember(cache, buffer, {len(self.token_ids): last.detach().clone()})
 
     def keep_decoded(self, cache: TailCache, buffer) -> None:
         """When the request ends: keep the tail with the tokens decoded after it (their KV
