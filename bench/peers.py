@@ -9,7 +9,7 @@ Workloads (issue 20):
             its best case); transformers computes the whole prompt. Two kinds of new
             question, each engine asked the same: first ones that open as the previous
             question (its words, a new number: both caches serve that opening too, the
-            prompt tails of runtime/tails.py on promptlang's side), then ones whose first
+            prompt tails of runtime/kv/tails.py on promptlang's side), then ones whose first
             word no earlier prompt had (each engine computes the whole question). The
             tokens each engine computed per question are in the report.
   decode    greedy tokens after the document's prompt: the time per token at that cached

@@ -153,7 +153,7 @@ def sections(report: PeersReport) -> list[Section]:
              "document: llama.cpp's TTFT is its prefix hit (the previous request held the "
              "document, and the previous question's opening where the question repeats it); "
              "promptlang serves the document module from its store, and the question's "
-             "opening from a recent question's (prompt tails: runtime/tails.py); new "
+             "opening from a recent question's (prompt tails: runtime/kv/tails.py); new "
              "questions that open as the previous one (its words, a new number) come first, "
              "then new questions whose first word no earlier request had",
              "tokens computed per timed question: " + "; ".join(

@@ -17,7 +17,7 @@ and pooled request buffers), in an order that rotates from request to request:
   promptlang  the cached request: the documents' KV from the store's memory tier (each
               at its schema position, whatever the order asked), the question prefilled
               (its opening served from a recent request's prompt tail where one matches
-              after the same documents: runtime/tails.py, as the prefix policy does);
+              after the same documents: runtime/kv/tails.py, as the prefix policy does);
               recompute policy `none` (documents as encoded apart: the fast path, whose
               cost in answers docs/RECOMPUTE.md gives; the default `exact` computes a new
               combination's documents after the first again)
@@ -52,7 +52,7 @@ from promptlang.bench import qa
 from promptlang.bench.latency.sweep import document, rotated, timed_first_token
 from promptlang.bench.report import Progress, Section, Spread, ratios
 from promptlang.runtime.engine import LLM
-from promptlang.runtime.prefill import prefill
+from promptlang.runtime.passes.prefill import prefill
 from promptlang.runtime.store import ModuleStore
 
 KINDS = ("new", "reordered", "repeat")

@@ -16,7 +16,7 @@ served RAG workload asks new questions of the same documents. Before the timed l
 every request the levels will send is served once alone (greedy): the reference answer;
 its modules' KV (and exact entries, under the default recompute policy) are stored then,
 so the levels measure serving. The prompt tails those runs keep are dropped before each
-level (runtime/tails.py: a request seen whole before computes nothing, which would make
+level (runtime/kv/tails.py: a request seen whole before computes nothing, which would make
 the levels measure a cache of answers): in a level every request computes its question.
 
 For each level of concurrency (1, 4, 16, 32 clients; 1 and 2 with --quick) every client

@@ -1,7 +1,7 @@
 """`promptlang bench structured`: what a JSON Schema constraint costs per decoded token.
 
 The same prompt is decoded greedily with and without a JSON Schema constraint
-(runtime/constrain.py: llguidance's mask before every pick), in interleaved rounds so that
+(runtime/decoding/constrain.py: llguidance's mask before every pick), in interleaved rounds so that
 drift of the machine falls on both sides alike. Per round and side: the time per token after
 the first ((total - first token) / (tokens - 1)); the overhead is the median over rounds of
 constrained / free - 1. Goal (issue 19): <= 10%. The mask's own time is measured apart too
@@ -78,8 +78,8 @@ class StructuredReport:
 def run_structured(llm, options: StructuredOptions = StructuredOptions(), *,
                    model_name: str = "") -> StructuredReport:
     from promptlang.pml import nodes
-    from promptlang.runtime.constrain import Constraint
-    from promptlang.runtime.sampling import SamplingParams
+    from promptlang.runtime.decoding.constrain import Constraint
+    from promptlang.runtime.decoding.sampling import SamplingParams
 
     llm.add_schema(nodes.Schema("structured-bench", (
         nodes.RoleOpen("system"), nodes.Text("You reply with JSON only."),
@@ -117,7 +117,7 @@ def compare_engines(llm, report: StructuredReport, token_ids) -> None:
     import llguidance
     import torch
 
-    from promptlang.runtime.constrain import JSON_LAYOUT, ll_tokenizer
+    from promptlang.runtime.decoding.constrain import JSON_LAYOUT, ll_tokenizer
 
     try:
         import outlines_core

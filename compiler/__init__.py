@@ -16,7 +16,7 @@ no torch. Running a program with a model (`fn.run`) is the public face's
 
 from promptlang.compiler.decorator import PromptFunction, prompt
 from promptlang.compiler.diagnostics import CODES, CompileError, Diagnostic
-from promptlang.compiler.generation import gen, select
+from promptlang.compiler.generate_calls import gen, select
 from promptlang.compiler.markers import MaxTokens, assistant, system, user
 from promptlang.pml.prompt import Prompt
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import promptlang.compiler.ir as ir   # not `from promptlang.compiler`: that names the package
 from promptlang.compiler.diagnostics import CompileError, Diagnostic, errors
-from promptlang.compiler.generation import is_generator
+from promptlang.compiler.generate_calls import is_generator
 from promptlang.compiler.markers import RoleHelper
 from promptlang.compiler.names import arm_base, module_base, param_base
 from promptlang.compiler.plan import FunctionPlan, PlannedItem, merge_text, prompt_function_of

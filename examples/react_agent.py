@@ -2,7 +2,7 @@
 
     python examples/react_agent.py [--fast] ["your question"]
 
-The agent (promptlang.runtime.agent) keeps its instructions and each tool's description
+The agent (promptlang.runtime.conversation.agent) keeps its instructions and each tool's description
 in cached modules; the question is the only uncached text of the request. The loop runs
 on one session: Thought, Action, Observation, ... until a Final Answer or the step
 limit, each step computing only the text it adds. Each action is a JSON object
@@ -19,7 +19,7 @@ import sys
 
 from _shared import fast_mode, model, report_ttft
 
-from promptlang.runtime.agent import Agent, Tool
+from promptlang.runtime.conversation.agent import Agent, Tool
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
               ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,

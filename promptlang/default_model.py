@@ -8,7 +8,7 @@ Hugging Face tokenizer folder, so later loads are offline and fast:
     <models_dir>/smollm2-135m-instruct/
         SmolLM2-135M-Instruct.Q4_1.gguf
         tokenizer/          tokenizer.json, tokenizer_config.json, chat template, config.json
-        converted/          float weights as safetensors (written by runtime/loading.py)
+        converted/          float weights as safetensors (written by runtime/model/loading.py)
 
 Every step holds a file lock (several processes may start at once) and writes
 into a temporary name that is renamed into place when complete, so an
@@ -77,7 +77,7 @@ def default_tokenizer_dir() -> Path:
 
 
 def default_converted_dir() -> Path:
-    """Where runtime/loading.py keeps the float copy of the default model (path only)."""
+    """Where runtime/model/loading.py keeps the float copy of the default model (path only)."""
     return default_model_dir() / CONVERTED_SUBDIR
 
 

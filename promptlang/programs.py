@@ -8,7 +8,7 @@ other. `Program.__call__` traces the call (`compiler/trace.py`) with a `_Call` a
 trace's program (the `trace.Program` protocol the compiler owns). At the first
 gen()/select() the trace hands over the prompt so far (cached modules, and any
 uncached text before the generation); `_Call.open` opens a runtime `Session` on it
-(`runtime/session.py`: the modules' KV assembled, the uncached tokens prefilled) and
+(`runtime/conversation/session.py`: the modules' KV assembled, the uncached tokens prefilled) and
 returns a `_Live` (the `trace.Live` protocol): from then on the trace sends the
 function's text and role markers to it, which queues them on the session, and each
 generation runs on the session and returns its text to the function: control flow
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from promptlang.compiler.generation import Gen, Select
+from promptlang.compiler.generate_calls import Gen, Select
 from promptlang.compiler.prompt import CompiledPrompt
 from promptlang.compiler.trace import Trace
 from promptlang.pml import nodes
@@ -121,7 +121,7 @@ class _Call:
 
     def open(self, doc: nodes.PromptDoc) -> "_Live":
         """Serve the static part (`doc`) and return what receives the rest."""
-        from promptlang.runtime.session import Session
+        from promptlang.runtime.conversation.session import Session
 
         function = self.program.function
         prompt = CompiledPrompt(function.__qualname__, function.schema, doc, self.arguments)

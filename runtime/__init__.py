@@ -2,14 +2,19 @@
 
 Data flow of one request (docs/ARCHITECTURE.md has the whole map):
 
-    engine.py     bind the prompt, then drive the steps below; timings (results.py)
-    recompute/    the request's recompute policy -> the cached tokens computed again
-    encoder.py    unit -> KV at its layout positions (one forward pass), via the store
-    store/        KV by content key, in device / host / disk tiers
-    assembler.py  the request's units' KV into a pooled, preallocated buffer
-    prefill.py    the uncached tokens in one pass (and the visibility rule)
-    decode.py     the one decode loop (sampling.py picks tokens)
-    model/        the only code that knows transformers; fast/ its CPU kernels
+    engine.py      bind the prompt, then drive the steps below
+    recompute/     the request's recompute policy -> the cached tokens computed again
+    passes/        encoder.py: unit -> KV at its layout positions (one forward pass);
+                   prefill.py: the uncached tokens in one pass (and the visibility rule);
+                   probe.py: query:K's probe pass
+    store/         units' KV by content key, in device / host / disk tiers
+    kv/            UnitKV (unit.py); the request's buffer of pieces (assembler.py);
+                   the recompute plan (plan.py); prompt tails (tails.py)
+    decoding/      the one decode loop (decode.py; sampling.py picks tokens), one open
+                   decode (open_decode.py) and the types handed back (results.py)
+    conversation/  multi-turn sessions (session.py) and the ReAct agent (agent.py)
+    model/         the only code that knows transformers (and loading, quantize);
+                   fast/ its CPU kernels
 
 The public names are imported lazily, so `import promptlang.runtime` stays cheap.
 """
@@ -19,7 +24,8 @@ from __future__ import annotations
 __all__ = ["load", "LLM", "Result", "Timings", "Session", "Agent", "Tool", "tool"]
 
 _HOME = {"load": "engine", "LLM": "engine", "Result": "engine", "Timings": "engine",
-         "Session": "session", "Agent": "agent", "Tool": "agent", "tool": "agent"}
+         "Session": "conversation.session", "Agent": "conversation.agent",
+         "Tool": "conversation.agent", "tool": "conversation.agent"}
 
 
 def __getattr__(name: str):

@@ -28,22 +28,22 @@ from promptlang.errors import (ContextLengthError, PromptLangError, TokenizerMis
 from promptlang.pml import nodes
 from promptlang.pml.binding import BoundPrompt, bind
 from promptlang.pml.layout import SchemaLayout, lay_out
-from promptlang.runtime.assembler import Assembler, KVBuffer, request_keys
-from promptlang.runtime.constrain import Constraint
-from promptlang.runtime.generation import Generation
-from promptlang.runtime.healing import heal_point
-from promptlang.runtime.encoder import EncodeStats, UnitEncoder
+from promptlang.runtime.kv.assembler import Assembler, KVBuffer, request_keys
+from promptlang.runtime.decoding.constrain import Constraint
+from promptlang.runtime.decoding.open_decode import Generation
+from promptlang.runtime.decoding.healing import heal_point
+from promptlang.runtime.passes.encoder import EncodeStats, UnitEncoder
 from promptlang.runtime.model import ModelAdapter, adapt
 from promptlang.runtime.recompute import (DEFAULT_POLICY, NO_RECOMPUTE, Recompute,
                                           RecomputePlan, candidates, choose_positions, exact,
                                           parallel_contexts, schema_policy)
 from promptlang.runtime.recompute.primer import primed_units
-from promptlang.runtime.recompute.query import probe_choice
-from promptlang.runtime.prefill import baseline_prefill, prefill, uncached_tokens, with_last
-from promptlang.runtime.results import Opened, PendingPrefill, Prefilled, Result, Timings
-from promptlang.runtime.sampling import SamplingParams, options_to_params
+from promptlang.runtime.passes.probe import probe_choice
+from promptlang.runtime.passes.prefill import baseline_prefill, prefill, uncached_tokens, with_last
+from promptlang.runtime.decoding.results import Opened, PendingPrefill, Prefilled, Result, Timings
+from promptlang.runtime.decoding.sampling import SamplingParams, options_to_params
 from promptlang.runtime.sources import read_prompt, read_schema
-from promptlang.runtime.tails import DEFAULT_BUDGET as TAIL_BUDGET, TailCache, plan_tail
+from promptlang.runtime.kv.tails import DEFAULT_BUDGET as TAIL_BUDGET, TailCache, plan_tail
 
 
 class TextStream:
@@ -181,7 +181,7 @@ class LLM:
         `.doc`). Returns a Result, or with stream=True a TextStream of text deltas.
         options: the fields of SamplingParams (max_new_tokens=256, temperature=0.0,
         top_p=1.0, top_k=0, seed=None, stop=(), stop_token_ids=(), draft=0, and one of
-        regex=, json_schema=, grammar= for structured output: runtime/constrain.py), applied
+        regex=, json_schema=, grammar= for structured output: runtime/decoding/constrain.py), applied
         on top of `sampling` when given. recompute: a policy ("none", "first:K",
         "deviation:F", "exact", "seams", "ape" or a Recompute; docs/RECOMPUTE.md); None: the
         schema's `recompute` attribute, else the LLM's."""
@@ -232,8 +232,8 @@ class LLM:
     def session(self, prompt, *, schema=None, baseline: bool = False,
                 add_generation_prompt: bool = False, recompute=None):
         """A multi-turn Session on `prompt` that keeps its KV across turns
-        (runtime/session.py); `recompute` applies to the prompt's cached tokens."""
-        from promptlang.runtime.session import Session
+        (runtime/conversation/session.py); `recompute` applies to the prompt's cached tokens."""
+        from promptlang.runtime.conversation.session import Session
         return Session(self, prompt, schema=schema, baseline=baseline,
                        add_generation_prompt=add_generation_prompt, recompute=recompute)
 
@@ -246,7 +246,7 @@ class LLM:
         """Bind, retrieve, assemble and prefill; returns the open request (the caller
         releases its buffer) and the prefill's logits ([Q, V] with all_logits, else [1, V]).
         `room`: tokens to generate, the buffer's room after the prompt. `heal`: take the
-        prompt's last token off where token healing applies (runtime/healing.py). `defer`:
+        prompt's last token off where token healing applies (runtime/decoding/healing.py). `defer`:
         a prefill of at most this many tokens is not run but left in `Opened.pending`
         (logits None) for the caller to run in a batch."""
         policy = _policy(recompute) if recompute is not None else None
@@ -455,13 +455,13 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     quantize ("q4_1" or "q8_0"; Llama-family float32 checkpoints, not a GGUF): weight-only
     quantization -- the decoder's linear weights become Q4_1 or Q8_0 blocks (the LM head
     Q8_0) and the model computes with their dequantized values everywhere, while the fused
-    layers read the blocks (runtime/quantize.py); answers are then the quantized model's.
+    layers read the blocks (runtime/model/quantize.py); answers are then the quantized model's.
     bf16_attention: passes of 8+ new tokens compute the attention's products from bfloat16
     inputs (fused layers, CPUs with AVX512_BF16; ~0.8x a 6.4k question's TTFT): approximate.
     int8_linears: the fused layers' linear layers multiply int8 weights (a scale per row) by
     12-bit inputs (a scale per token; CPUs with AVX512_VNNI; ~0.65x a 64-row pass): approximate.
     tail_budget_bytes: KV of recent requests' last uncached runs kept for later requests that
-    start them the same way after the same units (runtime/tails.py; 0: off).
+    start them the same way after the same units (runtime/kv/tails.py; 0: off).
 
     The loading runs on a thread that then ends (runtime/passing.py), so that the caller's
     thread keeps no OpenMP pool: a server's engine thread is then the only one that has one."""
@@ -476,8 +476,8 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
 def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, exact_reuse,
           quantized, quantize=None, bf16_attention=False, int8_linears=False,
           tail_budget_bytes=TAIL_BUDGET) -> LLM:
-    from promptlang.runtime.loading import gguf_source, load_hf_model
-    from promptlang.runtime.quantize import checked_scheme, quantize_model, serve_numerics
+    from promptlang.runtime.model.loading import gguf_source, load_hf_model
+    from promptlang.runtime.model.quantize import checked_scheme, quantize_model, serve_numerics
     scheme = checked_scheme(quantize, name_or_path, dtype)
     hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)
     # before adapt: the fingerprint must see the quantized weights

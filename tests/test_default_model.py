@@ -206,7 +206,7 @@ def conversion(tmp_path_factory, default_tokenizer):
     """Load the default model twice in a private home: the first load converts the
     GGUF; the second runs with the GGUF removed. Every model that loading.py
     reads is recorded, and the GGUF-loaded one is asked for its next token."""
-    from promptlang.runtime import loading
+    from promptlang.runtime.model import loading
 
     home = tmp_path_factory.mktemp("home")
     folder = _seed_home(home, gguf=True, tokenizer=True)
@@ -305,7 +305,7 @@ def test_other_models_load_from_a_local_folder(tmp_path, default_tokenizer):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from promptlang.runtime.loading import load_hf_model
+    from promptlang.runtime.model.loading import load_hf_model
 
     config = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -321,7 +321,7 @@ def test_other_models_load_from_a_local_folder(tmp_path, default_tokenizer):
 
 
 def test_a_model_that_is_not_here_is_a_model_error(tmp_path):
-    from promptlang.runtime.loading import load_hf_model
+    from promptlang.runtime.model.loading import load_hf_model
 
     with pytest.raises(ModelError, match="not found locally"):
         load_hf_model(tmp_path / "absent")

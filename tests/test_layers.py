@@ -212,7 +212,7 @@ def test_a_violation_planted_in_a_copy_of_a_compiler_file_is_caught(tmp_path):
                     "    from ..runtime.session import Session\n    return Session\n")
     found = violations({name: imports_of(name, copy, modules)})
     assert len(found) == 1
-    assert "promptlang.runtime.session" in found[0]
+    assert "promptlang.runtime.conversation.session" in found[0]
     assert "compiler must not import runtime" in found[0]
 
 
@@ -238,10 +238,10 @@ def test_the_checker_catches_each_rule_on_a_synthetic_graph():
 
     assert violations(graph(("promptlang.pml.nodes", "promptlang.compiler.ir", True)))
     assert violations(graph(("promptlang.pml.nodes", "promptlang.cli", True)))
-    assert violations(graph(("promptlang.compiler.trace", "promptlang.runtime.session", True)))
+    assert violations(graph(("promptlang.compiler.trace", "promptlang.runtime.conversation.session", True)))
     assert violations(graph(("promptlang.compiler.trace", "promptlang.runtime.bench.qa", False)))
     assert violations(graph(("promptlang.compiler.trace", "promptlang.bench.qa", False)))
-    assert violations(graph(("promptlang.runtime.agent", "promptlang.compiler.prompt", True)))
+    assert violations(graph(("promptlang.runtime.conversation.agent", "promptlang.compiler.prompt", True)))
     assert violations(graph(("promptlang.compiler.ir", "torch", True)))
     assert violations(graph(("promptlang.cli", "torch", False)))
     assert violations(graph(("promptlang.compiler.decorator", JOIN, False)))     # top level
@@ -249,11 +249,11 @@ def test_the_checker_catches_each_rule_on_a_synthetic_graph():
     assert not violations(graph(("promptlang.compiler.decorator", JOIN, True)))
     assert not violations(graph(("promptlang.cli", "torch", True)))
     assert not violations(graph(("promptlang.runtime.engine", "promptlang.pml.nodes", False)))
-    assert not violations(graph(("promptlang.runtime.agent", "promptlang.pml.prompt", False)))
+    assert not violations(graph(("promptlang.runtime.conversation.agent", "promptlang.pml.prompt", False)))
 
-    lazy_cycle = graph(("promptlang.runtime.engine", "promptlang.runtime.session", True),
-                       ("promptlang.runtime.session", "promptlang.runtime.engine", False))
-    assert cycles(lazy_cycle) == [["promptlang.runtime.engine", "promptlang.runtime.session"]]
+    lazy_cycle = graph(("promptlang.runtime.engine", "promptlang.runtime.conversation.session", True),
+                       ("promptlang.runtime.conversation.session", "promptlang.runtime.engine", False))
+    assert cycles(lazy_cycle) == [["promptlang.runtime.engine", "promptlang.runtime.conversation.session"]]
     join_cycle = graph(("promptlang.compiler.decorator", JOIN, True),
                        (JOIN, "promptlang.compiler.decorator", False))
     assert cycles(join_cycle) == []

@@ -31,7 +31,7 @@ from promptlang.hf_tokenizer import HFTokenizer
 from promptlang.pml.binding import bind
 from promptlang.pml.layout import lay_out
 from promptlang.pml.parser import parse_prompt, parse_schema
-from promptlang.runtime.agent import Agent, Tool
+from promptlang.runtime.conversation.agent import Agent, Tool
 from promptlang.runtime.engine import LLM
 from promptlang.tokenizer import WordTokenizer
 

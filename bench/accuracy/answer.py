@@ -121,7 +121,7 @@ def teacher_forced(llm, buffer, position: int, first_logits, gold: Sequence[int]
     with), which is then rolled back. NaN when the model has no positions left."""
     import torch
 
-    from promptlang.runtime.prefill import prefill, truncate
+    from promptlang.runtime.passes.prefill import prefill, truncate
 
     if not gold:
         return math.nan
@@ -142,7 +142,7 @@ def teacher_forced(llm, buffer, position: int, first_logits, gold: Sequence[int]
     return float(picked.sum())
 
 
-LOOKUP_TOKENS = 8      # lookup drafts: tokens proposed per pass (runtime/decode.py)
+LOOKUP_TOKENS = 8      # lookup drafts: tokens proposed per pass (runtime/decoding/decode.py)
 
 
 def greedy_answer(llm, prompt, schema, *, baseline: bool = False, recompute: str = "none",
@@ -150,7 +150,7 @@ def greedy_answer(llm, prompt, schema, *, baseline: bool = False, recompute: str
                   gold: Sequence[int] = ()) -> Decoded:
     """What `llm.generate(prompt, schema=schema, baseline=baseline, recompute=recompute,
     max_new_tokens=max_new_tokens)` answers greedily, decoded with drafts verified by the
-    model: the runtime's decode loop (runtime/decode.py) with `draft=LOOKUP_TOKENS`, whose
+    model: the runtime's decode loop (runtime/decoding/decode.py) with `draft=LOOKUP_TOKENS`, whose
     drafter tries the rest of the first of `drafts` (earlier answers, preferred first) that
     agrees with the tokens so far, else a prompt lookup.
 
@@ -158,8 +158,8 @@ def greedy_answer(llm, prompt, schema, *, baseline: bool = False, recompute: str
     ids `gold`, their teacher-forced log-probability on the same request (`teacher_forced`)."""
     import torch
 
-    from promptlang.runtime.decode import Decoder, LookupDrafter
-    from promptlang.runtime.sampling import Decoding, SamplingParams
+    from promptlang.runtime.decoding.decode import Decoder, LookupDrafter
+    from promptlang.runtime.decoding.sampling import Decoding, SamplingParams
 
     started = time.perf_counter()
     opened = llm.open(prompt, schema=schema, baseline=baseline, room=max_new_tokens + 1,

@@ -55,7 +55,7 @@ class _StockModel:
     (greedy); a context manager that drops the model on exit."""
 
     def __init__(self, model_source, ids: Sequence[int]):
-        from promptlang.runtime.loading import load_hf_model
+        from promptlang.runtime.model.loading import load_hf_model
 
         self.model, tokenizer = load_hf_model(model_source)
         pad = tokenizer.eos_ids[0] if tokenizer.eos_ids else 0

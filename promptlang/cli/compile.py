@@ -3,7 +3,7 @@
     promptlang compile app.py [-o DIR] [--call 'f(x=1)']
     promptlang check app.py
 
-Both import the file (pyfile.py): its top-level code RUNS, so check only files you would
+Both import the file (compiler/pyfile.py): its top-level code RUNS, so check only files you would
 run. `compile` writes one schema per function (`DIR/<schema name>.pml`, or stdout) and,
 with `--call`, the PML prompt of that call, whose arguments must be Python literals;
 `check` prints every diagnostic, mypy-style (`app.py:14:9: error: ... [PL203]`).
@@ -37,11 +37,11 @@ def register(subparsers: Any) -> None:
 
 def check_file(path: str) -> int:
     """Print the diagnostics of the Python file `path`; the exit status."""
-    from promptlang.cli.pyfile import UsageError, compile_file, print_diagnostics
     from promptlang.compiler.diagnostics import errors
+    from promptlang.compiler.pyfile import print_diagnostics
 
     try:
-        compiled = compile_file(path)
+        compiled = _compile(path)
     except UsageError as e:
         print(f"promptlang check: {e}", file=sys.stderr)
         return 2
@@ -54,13 +54,13 @@ def check_file(path: str) -> int:
 
 
 def run_compile(args: argparse.Namespace) -> int:
-    from promptlang.cli.pyfile import UsageError, compile_file, located, print_diagnostics
     from promptlang.compiler.diagnostics import errors
+    from promptlang.compiler.pyfile import located, print_diagnostics
     from promptlang.errors import PromptLangError
 
     try:
         call = _parse_call(args.call) if args.call else None
-        compiled = compile_file(args.file)
+        compiled = _compile(args.file)
     except UsageError as e:
         print(f"promptlang compile: {e}", file=sys.stderr)
         return 2
@@ -116,9 +116,22 @@ def _write_outputs(folder: str, outputs: list[tuple[str, str]]) -> int:
     return 0
 
 
-def _parse_call(text: str):
-    from promptlang.cli.pyfile import UsageError
+class UsageError(Exception):
+    """A command line the command cannot run: printed as one line, exit status 2."""
 
+
+def _compile(path: str):
+    """The file's @prompt functions compiled; UsageError when the file cannot be read."""
+    from promptlang.compiler.pyfile import compile_file
+    from promptlang.errors import InputFileError
+
+    try:
+        return compile_file(path)
+    except InputFileError as e:
+        raise UsageError(e.message) from None
+
+
+def _parse_call(text: str):
     try:
         tree = ast.parse(text.strip(), mode="eval").body
     except SyntaxError as e:

@@ -50,7 +50,7 @@ def register(subparsers: Any) -> None:
                        help="the default recompute policy (default exact; docs/RECOMPUTE.md)")
     serve.add_argument("--tail-mib", type=int, default=None, metavar="MIB",
                        help="KV of recent requests' prompt tails kept for later requests "
-                            "that start the same way (default 64; 0: off; runtime/tails.py)")
+                            "that start the same way (default 64; 0: off; runtime/kv/tails.py)")
     serve.add_argument("--model-name", metavar="NAME", default=None,
                        help="the model id clients send and /v1/models lists (default: the "
                             "model's name)")

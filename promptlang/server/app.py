@@ -441,7 +441,7 @@ def _prometheus(state: ServerState) -> str:
     lines += ["# HELP promptlang_store_misses_total Module KV encoded because no tier held it.",
               "# TYPE promptlang_store_misses_total counter",
               f"promptlang_store_misses_total {stats.misses}"]
-    tails = state.llm.tails                                # runtime/tails.py
+    tails = state.llm.tails                                # runtime/kv/tails.py
     lines += ["# HELP promptlang_tail_hits_total Requests served the opening of their last "
               "uncached run from an earlier request's.",
               "# TYPE promptlang_tail_hits_total counter",

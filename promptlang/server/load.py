@@ -60,7 +60,7 @@ def read_sources(sources: Sequence[str | os.PathLike]) -> tuple[list, dict[str, 
 
 
 def _functions(path: Path) -> dict[str, Any]:
-    from promptlang.cli.pyfile import compile_file
+    from promptlang.compiler.pyfile import compile_file
     from promptlang.compiler.diagnostics import CompileError, errors
 
     compiled = compile_file(str(path))

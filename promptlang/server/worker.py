@@ -11,7 +11,7 @@ asyncio queue its events go to:
     ("error", exc)       the request failed (a PromptLangError is the client's fault)
 
 Continuous batching: the open requests decode together, one forward pass per step for all
-of them (runtime/decode.py `BatchStepper`: the linear layers read each weight once per step
+of them (runtime/decoding/decode.py `BatchStepper`: the linear layers read each weight once per step
 for the whole batch, each token sees its own request's KV only, and each request's output is
 the one it gets alone). Between two steps the thread admits waiting jobs, up to `max_batch`
 requests at once: each is bound and assembled then, and a prefill of at most
@@ -119,7 +119,7 @@ class EngineWorker:
     # --- the thread -----------------------------------------------------------------------
 
     def _serve(self) -> None:
-        from promptlang.runtime.decode import BatchStepper
+        from promptlang.runtime.decoding.decode import BatchStepper
 
         stepper: BatchStepper | None = None
         closing = False

@@ -8,10 +8,10 @@ choose.py   a policy -> the positions it recomputes for one request (`choose_pos
             and APE's contexts (`parallel_contexts`: which tokens the request's new ones
             attend to with APE's temperature and scale)
 deviation.py  the deviation policy's measure: one pass stopped after layer 1
-query.py    the query policy's measure: a probe pass, the last token's attention to each
-            cached token (the engine calls `probe_choice` instead of choose_positions)
-plan.py     those positions -> a `RecomputePlan`: the request's extra uncached segments,
-            and the stored copies the assembler leaves out
+The query policy's measure is a probe pass (runtime/passes/probe.py: the last token's
+attention to each cached token; the engine calls `probe_choice` instead of
+choose_positions). The positions chosen become a `RecomputePlan` (runtime/kv/plan.py: the
+request's extra uncached segments, and the stored copies the assembler leaves out).
 exact.py    exact reuse: units a request made exact, stored under the request's
             tokens before them and served as they are to any request with the same ones
 
@@ -33,7 +33,7 @@ _HOME = {"Recompute": "policy", "DEFAULT_POLICY": "policy", "RecomputeSpecError"
          "choose_positions": "choose", "first_tokens": "choose",
          "parallel_contexts": "choose", "candidates": "deviation",
          "deviations": "deviation", "layer_kv": "deviation", "DEVIATION_LAYER": "deviation",
-         "RecomputePlan": "plan", "NO_RECOMPUTE": "plan"}
+         "RecomputePlan": "promptlang.runtime.kv.plan", "NO_RECOMPUTE": "promptlang.runtime.kv.plan"}
 
 
 def __getattr__(name: str):
@@ -41,4 +41,5 @@ def __getattr__(name: str):
     if home is None:
         raise AttributeError(f"module 'promptlang.runtime.recompute' has no attribute {name!r}")
     import importlib
-    return getattr(importlib.import_module(f"promptlang.runtime.recompute.{home}"), name)
+    module = home if "." in home else f"promptlang.runtime.recompute.{home}"
+    return getattr(importlib.import_module(module), name)

@@ -27,7 +27,7 @@ import torch
 
 from promptlang.pml.binding import BoundPrompt
 from promptlang.pml.layout import module_unit_id
-from promptlang.runtime.kv import UnitKV
+from promptlang.runtime.kv.unit import UnitKV
 from promptlang.runtime.model import ModelAdapter, ParallelContexts
 from promptlang.runtime.recompute.deviation import candidates, deviations
 from promptlang.runtime.recompute.policy import Recompute

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from promptlang.pml.binding import BoundPrompt
-from promptlang.runtime.kv import UnitKV
+from promptlang.runtime.kv.unit import UnitKV
 from promptlang.runtime.model import ModelAdapter, Past
 
 DEVIATION_LAYER = 1      # layer 0's KV depends on the token alone; layer 1's on its context

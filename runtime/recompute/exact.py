@@ -31,7 +31,7 @@ import torch
 
 from promptlang.pml.binding import BoundPrompt
 from promptlang.pml.layout import Segment
-from promptlang.runtime.kv import UnitKV
+from promptlang.runtime.kv.unit import UnitKV
 
 EXACT_VERSION = "promptlang-exact-v1"
 

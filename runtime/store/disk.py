@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from promptlang.runtime.kv import ModuleKV
-from promptlang.runtime.store.policy import oldest_first, trim_to_budget
+from promptlang.runtime.kv.unit import UnitKV
+from promptlang.runtime.store.eviction import oldest_first, trim_to_budget
 from promptlang.runtime.store.folder import (clear_disk, is_regular, list_disk_entries,
                                              listdir, open_dir, regular_stat, touch, unlink_ours,
                                              unlink_same)
@@ -113,7 +113,7 @@ class DiskTier(BackingTier):
 
     # ---- reading -------------------------------------------------------------------------------
 
-    def read(self, key: str) -> tuple[ModuleKV, dict[str, str], torch.dtype, int] | None:
+    def read(self, key: str) -> tuple[UnitKV, dict[str, str], torch.dtype, int] | None:
         path = self.path(key)
         try:
             return read_file(path, key, self.stored)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from promptlang.home import MISSING, untrusted_reason, write_private
-from promptlang.runtime.kv import ModuleKV
+from promptlang.runtime.kv.unit import UnitKV
 
 FORMAT = "promptlang-kv"
 FORMAT_VERSION = "2"
@@ -63,7 +63,7 @@ class CorruptFileError(Exception):
 
 # ---- writing and reading -------------------------------------------------------------------
 
-def write_file(path: Path, key: str, kv: ModuleKV, meta: dict[str, str],
+def write_file(path: Path, key: str, kv: UnitKV, meta: dict[str, str],
                put_dtype: torch.dtype, stored: str) -> int:
     """Write `kv` (CPU tensors) to `path` (0600, atomically); returns the file's size."""
     tensors = {name: getattr(kv, name).detach().contiguous() for name in _TENSOR_ORDER}
@@ -95,7 +95,7 @@ def write_file(path: Path, key: str, kv: ModuleKV, meta: dict[str, str],
 
 
 def read_file(path: Path, key: str,
-               stored: str) -> tuple[ModuleKV, dict[str, str], torch.dtype, int]:
+               stored: str) -> tuple[UnitKV, dict[str, str], torch.dtype, int]:
     """Read and verify one KV file. FileNotFoundError: there is none; UntrustedFileError:
     it must not be read (see `untrusted_reason`); CorruptFileError: it failed a check."""
     reason = untrusted_reason(path)
@@ -117,7 +117,7 @@ def read_file(path: Path, key: str,
     return kv, info["meta"], info["put_dtype"], size
 
 
-def _read_verified(f, size: int, key: str, stored: str) -> tuple[ModuleKV, dict, int]:
+def _read_verified(f, size: int, key: str, stored: str) -> tuple[UnitKV, dict, int]:
     header, data_start = _read_header(f, size)
     info = check_header(header, key, stored, size - data_start)
     data = bytearray(size - data_start)
@@ -135,7 +135,7 @@ def _read_verified(f, size: int, key: str, stored: str) -> tuple[ModuleKV, dict,
         else:  # a view of `data`: no copy
             t = torch.frombuffer(data, dtype=dtype, count=numel, offset=begin)
         parts[name] = t.reshape(spec["shape"])
-    kv = ModuleKV(**parts)
+    kv = UnitKV(**parts)
     try:
         check_kv(kv)
     except ValueError as err:
@@ -269,8 +269,8 @@ def existing_file(path: Path, key: str, stored: str) -> str:
 
 # ---- small helpers ---------------------------------------------------------------------------
 
-def check_kv(kv: ModuleKV) -> None:
-    """ValueError unless `kv` has ModuleKV's shapes and dtypes."""
+def check_kv(kv: UnitKV) -> None:
+    """ValueError unless `kv` has UnitKV's shapes and dtypes."""
     k, v = kv.keys, kv.values
     if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(f"keys {tuple(k.shape)} / values {tuple(v.shape)} are not [L, H_kv, S, D]")

@@ -16,8 +16,8 @@ from collections import OrderedDict
 
 import torch
 
-from promptlang.runtime.kv import ModuleKV
-from promptlang.runtime.store.policy import fits
+from promptlang.runtime.kv.unit import UnitKV
+from promptlang.runtime.store.eviction import fits
 from promptlang.runtime.store.tier import Entry, Listed, Tier
 
 
@@ -113,7 +113,7 @@ class HostTier(MemoryTier):
         if not self._cuda or entry.kv.keys.is_pinned():
             return entry
         if entry.kv.keys.device.type == "cpu":  # read from disk: pin it (a synchronous copy)
-            return Entry(ModuleKV(*(t.pin_memory() for t in tensors(entry.kv))), entry.meta,
+            return Entry(UnitKV(*(t.pin_memory() for t in tensors(entry.kv))), entry.meta,
                          entry.nbytes, entry.put_dtype)
         stream = torch.cuda.current_stream(self.device)
         if entry.ready is not None:
@@ -126,9 +126,9 @@ class HostTier(MemoryTier):
             parts.append(pinned)
         ready = torch.cuda.Event()
         ready.record(stream)
-        return Entry(ModuleKV(*parts), entry.meta, entry.nbytes, entry.put_dtype, ready)
+        return Entry(UnitKV(*parts), entry.meta, entry.nbytes, entry.put_dtype, ready)
 
 
-def tensors(kv: ModuleKV) -> tuple[torch.Tensor, ...]:
-    """Every tensor of `kv`, in ModuleKV's field order."""
+def tensors(kv: UnitKV) -> tuple[torch.Tensor, ...]:
+    """Every tensor of `kv`, in UnitKV's field order."""
     return kv.keys, kv.values, kv.positions, kv.token_ids, kv.placeholder

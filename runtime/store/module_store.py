@@ -1,4 +1,4 @@
-"""`ModuleStore`: the tiers composed into one key -> ModuleKV store.
+"""`ModuleStore`: the tiers composed into one key -> UnitKV store.
 
 get:  memory tiers (device, then host, promoted to device) -> the disk tier (read, verified,
       placed in memory) -> a miss.
@@ -24,12 +24,12 @@ import torch
 
 from promptlang.errors import CacheError
 from promptlang.home import kv_dir
-from promptlang.runtime.kv import ModuleKV
+from promptlang.runtime.kv.unit import UnitKV
 from promptlang.runtime.store.disk import DiskCounters, DiskTier
 from promptlang.runtime.store.key import check_key
 from promptlang.runtime.store.kvfile import FLOAT_DTYPES, check_kv, dtype_name
 from promptlang.runtime.store.memory import DeviceTier, HostTier, MemoryTier, tensors
-from promptlang.runtime.store.policy import place
+from promptlang.runtime.store.eviction import place
 from promptlang.runtime.store.tier import Entry
 
 TIERS = ("device", "host", "disk")
@@ -74,7 +74,7 @@ class StoreEntry:
 
 
 class ModuleStore:
-    """Key -> ModuleKV, in device, host and disk tiers with byte budgets and LRU eviction.
+    """Key -> UnitKV, in device, host and disk tiers with byte budgets and LRU eviction.
 
     device: the compute device that `get` returns tensors on.
     *_budget_bytes: per-tier budget; None = unlimited, 0 = tier off.
@@ -155,11 +155,11 @@ class ModuleStore:
     def __contains__(self, key: str) -> bool:
         return self.contains(key)
 
-    def get(self, key: str) -> ModuleKV | None:
+    def get(self, key: str) -> UnitKV | None:
         """The unit's KV on `self.device`, or None (miss, or a corrupt file was discarded)."""
         return self.lookup(key)[0]
 
-    def lookup(self, key: str) -> tuple[ModuleKV | None, str | None]:
+    def lookup(self, key: str) -> tuple[UnitKV | None, str | None]:
         """As `get`, with the tier that served it: "device", "host" or "disk" (None on a
         miss)."""
         check_key(key)
@@ -192,7 +192,7 @@ class ModuleStore:
         budgets = [tier.budget for tier in self._memory if tier.budget != 0]
         return None if any(b is None for b in budgets) else sum(budgets)
 
-    def put(self, key: str, kv: ModuleKV, meta: Mapping[str, str] | None = None) -> None:
+    def put(self, key: str, kv: UnitKV, meta: Mapping[str, str] | None = None) -> None:
         """Store `kv` under `key` in the device tier and write it through to disk.
 
         `meta` (str -> str; values are passed through str()) is kept for `entries()` and the
@@ -326,7 +326,7 @@ class ModuleStore:
 
     # ---- returning entries ------------------------------------------------------------------
 
-    def _for_caller(self, entry: Entry) -> ModuleKV:
+    def _for_caller(self, entry: Entry) -> UnitKV:
         """The entry's KV for the calling thread: its stream ordered after pending copies,
         keys and values in the compute dtype."""
         kv = entry.kv
@@ -337,7 +337,7 @@ class ModuleStore:
                 t.record_stream(stream)
         target = self.compute_dtype or entry.put_dtype
         if kv.keys.dtype != target:
-            kv = ModuleKV(kv.keys.to(target), kv.values.to(target), kv.positions, kv.token_ids,
+            kv = UnitKV(kv.keys.to(target), kv.values.to(target), kv.positions, kv.token_ids,
                           kv.placeholder)
         return kv
 
@@ -352,12 +352,12 @@ def _check_tiers(tiers: Iterable[str] | None) -> set[str]:
     return tiers
 
 
-def _convert(kv: ModuleKV, dtype: torch.dtype | None, device: torch.device) -> ModuleKV:
+def _convert(kv: UnitKV, dtype: torch.dtype | None, device: torch.device) -> UnitKV:
     """`kv` with keys/values at `dtype` on `device`; the same tensors where nothing changes."""
     keys, values = kv.keys.detach(), kv.values.detach()
     if dtype is not None and keys.dtype != dtype:
         keys, values = keys.to(dtype), values.to(dtype)
-    out = ModuleKV(keys, values, kv.positions.detach(), kv.token_ids.detach(), kv.placeholder.detach())
+    out = UnitKV(keys, values, kv.positions.detach(), kv.token_ids.detach(), kv.placeholder.detach())
     if any(t.device != device for t in tensors(out)):
         out = out.to(device)
     return out

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from promptlang.runtime.kv import ModuleKV
-from promptlang.runtime.store.policy import fits
+from promptlang.runtime.kv.unit import UnitKV
+from promptlang.runtime.store.eviction import fits
 
 _warned: set[str] = set()   # reasons already reported by `warn_once` in this process
 _warned_lock = threading.Lock()
@@ -46,13 +46,13 @@ def warn_once(reason: str, message: str, stacklevel: int = 4) -> None:
 class Entry:
     """One unit's KV as a tier holds it (keys and values in the store dtype)."""
 
-    kv: ModuleKV
+    kv: UnitKV
     meta: dict[str, str]
     nbytes: int                      # stored tensor bytes: what budgets count
     put_dtype: torch.dtype           # dtype of the keys/values `put` was given
     ready: object = None             # CUDA event the tensors' last copy recorded, or None
 
-    def cpu_kv(self) -> ModuleKV:
+    def cpu_kv(self) -> UnitKV:
         """The KV on the CPU, once any pending copy that filled it has run."""
         kv = self.kv
         if kv.keys.device.type != "cpu":
@@ -106,7 +106,7 @@ class BackingTier(Tier):
         """The lock that serialises this tier's reads, writes and deletes of `key`."""
 
     @abstractmethod
-    def read(self, key: str) -> tuple[ModuleKV, dict[str, str], torch.dtype, int] | None:
+    def read(self, key: str) -> tuple[UnitKV, dict[str, str], torch.dtype, int] | None:
         """(kv on the CPU, meta, put dtype, bytes read), or None: absent, or refused or
         failed a check (reported and counted by the tier). Call with `key_lock(key)` held."""
 

@@ -463,7 +463,7 @@ def test_exact_is_the_baseline_per_item_and_its_repeat_is_served_exactly(tiny_ll
 
 def test_the_settings_compute_a_repeated_question_every_time(tiny_llm):
     """The cost section times the same question again and again: no setting may serve it
-    from an earlier request's prompt tail (runtime/tails.py), or its TTFT is a repeat's."""
+    from an earlier request's prompt tail (runtime/kv/tails.py), or its TTFT is a repeat's."""
     item = qa.generate(1, seed=5, kind="dependent", docs_per_item=2, doc_words=12)[0]
     llms = accuracy._rule_llms(tiny_llm, 64 << 20)
     llm, prompt, schema, _, spec = accuracy._requests(item, llms, ["cached"])["cached"]

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from promptlang.cli import main
-from promptlang.runtime.assembler import SHARE_MIN_TOKENS
+from promptlang.runtime.kv.assembler import SHARE_MIN_TOKENS
 
 GOAL_LINE = re.compile(r"^(PASS|FAIL|N/A)  (.+?): ", re.M)
 LATENCY_GOALS = {"cached TTFT <= 2x floor", "cached >= 100x faster than baseline",

@@ -84,7 +84,7 @@ def test_the_throughput_goal_prints_the_arithmetic_ceiling_when_measured():
 
 def test_every_request_a_level_sends_is_new_and_its_plain_form_asks_the_same():
     """bench serve sends no request twice (each question numbered), so no level is served
-    from prompt tails of whole requests seen before (runtime/tails.py), yet the requests
+    from prompt tails of whole requests seen before (runtime/kv/tails.py), yet the requests
     cycle over the same documents and questions."""
     from promptlang.bench.serve import _workload
     from promptlang.hf_tokenizer import load_tokenizer

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from promptlang.compiler import CompileError, MaxTokens, gen
-from promptlang.cli import pyfile as cli
+from promptlang.compiler import pyfile as cli
 from promptlang.compiler.markers import MAX_TOKENS_CAP
 from promptlang.errors import PromptLangError
 from promptlang.pml.parser import parse_schema

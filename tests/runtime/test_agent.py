@@ -11,7 +11,7 @@ import collections
 import pytest
 
 from promptlang.errors import PromptLangError
-from promptlang.runtime.agent import Agent, AgentStep, Tool, parse_step, tool
+from promptlang.runtime.conversation.agent import Agent, AgentStep, Tool, parse_step, tool
 from promptlang.runtime.engine import LLM
 from .tiny import Words, tiny_llama
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from promptlang.runtime import decode
-from promptlang.runtime.decode import Decoder, steps_together
+from promptlang.runtime.decoding import decode
+from promptlang.runtime.decoding.decode import Decoder, steps_together
 from promptlang.runtime.engine import LLM
 from promptlang.runtime.fast import fused, native
-from promptlang.runtime.sampling import Decoding, SamplingParams
+from promptlang.runtime.decoding.sampling import Decoding, SamplingParams
 from promptlang.runtime.store import ModuleStore
 from promptlang.tokenizer import WordTokenizer
 

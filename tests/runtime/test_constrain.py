@@ -1,4 +1,4 @@
-"""Structured generation (runtime/constrain.py): regex, JSON Schema and Lark constraints on
+"""Structured generation (runtime/decoding/constrain.py): regex, JSON Schema and Lark constraints on
 `llm.generate` and `Session.generate`, on a tiny random Llama with the default model's
 tokenizer. Random weights make the model's preferences arbitrary, which is the point: the
 output must obey the constraint whatever the model would say, greedy or sampled."""
@@ -15,8 +15,8 @@ pytest.importorskip("llguidance")
 
 from promptlang.errors import PromptLangError                 # noqa: E402
 from promptlang.pml import nodes                              # noqa: E402
-from promptlang.runtime.constrain import ConstraintError      # noqa: E402
-from promptlang.runtime.session import SCORED_TOKENS               # noqa: E402
+from promptlang.runtime.decoding.constrain import ConstraintError      # noqa: E402
+from promptlang.runtime.conversation.session import SCORED_TOKENS               # noqa: E402
 
 PROMPT = '<prompt schema="c"><user>Answer in the asked format.</user><assistant></prompt>'
 SEEDS = range(6)
@@ -139,7 +139,7 @@ def test_drafts_under_a_constraint_keep_the_output(llm):
 
 
 def test_a_tokenizer_llguidance_cannot_read_is_a_clear_error():
-    from promptlang.runtime.constrain import ll_tokenizer
+    from promptlang.runtime.decoding.constrain import ll_tokenizer
     from promptlang.tokenizer import WordTokenizer
 
     with pytest.raises(ConstraintError, match="fast Hugging Face tokenizer"):
@@ -197,7 +197,7 @@ def test_promptlang_run_takes_regex_json_schema_and_grammar_files(llm, tmp_path,
 
 
 def test_a_json_action_agent_always_emits_a_parseable_call_of_an_offered_tool(llm):
-    from promptlang.runtime.agent import Agent, Tool
+    from promptlang.runtime.conversation.agent import Agent, Tool
 
     calls = []
 
@@ -226,7 +226,7 @@ def test_a_json_action_agent_always_emits_a_parseable_call_of_an_offered_tool(ll
 def test_forced_tokens_are_fed_as_drafts_and_change_nothing(llm, monkeypatch):
     """A JSON object's keys are forced by the grammar: the constraint drafts them, so the
     decode takes fewer passes than tokens, and the output is the one without drafts."""
-    from promptlang.runtime import decode, generation
+    from promptlang.runtime.decoding import decode, open_decode
 
     decoders = []
     real = decode.Decoder.__init__
@@ -238,7 +238,7 @@ def test_forced_tokens_are_fed_as_drafts_and_change_nothing(llm, monkeypatch):
     drafted = llm.generate(PROMPT, json_schema=PERSON, max_new_tokens=80)
     tokens = len(drafted.token_ids)
     assert decoders[-1].passes < tokens - 5                # runs of forced tokens, one pass each
-    monkeypatch.setattr(generation, "forced_drafts", lambda params, c: {"draft": 0})
+    monkeypatch.setattr(open_decode, "forced_drafts", lambda params, c: {"draft": 0})
     plain = llm.generate(PROMPT, json_schema=PERSON, max_new_tokens=80)
     assert decoders[-1].passes >= len(plain.token_ids) - 1        # one pass per token
     assert drafted.token_ids == plain.token_ids

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from promptlang.errors import PromptLangError
-from promptlang.runtime.decode import Decoder, LookupDrafter
+from promptlang.runtime.decoding.decode import Decoder, LookupDrafter
 from promptlang.runtime.engine import LLM
-from promptlang.runtime.prefill import visibility
-from promptlang.runtime.sampling import Decoding, SamplingParams
+from promptlang.runtime.passes.prefill import visibility
+from promptlang.runtime.decoding.sampling import Decoding, SamplingParams
 from .tiny import Words, count_passes, tiny_llama
 
 VOCAB = 300

@@ -50,7 +50,7 @@ import pytest
 import torch
 
 from promptlang.runtime.fast import native
-from promptlang.runtime.assembler import Assembler
+from promptlang.runtime.kv.assembler import Assembler
 from promptlang.runtime.engine import LLM, Prefilled, load
 from promptlang.runtime.store import ModuleStore
 

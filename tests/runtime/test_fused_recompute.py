@@ -15,7 +15,7 @@ import torch
 
 from promptlang.runtime.fast import fused, native
 from promptlang.runtime.model import Past, SharedKV, adapt
-from promptlang.runtime.prefill import visibility
+from promptlang.runtime.passes.prefill import visibility
 
 from .test_fused import TOL, VOCAB, assert_close, encoded_past, tiny
 
@@ -106,8 +106,8 @@ def test_positional_pass_over_shared_and_16_bit_pieces(llama, counted):
 def test_a_pass_with_option_groups_is_not_taken_as_positional(llama, counted):
     """`select` options scored side by side see only their own group: not the positional
     rule, so prefill never calls it that (the masked layers serve it)."""
-    from promptlang.runtime.assembler import Assembler
-    from promptlang.runtime.prefill import prefill
+    from promptlang.runtime.kv.assembler import Assembler
+    from promptlang.runtime.passes.prefill import prefill
 
     adapter = adapt(llama)
     buffer = Assembler(adapter).acquire(40)

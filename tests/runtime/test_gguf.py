@@ -94,7 +94,7 @@ def test_a_gguf_file_loads_converted_once_and_computes_its_weights(tmp_path, mon
     assert torch.equal(model.model.embed_tokens.weight,
                        torch.from_numpy(tensors["token_embd.weight"]))
     # the tokenizer is the GGUF's: the default model's vocabulary and chat template
-    from promptlang.runtime.loading import load_hf_model
+    from promptlang.runtime.model.loading import load_hf_model
     _, default_tok = load_hf_model()
     text = "Hello, GGUF world!"
     assert llm.tokenizer.encode(text) == default_tok.encode(text)

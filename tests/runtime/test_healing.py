@@ -1,4 +1,4 @@
-"""Token healing (runtime/healing.py): a prompt that ends mid-word gives its last token back
+"""Token healing (runtime/decoding/healing.py): a prompt that ends mid-word gives its last token back
 to the generation, which must spell it first; the answer is what follows it. On a tiny
 random Llama with the default model's tokenizer."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from promptlang.pml import nodes
-from promptlang.runtime.healing import heal_point, token_texts
+from promptlang.runtime.decoding.healing import heal_point, token_texts
 
 SCHEMA = nodes.Schema("h", (nodes.Text("Links and words.\n"),
                             nodes.Module("m", (nodes.Text("A module ends here"),))))

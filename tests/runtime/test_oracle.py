@@ -222,7 +222,7 @@ DEFAULT_SCHEMA = """\
 
 @pytest.fixture(scope="module")
 def default_llm(tmp_path_factory):
-    from promptlang.runtime.loading import load_hf_model
+    from promptlang.runtime.model.loading import load_hf_model
     model, tokenizer = load_hf_model()
     store = ModuleStore(disk_dir=tmp_path_factory.mktemp("kv"))
     return LLM(adapt(model), tokenizer, store, recompute="none")

@@ -203,7 +203,7 @@ def test_a_16_bit_store_halves_kv_and_serves_float32_buffers(tmp_path):
 
 
 def test_load_exposes_the_store_dtype(monkeypatch, tmp_path):
-    from promptlang.runtime import loading
+    from promptlang.runtime.model import loading
     from promptlang.runtime.engine import load
 
     monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path))

@@ -1,4 +1,4 @@
-"""The request-buffer pool (runtime/assembler.py): bounded by a byte budget and a keep count,
+"""The request-buffer pool (runtime/kv/assembler.py): bounded by a byte budget and a keep count,
 and invisible in the results."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import random
 import pytest
 
 from promptlang.errors import PromptLangError
-from promptlang.runtime import assembler as assembler_mod
-from promptlang.runtime.assembler import Assembler
+from promptlang.runtime.kv import assembler as assembler_mod
+from promptlang.runtime.kv.assembler import Assembler
 from promptlang.runtime.engine import LLM
 from promptlang.runtime.model import adapt
 from promptlang.runtime.store import ModuleStore
@@ -142,7 +142,7 @@ def test_the_budget_is_read_from_the_environment(monkeypatch, adapter):
 def _unit(adapter, start: int, n: int):
     import torch
 
-    from promptlang.runtime.kv import UnitKV
+    from promptlang.runtime.kv.unit import UnitKV
 
     keys, values = adapter.empty_kv(n)
     keys.copy_(torch.randn(keys.shape))
@@ -156,7 +156,7 @@ def test_holes_keep_units_read_in_place_up_to_the_run_budget(adapter, monkeypatc
     the request keeps at most MAX_SHARED_RUNS of them in place, in unit order, and copies a
     unit whose runs would pass that -- the same slots, positions and KV either way."""
     from promptlang.runtime.recompute import RecomputePlan
-    from promptlang.runtime.recompute.plan import Segment
+    from promptlang.runtime.kv.plan import Segment
 
     monkeypatch.setattr(assembler_mod, "MAX_SHARED_RUNS", 6)
     units = [(f"u{i}", _unit(adapter, 100 * i, 40)) for i in range(3)]

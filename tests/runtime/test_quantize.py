@@ -1,4 +1,4 @@
-"""Weight-only quantization of a float checkpoint (runtime/quantize.py, `load(quantize=)`):
+"""Weight-only quantization of a float checkpoint (runtime/model/quantize.py, `load(quantize=)`):
 the model computes with its blocks' values everywhere, the fused layers read the blocks
 (Q4_1, or Q8_0: kernels.c's second block kind for decoder layers), every pass equals the
 float pass over those values, the DESIGN.md oracle holds, and bad requests are clear errors."""
@@ -12,7 +12,7 @@ from promptlang.errors import ModelError
 from promptlang.runtime import engine
 from promptlang.runtime.fast import native
 from promptlang.runtime.model import adapt
-from promptlang.runtime.quantize import LINEARS, SCHEMES, attach, quantize_model
+from promptlang.runtime.model.quantize import LINEARS, SCHEMES, attach, quantize_model
 
 from .test_oracle import PROMPTS, assert_matches_oracle, make_llm
 from .test_q4 import passes

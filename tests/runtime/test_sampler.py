@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from promptlang.errors import PromptLangError
-from promptlang.runtime.sampling import Sampler, SamplingParams, options_to_params
+from promptlang.runtime.decoding.sampling import Sampler, SamplingParams, options_to_params
 
 # ---------------------------------------------------------------- SamplingParams
 

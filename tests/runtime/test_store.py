@@ -10,15 +10,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from promptlang.runtime.kv import ModuleKV
+from promptlang.runtime.kv.unit import UnitKV
 from promptlang.runtime.store import MARKER, ModuleStore
 
 L, H, S, D = 2, 2, 16, 8
 
 
-def make_kv(seed: int, length: int = S, dtype: torch.dtype = torch.float32) -> ModuleKV:
+def make_kv(seed: int, length: int = S, dtype: torch.dtype = torch.float32) -> UnitKV:
     g = torch.Generator().manual_seed(seed)
-    return ModuleKV(
+    return UnitKV(
         keys=torch.randn(L, H, length, D, generator=g).to(dtype),
         values=torch.randn(L, H, length, D + 1, generator=g).to(dtype),  # D_v may differ from D_k
         positions=torch.arange(length, dtype=torch.int64) + 3 * seed,
@@ -40,7 +40,7 @@ def keys_on_disk(folder) -> list[str]:
     return sorted(p.name.split(".")[0] for p in folder.glob("*.safetensors"))
 
 
-def assert_same(a: ModuleKV, b: ModuleKV) -> None:
+def assert_same(a: UnitKV, b: UnitKV) -> None:
     for name in ("keys", "values", "positions", "token_ids", "placeholder"):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and x.shape == y.shape, name
@@ -127,7 +127,7 @@ def test_returned_kv_is_unchanged_by_later_evictions_and_puts(tmp_path):
     store = ModuleStore(disk_dir=tmp_path, device_budget_bytes=ENTRY_BYTES, dtype=torch.float16)
     store.put(key_of(1), make_kv(1))
     got = store.get(key_of(1))
-    snapshot = ModuleKV(*(t.clone() for t in (got.keys, got.values, got.positions,
+    snapshot = UnitKV(*(t.clone() for t in (got.keys, got.values, got.positions,
                                              got.token_ids, got.placeholder)))
     for i in range(2, 6):
         store.put(key_of(i), make_kv(i))

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from promptlang.errors import CacheError
-from promptlang.runtime.kv import ModuleKV
+from promptlang.runtime.kv.unit import UnitKV
 from promptlang.runtime.store import (MARKER, CacheWarning, ModuleStore, clear_disk,
                                       list_disk_entries)
 
@@ -203,7 +203,7 @@ def test_keys_cannot_name_paths(tmp_path):
 
 def test_put_rejects_malformed_kv(tmp_path):
     kv = make_kv(0)
-    bad = ModuleKV(kv.keys, kv.values, kv.positions[:-1], kv.token_ids, kv.placeholder)
+    bad = UnitKV(kv.keys, kv.values, kv.positions[:-1], kv.token_ids, kv.placeholder)
     with pytest.raises(ValueError, match="positions"):
         memory_store().put(key_of(0), bad)
 

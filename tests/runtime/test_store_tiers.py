@@ -7,7 +7,7 @@ import os
 
 from promptlang.runtime.store.key import file_name, key_of_file
 from promptlang.runtime.store.memory import MemoryTier
-from promptlang.runtime.store.policy import oldest_first, place, trim_to_budget
+from promptlang.runtime.store.eviction import oldest_first, place, trim_to_budget
 from promptlang.runtime.store.tier import Entry
 
 from .test_store import ENTRY_BYTES, key_of, make_kv

@@ -1,4 +1,4 @@
-"""Prompt tails seen before (runtime/tails.py): a request whose last uncached run starts
+"""Prompt tails seen before (runtime/kv/tails.py): a request whose last uncached run starts
 like an earlier request's, after the same units, is served that common prefix and computes
 the rest.
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from promptlang.runtime.engine import LLM
-from promptlang.runtime.prefill import prefill
+from promptlang.runtime.passes.prefill import prefill
 from promptlang.runtime.store import ModuleStore
-from promptlang.runtime.tails import TailCache
+from promptlang.runtime.kv.tails import TailCache
 from promptlang.tokenizer import WordTokenizer
 
 from .oracle import oracle_prefill

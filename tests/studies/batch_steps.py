@@ -29,7 +29,7 @@ SETTINGS = {                      # name -> (few-rows decode path, grouped share
 
 def run_batch(llm, prompts, max_new: int, defer: int, first_below: int):
     """(seconds, tokens, texts) of the prompts opened at once and stepped to the end."""
-    from promptlang.runtime.decode import BatchStepper
+    from promptlang.runtime.decoding.decode import BatchStepper
 
     began = time.perf_counter()
     stepper, gens, texts = None, {}, {}

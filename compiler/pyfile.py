@@ -5,7 +5,7 @@ top-level code RUNS, as `python FILE` would run it. @prompt collects analysis er
 of raising them; then every @prompt function defined in the file is planned and every
 diagnostic kept, sorted, with the file named as the command line named it. Whatever the file
 raises while it is imported (SystemExit and KeyboardInterrupt included) is a diagnostic
-located at the file's line in the traceback. compile.py and check.py print the results.
+located at the file's line in the traceback. promptlang/cli/compile.py and the server's loader use it.
 """
 
 from __future__ import annotations
@@ -31,10 +31,6 @@ class Compiled:
     functions: list[PromptFunction] = field(default_factory=list)
     diagnostics: list[Diagnostic] = field(default_factory=list)
     module: object = None
-
-
-class UsageError(Exception):
-    pass
 
 
 def compile_file(path: str) -> Compiled:
@@ -94,11 +90,9 @@ def compile_file(path: str) -> Compiled:
 
 def _read_source(path: str, compiled: Compiled) -> str | None:
     """The file's text, decoded as Python decodes it (UTF-8, a BOM dropped, or the
-    encoding its coding line declares); None, with a PL005 diagnostic, when it is not."""
-    try:
-        data = read_bytes(path)
-    except InputFileError as e:
-        raise UsageError(e.message) from None
+    encoding its coding line declares); None, with a PL005 diagnostic, when it is not.
+    A file that cannot be read at all raises InputFileError."""
+    data = read_bytes(path)          # InputFileError: the caller's to report
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
     except SyntaxError as e:          # an unknown codec, or a BOM with another coding line

@@ -27,7 +27,7 @@ Two ways to run a step:
   tiny model keeps the format), a `select` over the tool names picks the tool, and the
   input is generated up to "]". A final answer is generated up to the end of the line.
 - json (`json_actions=True`): the loop writes "Thought:" and generates one line, then
-  "Action: " and a JSON object constrained (runtime/constrain.py) to
+  "Action: " and a JSON object constrained (runtime/decoding/constrain.py) to
   {"tool": one of the offered tools or "final_answer", "input": a string}: every action
   parses, whatever the model; `final_answer`'s input is the answer.
 - free: the model writes the whole step up to "Observation:"; `parse_step` reads it.
@@ -228,7 +228,7 @@ class Agent:
         """Answer `question`. `first_action=(tool, input)` scripts the first step's action
         (its thought is still generated): a way to make sure a tool runs. `baseline`
         serves the prompt with no reuse (for comparisons)."""
-        from promptlang.runtime.session import Session
+        from promptlang.runtime.conversation.session import Session
 
         if max_steps < 1:
             raise PromptLangError(f"max_steps must be at least 1, not {max_steps}")

@@ -37,4 +37,3 @@ class UnitKV:
                         move(self.token_ids), move(self.placeholder))
 
 
-ModuleKV = UnitKV    # the old name: store.py, kvfiles.py and tests/runtime/test_store.py use it

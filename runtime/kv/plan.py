@@ -8,7 +8,7 @@ first to the second for one request. The engine builds it from a policy's choice
 - `plan.uncached(bound)`: the bound prompt's uncached segments plus one "recompute"
   segment per chosen token, position order -- the list the prefill computes;
 - `Assembler.assemble(..., plan)`: the chosen tokens' stored copies stay out of the
-  request's buffer (runtime/assembler.py).
+  request's buffer (runtime/kv/assembler.py).
 
 A recomputed token attends to every request token at a position <= its own, like any
 uncached token; the cached tokens after it keep the KV they were encoded with.

@@ -35,7 +35,7 @@ LINEARS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_pr
 def checked_scheme(scheme: str | None, name_or_path, dtype: torch.dtype) -> str | None:
     """`scheme` if `load` can apply it to the model `name_or_path` at `dtype`, else a
     clear error (before anything is loaded)."""
-    from promptlang.runtime.loading import gguf_source
+    from promptlang.runtime.model.loading import gguf_source
 
     if scheme is None:
         return None
@@ -68,7 +68,7 @@ def serve_numerics(adapter, source, dtype, scheme: str | None, blocks, bf16_atte
     them. KV computed with an approximation is not the model's: the adapter's fingerprint
     (the store's key) then names the approximations too, so it is stored apart."""
     from promptlang.runtime.fast import native
-    from promptlang.runtime.loading import quantized_blocks
+    from promptlang.runtime.model.loading import quantized_blocks
 
     decoder = adapter.fast.decoder
     if decoder is None:

@@ -13,7 +13,7 @@ changes nothing in the cache layout; its text decodes cleanly; and some longer t
 with it (else nothing could merge with it). Not under a regex/JSON/grammar constraint (that
 constraint then says what the output starts with). Sessions (and so programs) heal the same
 way at `generate`: the last token of the text appended since the last computed token
-(`healable` on it; runtime/session.py).
+(`healable` on it; runtime/conversation/session.py).
 
     point = heal_point(bound, tokenizer)       # None: nothing to heal
     bound = point.bound                        # the request without its last token

@@ -45,7 +45,7 @@ class Gen:
     top_p: float
     top_k: int
     seed: int | None
-    regex: str | None = None           # structured output (runtime/constrain.py): at most one
+    regex: str | None = None           # structured output (runtime/decoding/constrain.py): at most one
     json_schema: Any = None            # a dict, JSON text, a file (Path) or a pydantic model
     grammar: str | None = None         # a Lark grammar
 

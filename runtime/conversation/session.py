@@ -46,12 +46,12 @@ import torch
 
 from promptlang.errors import ContextLengthError, PromptLangError, RoleError
 from promptlang.pml.nodes import ROLES
-from promptlang.runtime.constrain import Constraint, forced_drafts
-from promptlang.runtime.decode import Decoder
-from promptlang.runtime.healing import Healing, healable
-from promptlang.runtime.prefill import move_slots, prefill, truncate
-from promptlang.runtime.results import Choice, Opening, Timings, Turn
-from promptlang.runtime.sampling import (Decoding, SamplingParams, options_to_params,
+from promptlang.runtime.decoding.constrain import Constraint, forced_drafts
+from promptlang.runtime.decoding.decode import Decoder
+from promptlang.runtime.decoding.healing import Healing, healable
+from promptlang.runtime.passes.prefill import move_slots, prefill, truncate
+from promptlang.runtime.decoding.results import Choice, Opening, Timings, Turn
+from promptlang.runtime.decoding.sampling import (Decoding, SamplingParams, options_to_params,
                                          sequence_logprob)
 
 _REPLACEMENT = "\ufffd"
@@ -310,7 +310,7 @@ class Session:
         return turn
 
     def _heal(self) -> str:
-        """Token healing (runtime/healing.py) at a generation: when the queued input ends
+        """Token healing (runtime/decoding/healing.py) at a generation: when the queued input ends
         with appended text whose last token could merge with what follows, that token is
         taken off the queue; returns its text (the generation spells it first), else "".
         Only text appended since the last computed token is healed, never a role marker or
@@ -377,7 +377,7 @@ class Session:
         own) given the session so far, and the per-token average; `normalise` picks
         which one decides (default "sum": the option's probability). All options run in
         one forward pass; the winner's KV is kept. normalise="grammar": greedy decoding
-        under a grammar of the options instead (llguidance; runtime/constrain.py), whose
+        under a grammar of the options instead (llguidance; runtime/decoding/constrain.py), whose
         cost grows with the longest option rather than with the number of options -- also
         what a long list (more than SCORED_TOKENS option tokens in all) gets; the Choice
         says which (`normalise`)."""

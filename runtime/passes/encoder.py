@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import torch
 
 from promptlang.pml.layout import SchemaLayout, Unit
-from promptlang.runtime.kv import UnitKV
+from promptlang.runtime.kv.unit import UnitKV
 from promptlang.runtime.model import ModelAdapter, Past
-from promptlang.runtime.prefill import visibility
+from promptlang.runtime.passes.prefill import visibility
 from promptlang.runtime.recompute.primer import lead as lead_of
 
 KEY_VERSION = "promptlang-unit-v1"

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from promptlang.pml.layout import Segment
-from promptlang.runtime.assembler import KVBuffer
+from promptlang.runtime.kv.assembler import KVBuffer
 from promptlang.runtime.model import ModelAdapter
 
 

@@ -34,10 +34,10 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from promptlang.runtime.assembler import KVBuffer
+from promptlang.runtime.kv.assembler import KVBuffer
 from promptlang.runtime.model import ModelAdapter
-from promptlang.runtime.prefill import extend, truncate
-from promptlang.runtime.sampling import Decoding
+from promptlang.runtime.passes.prefill import extend, truncate
+from promptlang.runtime.decoding.sampling import Decoding
 
 LOOKUP_NGRAM = 3       # the longest tail of the sequence that a draft lookup matches
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import time
 
-from promptlang.runtime.constrain import Constraint, forced_drafts
-from promptlang.runtime.decode import Decoder
-from promptlang.runtime.healing import Healing
-from promptlang.runtime.results import Opened, Result
-from promptlang.runtime.sampling import Decoding, SamplingParams
+from promptlang.runtime.decoding.constrain import Constraint, forced_drafts
+from promptlang.runtime.decoding.decode import Decoder
+from promptlang.runtime.decoding.healing import Healing
+from promptlang.runtime.decoding.results import Opened, Result
+from promptlang.runtime.decoding.sampling import Decoding, SamplingParams
 
 
 class Generation:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 
 from promptlang.errors import PromptLangError
-from promptlang.runtime.assembler import request_keys
+from promptlang.runtime.kv.assembler import request_keys
 from promptlang.runtime.fast.pieces import past_pieces
 from promptlang.runtime.model import Past
-from promptlang.runtime.prefill import prefill, uncached_tokens, with_last
-from promptlang.runtime.recompute.plan import NO_RECOMPUTE
+from promptlang.runtime.passes.prefill import prefill, uncached_tokens, with_last
+from promptlang.runtime.kv.plan import NO_RECOMPUTE
 
 
 def attention_mass(query: torch.Tensor, past: Past, length: int,

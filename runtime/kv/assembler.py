@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from promptlang.errors import PromptLangError
-from promptlang.runtime.kv import UnitKV
+from promptlang.runtime.kv.unit import UnitKV
 from promptlang.runtime.model import ModelAdapter, ParallelContexts, Past, SharedKV
-from promptlang.runtime.recompute.plan import NO_RECOMPUTE, RecomputePlan
+from promptlang.runtime.kv.plan import NO_RECOMPUTE, RecomputePlan
 
 SHARE_MIN_TOKENS = 256     # shorter units are copied: cheaper than one more attention piece
 MAX_SHARED_RUNS = 48       # runs read in place per request (each an attention piece; the

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
-from promptlang.runtime.recompute.plan import NO_RECOMPUTE, RecomputePlan
+from promptlang.runtime.kv.plan import NO_RECOMPUTE, RecomputePlan
 
 if TYPE_CHECKING:
     from promptlang.pml.binding import BoundPrompt
-    from promptlang.runtime.assembler import KVBuffer
-    from promptlang.runtime.tails import TailUse
+    from promptlang.runtime.kv.assembler import KVBuffer
+    from promptlang.runtime.kv.tails import TailUse
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Result:
     units: dict[str, int] = field(default_factory=dict)
     primed_units: int = 0        # modules served primed ("P+primed": recompute/primer.py)
     # of cached_tokens: the opening of the request's last uncached run served from an
-    # earlier request's (prompt tails seen before: runtime/tails.py)
+    # earlier request's (prompt tails seen before: runtime/kv/tails.py)
     tail_tokens: int = 0
 
 
@@ -94,7 +94,7 @@ class Opened:
     pending: PendingPrefill | None = None     # a prefill left to the caller (logits None)
     units: dict[str, int] = field(default_factory=dict)   # as Result.units
     primed: tuple[str, ...] = ()  # units served primed (recompute/primer.py)
-    tail: "TailUse | None" = None  # its prompt tail (runtime/tails.py), kept at the end
+    tail: "TailUse | None" = None  # its prompt tail (runtime/kv/tails.py), kept at the end
 
     @property
     def tail_tokens(self) -> int:
@@ -195,4 +195,4 @@ class Turn:
     started_at: float = 0.0            # time.perf_counter() when the turn was called
     complete: bool | None = None       # as Result.complete (regex=, json_schema=, grammar=)
     healed: str = ""                   # appended text given back by token healing: token_ids
-                                       # spell it, then `text` (runtime/healing.py)
+                                       # spell it, then `text` (runtime/decoding/healing.py)

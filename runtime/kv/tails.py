@@ -35,7 +35,7 @@ from typing import Sequence
 
 import torch
 
-from promptlang.runtime.kv import UnitKV
+from promptlang.runtime.kv.unit import UnitKV
 
 DEFAULT_BUDGET = 64 << 20        # bytes of tail KV kept per LLM
 MIN_REUSE = 1                    # tokens a match must reuse to be served

@@ -83,7 +83,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     draft: int = 0
-    # structured generation (runtime/constrain.py): at most one of these
+    # structured generation (runtime/decoding/constrain.py): at most one of these
     regex: str | None = None         # the output matches this regular expression
     json_schema: Any = None          # a JSON Schema: a dict, its JSON text, or a pydantic model
     grammar: str | None = None       # a Lark grammar (llguidance's dialect)
