@@ -2,7 +2,7 @@
 
 `PROMPTLANG_HOME` overrides the location (default: `$XDG_CACHE_HOME/promptlang`,
 else `~/.cache/promptlang`). It holds the default model, converted models, the KV
-disk tier and the compiled CPU kernels.
+disk tier, the compiled CPU kernels and tuned seam adapters.
 
 Everything promptlang writes there is private to the user: folders 0700, files 0600,
 written to a temporary name and renamed into place. Everything it loads from there
@@ -36,6 +36,10 @@ def models_dir() -> Path:
 
 def kv_dir() -> Path:
     return promptlang_home() / "kv"
+
+
+def adapters_dir() -> Path:
+    return promptlang_home() / "adapters"
 
 
 def native_dir() -> Path:

@@ -1,4 +1,5 @@
-"""`promptlang cache`: list or empty the module store's disk tier.
+"""`promptlang cache`: list or empty the module store's disk tier (`ls` also lists the seam
+adapters `promptlang tune` wrote).
 
     promptlang cache ls [--dir DIR]
     promptlang cache clear [--dir DIR]
@@ -42,7 +43,31 @@ def _cache_ls(args: argparse.Namespace) -> int:
         print(f"{e['key'][:16]}  {e['length']:>6} tokens  {_size(e['file_bytes']):>9}  "
               f"{e['stored']:>8}  {modified}  {meta.get('schema', '?')}:{meta.get('unit', '?')}")
     print(f"{len(entries)} entries, {_size(total)}")
+    if args.dir is None:
+        _list_adapters()
     return 0
+
+
+def _list_adapters() -> None:
+    """The seam adapters `promptlang tune` wrote, one line each (home's adapters/)."""
+    from promptlang.home import adapters_dir
+
+    files = sorted(adapters_dir().glob("*/seam-lora.safetensors"))
+    if not files:
+        return
+    from promptlang.errors import AdapterFileError
+    from promptlang.runtime.tune.lora import SeamLoRA
+
+    print("seam adapters:")
+    for path in files:
+        try:
+            _, meta = SeamLoRA.load(path)
+        except AdapterFileError as e:
+            print(f"  {path.parent.name}  unreadable: {e}")
+            continue
+        print(f"  {path.parent.name}  model {meta.get('model_fingerprint', '?')[:16]}  "
+              f"{meta.get('steps', '?')} steps, {meta.get('minutes', '?')} min  "
+              f"{_size(path.stat().st_size)}  {path}")
 
 
 def _cache_clear(args: argparse.Namespace) -> int:

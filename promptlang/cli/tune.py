@@ -1,0 +1,121 @@
+"""`promptlang tune`: learn a model's seam adapter by self-distillation, on this machine.
+
+    promptlang tune [--model PATH] [--minutes N] [--seed S] [--resume] [--out DIR]
+                    [SOURCE ...]
+
+SOURCEs (PML schemas, folders of them, or Python files of @prompt functions) add their
+cached modules' text to the documents the model writes itself; nothing is downloaded and
+nothing needs labels. The adapter lands under the store's home, keyed to the model's
+fingerprint (`promptlang cache ls` lists it), with the corpus and a log of every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    tune = subparsers.add_parser(
+        "tune", help="learn the model's seam adapter (self-distillation, no labels)",
+        description="Train a small adapter that lets the tokens after a request's cached "
+                    "modules read modules encoded apart as the full prefill would: the "
+                    "teacher is the model's own full prefill, the student the request as it "
+                    "is served from cached modules, the loss their next-token KL. Training "
+                    "text: the model's own writing and the cached modules of SOURCEs.")
+    tune.add_argument("sources", nargs="*", metavar="SOURCE",
+                      help="schema.pml files, folders of them, or app.py files of @prompt "
+                           "functions whose modules join the training documents")
+    tune.add_argument("--model", metavar="PATH",
+                      help="transformers model folder or GGUF file (default: the embedded "
+                           "SmolLM2-135M)")
+    tune.add_argument("--minutes", type=float, default=60.0, metavar="N",
+                      help="training budget in minutes (default 60; writing the corpus and "
+                           "the final evaluation come on top)")
+    tune.add_argument("--seed", type=int, default=0, metavar="S")
+    tune.add_argument("--resume", action="store_true",
+                      help="continue from the last checkpoint in the output folder")
+    tune.add_argument("--written-docs", type=int, default=48, metavar="N",
+                      help="documents the model writes for the corpus (default 48)")
+    tune.add_argument("--rank", type=int, default=8, metavar="R", help="LoRA rank (default 8)")
+    tune.add_argument("--out", metavar="DIR",
+                      help="output folder (default: the home's adapters/<model fingerprint>)")
+    tune.set_defaults(func=_tune)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from promptlang.home import adapters_dir
+    from promptlang.runtime import engine
+    from promptlang.runtime.tune.train import TuneOptions, tune
+
+    if args.minutes <= 0 or args.written_docs < 1 or args.rank < 1:
+        print("promptlang tune: --minutes, --written-docs and --rank must be positive",
+              file=sys.stderr)
+        return 2
+    schemas = []
+    if args.sources:
+        from promptlang.server.load import read_sources
+
+        schemas, _ = read_sources(args.sources)
+    llm = engine.load(args.model)
+    out = Path(args.out) if args.out else adapters_dir() / llm.adapter.fingerprint[:16]
+    options = TuneOptions(minutes=args.minutes, seed=args.seed, resume=args.resume,
+                          written_docs=args.written_docs, rank=args.rank)
+    bar = _Bar()
+    writing = _Writing()
+    try:
+        report = tune(llm, out, options, schemas=schemas,
+                      say=lambda line: print(line, file=sys.stderr), bar=bar,
+                      writing=writing)
+    finally:
+        writing.close()
+        bar.close()
+    e = report.evaluation
+    print(f"{report.adapter_path}\n"
+          f"steps {report.steps} in {report.seconds / 60:.1f} min; held-out KL "
+          f"{e.kl_before:.4f} -> {e.kl_after:.4f} ({e.kl_recovered:.0%} removed); answer "
+          f"log-prob gap {e.answer_gap_before:.3f} -> {e.answer_gap_after:.3f} nats")
+    return 0
+
+
+class _Writing:
+    """A progress bar on stderr while the model writes the corpus."""
+
+    def __init__(self):
+        self._bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if self._bar is None:
+            self._bar = tqdm(total=total, unit="doc", file=sys.stderr,
+                             desc="writing the corpus")
+        self._bar.n = done
+        self._bar.refresh()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class _Bar:
+    """A progress bar on stderr: steps, the loss, minutes spent of the budget."""
+
+    def __init__(self):
+        self._bar = None
+
+    def __call__(self, step: int, loss: float, seconds: float, budget: float) -> None:
+        from tqdm import tqdm
+
+        if self._bar is None:
+            self._bar = tqdm(total=round(budget / 60, 1), unit="min", file=sys.stderr,
+                             desc="promptlang tune")
+        self._bar.n = round(min(seconds, budget) / 60, 1)
+        self._bar.set_postfix(step=step, loss=f"{loss:.4f}")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

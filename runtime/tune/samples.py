@@ -1,0 +1,142 @@
+"""Training samples for the seam adapter: one combination of documents, its teacher and its
+student.
+
+A sample is a prompt that imports k of a schema's document modules and asks a question.
+- Teacher: the plain model's full prefill of the prompt's tokens at contiguous positions
+  (what a user gets from transformers on the same text), then its greedy answer; the
+  teacher's next-token log-probabilities on every token after the documents (the question,
+  the assistant's affix, the answer) are the targets.
+- Student: the same request served as the runtime serves it under policy `none` (each
+  document's KV encoded apart, from the store, at its layout position), then the tokens
+  after the documents computed by the plain model with the adapter attached. Only that
+  last pass carries gradients: the cached KV is the base model's.
+
+`student_logprobs(..., adapter=None)` is exactly the runtime's `none` prefill (tested), so
+an untrained adapter (B = 0) starts from today's fast path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from promptlang.errors import InvalidArgumentError
+from promptlang.pml import nodes
+from promptlang.runtime.tune.lora import SeamLoRA, attached
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One combination, ready for a training step."""
+
+    cached_keys: torch.Tensor      # [L, H_kv, S, D]: the documents' KV as served (no grad)
+    cached_values: torch.Tensor    # [L, H_kv, S, D]
+    ids: torch.Tensor              # [R]: the tokens after the documents, then the answer
+    positions: torch.Tensor        # [R]: their positions as the runtime serves them
+    teacher: torch.Tensor          # [R, V]: the teacher's log-probabilities after each
+    answer_length: int             # of `ids`, the last answer_length are the answer
+
+
+def rag_schema(name: str, system: str, label: str, texts: list[str]) -> nodes.Schema:
+    """A system turn, then each text as a module (`doc-0`, `doc-1`, ...) in a user turn."""
+    modules = tuple(nodes.Module(f"doc-{i}", (nodes.Text(text + "\n\n"),))
+                    for i, text in enumerate(texts))
+    return nodes.Schema(name, (nodes.RoleOpen("system"), nodes.Text(system),
+                               nodes.RoleClose("system"), nodes.RoleOpen("user"),
+                               nodes.Text(label), *modules))
+
+
+def rag_prompt(name: str, docs: list[int], question: str) -> nodes.PromptDoc:
+    """The prompt importing documents `docs` and asking `question`."""
+    refs = [nodes.ModuleRef(f"doc-{i}") for i in docs]
+    return nodes.PromptDoc(name, tuple(refs + [nodes.Text(question), nodes.RoleClose("user"),
+                                               nodes.RoleOpen("assistant")]))
+
+
+def make_sample(llm, teacher_model: torch.nn.Module, prompt: nodes.PromptDoc,
+                answer_tokens: int, end_ids: set[int]) -> Sample:
+    """Teacher and student inputs of `prompt` (its schema registered on `llm`)."""
+    served = llm.prefill(prompt, recompute="none", all_logits=True)
+    n = served.cached_length
+    tail_ids = served.token_ids[n:]
+    tail_positions = served.positions[n:]
+    plain = torch.tensor(served.bound.token_ids())
+    if len(tail_ids) == 0 or not torch.equal(plain[len(plain) - len(tail_ids):], tail_ids):
+        raise InvalidArgumentError("the prompt's tokens after its documents are not its last "
+                                   "tokens")
+    teacher_rows, answer = _teacher(teacher_model, plain, len(tail_ids), answer_tokens, end_ids)
+    step = torch.arange(1, len(answer) + 1, dtype=tail_positions.dtype)
+    positions = torch.cat([tail_positions, tail_positions[-1] + step])
+    ids = torch.cat([tail_ids, torch.tensor(answer, dtype=tail_ids.dtype)])
+    return Sample(cached_keys=served.keys[:, :, :n],
+                  cached_values=served.values[:, :, :n],
+                  ids=ids,
+                  positions=positions,
+                  teacher=teacher_rows,
+                  answer_length=len(answer))
+
+
+@torch.no_grad()
+def _teacher(model: torch.nn.Module, plain: torch.Tensor, tail: int, answer_tokens: int,
+             end_ids: set[int]) -> tuple[torch.Tensor, list[int]]:
+    """The full prefill's log-probabilities after each of the last `tail` tokens and after
+    each token of its greedy answer (at most `answer_tokens`, the end token included when
+    it comes): ([tail + len(answer), V], answer)."""
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=plain[None], cache=cache, use_cache=True, logits_to_keep=tail)
+    rows = [torch.log_softmax(out.logits[0].float(), dim=-1)]
+    answer: list[int] = []
+    position = len(plain)
+    for _ in range(answer_tokens):
+        token = int(rows[-1][-1].argmax())
+        answer.append(token)
+        out = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
+                    cache=cache, use_cache=True)
+        rows.append(torch.log_softmax(out.logits[0].float(), dim=-1))
+        position += 1
+        if token in end_ids:
+            break
+    return torch.cat(rows), answer
+
+
+def student_logprobs(model: torch.nn.Module, sample: Sample,
+                     adapter: SeamLoRA | None) -> torch.Tensor:
+    """The student's log-probabilities [R, V] after each of `sample.ids`: the documents'
+    cached KV as the past, the ids computed at their positions (each sees every cached
+    token and the ids before it), with the adapter attached (None: the base model)."""
+    rows = len(sample.ids)
+    past = sample.cached_keys.shape[2]
+    dtype = next(model.parameters()).dtype
+    allowed = torch.ones(rows, past + rows, dtype=torch.bool)
+    allowed[:, past:] = torch.tril(torch.ones(rows, rows, dtype=torch.bool))
+    mask = torch.zeros(rows, past + rows, dtype=dtype)
+    mask.masked_fill_(~allowed, float("-inf"))
+    cache = DynamicCache(config=model.config)
+    for layer in range(sample.cached_keys.shape[0]):
+        cache.update(sample.cached_keys[layer][None].to(dtype),
+                     sample.cached_values[layer][None].to(dtype), layer)
+    inputs = dict(input_ids=sample.ids[None], position_ids=sample.positions[None],
+                  attention_mask=mask[None, None], cache=cache, use_cache=True)
+    if adapter is None:
+        logits = model(**inputs).logits[0]
+    else:
+        with attached(model, adapter):
+            logits = model(**inputs).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def kl_per_row(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) of each row [R] (both log-probabilities [R, V])."""
+    return (teacher.exp() * (teacher - student)).sum(dim=-1)
+
+
+def answer_logprob(sample: Sample, logprobs: torch.Tensor) -> float:
+    """The summed log-probability of the teacher's answer under `logprobs` [R, V]."""
+    k = sample.answer_length
+    if k == 0:
+        return 0.0
+    rows = logprobs[len(sample.ids) - k - 1:len(sample.ids) - 1]
+    picked = rows[torch.arange(k), sample.ids[len(sample.ids) - k:]]
+    return float(picked.sum())

@@ -1,0 +1,262 @@
+"""`promptlang tune`'s loop: the seam adapter learned by self-distillation.
+
+Each step draws a new combination (a schema of `schema_docs` training documents, a prompt
+importing 2-4 of them and asking one's question), makes its teacher and student
+(samples.py), and takes one AdamW step on KL(teacher || student) over the tokens after the
+documents. Documents are split once into training and held-out ones; the held-out
+combinations measure the KL and the teacher's answer log-probability with the adapter and
+without (the untrained student is the runtime's `none` policy). Checkpoints (adapter,
+optimizer, step, random state) are written every `checkpoint_minutes`; `resume` continues
+from the last one. Everything lands in one folder (`adapter_dir`): the adapter, its log
+(one JSON line per step and per evaluation) and the corpus it was trained on.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from promptlang.errors import TuneError
+from promptlang.home import private_dir, write_private
+from promptlang.runtime.tune import corpus as corpus_mod
+from promptlang.runtime.tune.lora import SeamLoRA, shape_of
+from promptlang.runtime.tune.samples import (Sample, answer_logprob, kl_per_row, make_sample,
+                                             rag_prompt, rag_schema, student_logprobs)
+
+ADAPTER_FILE = "seam-lora.safetensors"
+STATE_FILE = "checkpoint.pt"
+LOG_FILE = "tune-log.jsonl"
+CORPUS_FILE = "corpus.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneOptions:
+    minutes: float = 60.0            # the training budget (corpus and evaluation not counted)
+    seed: int = 0
+    rank: int = 8
+    alpha: float = 16.0
+    lr: float = 1e-3
+    written_docs: int = 48           # documents the model writes for the corpus
+    doc_tokens: int = 160            # the longest document it writes, in tokens
+    schema_docs: int = 8             # documents in each step's schema
+    docs_per_request: tuple[int, ...] = (2, 3, 4)
+    answer_tokens: int = 16          # the teacher's greedy answer, at most
+    held_out: int = 16               # held-out combinations for the evaluation
+    checkpoint_minutes: float = 5.0
+    max_steps: int | None = None     # stop after this many steps (tests); None: the budget
+    resume: bool = False
+
+
+@dataclass(kw_only=True)
+class Evaluation:
+    """The held-out combinations measured with and without the adapter."""
+
+    kl_before: float                 # mean next-token KL from the teacher, no adapter
+    kl_after: float
+    answer_gap_before: float         # mean teacher - student answer log-prob (nats)
+    answer_gap_after: float
+
+    @property
+    def kl_recovered(self) -> float:
+        """The fraction of the KL the adapter removed (0 with no KL to remove)."""
+        if self.kl_before <= 0:
+            return 0.0
+        return 1.0 - self.kl_after / self.kl_before
+
+
+@dataclass(kw_only=True)
+class TuneReport:
+    adapter_path: Path
+    steps: int
+    seconds: float
+    evaluation: Evaluation
+    losses: list[float] = field(default_factory=list)
+
+
+def plain_copy(hf_model: torch.nn.Module) -> torch.nn.Module:
+    """A fresh, unmodified instance of the model's class with a copy of its weights (the
+    runtime's own may carry promptlang's attention); frozen, sdpa attention."""
+    import transformers
+
+    config = copy.deepcopy(hf_model.config)
+    dtype = next(hf_model.parameters()).dtype
+    name = "sdpa" if type(hf_model)._supports_sdpa else "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name,
+                                                          dtype=dtype)
+    model.load_state_dict(hf_model.state_dict())
+    model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return model
+
+
+def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
+         say: Callable[[str], None] = print, bar=None,
+         writing: Callable[[int, int], None] | None = None) -> TuneReport:
+    """Train the seam adapter of `llm`'s model and write it to `adapter_dir`. `bar(step,
+    loss, seconds, budget)` hears of every step; `writing(done, total)` of every corpus
+    document written."""
+    from promptlang.runtime.engine import LLM
+    from promptlang.runtime.store import ModuleStore
+
+    private_dir(adapter_dir)
+    rng = random.Random(options.seed)
+    torch.manual_seed(options.seed)
+    docs = _corpus(llm, adapter_dir, options, schemas, say, writing)
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    held = max(options.schema_docs, len(docs) // 6)
+    if len(docs) - held < options.schema_docs:
+        raise TuneError(f"the corpus has {len(docs)} documents; tune needs at least "
+                        f"{options.schema_docs + held} (--written-docs or more sources)")
+    val_docs = [docs[i] for i in order[:held]]
+    train_docs = [docs[i] for i in order[held:]]
+    # a private engine on the same model: a bounded store, no exact entries, no tails
+    engine = LLM(llm.adapter, llm.tokenizer, ModuleStore(device=llm.adapter.device,
+                                                         device_budget_bytes=512 << 20),
+                 recompute="none", exact_reuse=False, tail_budget_bytes=0)
+    model = plain_copy(llm.adapter.model)
+    end_ids = set(llm.tokenizer.eos_ids)
+    held_out = [_draw(engine, model, val_docs, random.Random(options.seed + 7 + i), options,
+                      end_ids, f"tune-val-{i}") for i in range(options.held_out)]
+    adapter = SeamLoRA(shape_of(model, options.rank, options.alpha), seed=options.seed)
+    optimizer = torch.optim.AdamW(adapter.parameters(), lr=options.lr, weight_decay=0.0)
+    step = 0
+    spent = 0.0
+    state_path = adapter_dir / STATE_FILE
+    if options.resume and state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        adapter.load_state_dict(state["adapter"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+        spent = state["seconds"]
+        rng.setstate(state["rng"])
+        say(f"promptlang tune: resumed at step {step} ({spent / 60:.1f} of "
+            f"{options.minutes:g} minutes spent)")
+    log = (adapter_dir / LOG_FILE).open("a")
+    losses: list[float] = []
+    budget = options.minutes * 60
+    started = time.perf_counter() - spent
+    saved = time.perf_counter()
+    try:
+        while time.perf_counter() - started < budget:
+            if options.max_steps is not None and step >= options.max_steps:
+                break
+            sample = _draw(engine, model, train_docs, rng, options, end_ids, f"tune-{step}")
+            student = student_logprobs(model, sample, adapter)
+            loss = kl_per_row(sample.teacher, student).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+            losses.append(float(loss.detach()))
+            log.write(json.dumps({"step": step, "loss": float(loss.detach()),
+                                  "seconds": round(time.perf_counter() - started, 2)}) + "\n")
+            if bar is not None:
+                bar(step, float(loss.detach()), time.perf_counter() - started, budget)
+            if time.perf_counter() - saved > options.checkpoint_minutes * 60:
+                _checkpoint(state_path, adapter, optimizer, step,
+                            time.perf_counter() - started, rng)
+                saved = time.perf_counter()
+        seconds = time.perf_counter() - started
+        _checkpoint(state_path, adapter, optimizer, step, seconds, rng)
+        evaluation = evaluate(model, held_out, adapter)
+        log.write(json.dumps({"evaluation": asdict(evaluation), "steps": step}) + "\n")
+    finally:
+        log.close()
+    path = adapter_dir / ADAPTER_FILE
+    meta = {"model_fingerprint": llm.adapter.fingerprint, "seed": str(options.seed),
+            "steps": str(step), "minutes": f"{seconds / 60:.1f}",
+            "options": json.dumps(asdict(options), default=str),
+            "evaluation": json.dumps(asdict(evaluation))}
+    adapter.save(path, meta)
+    return TuneReport(adapter_path=path, steps=step, seconds=seconds, evaluation=evaluation,
+                      losses=losses)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, samples: list[Sample], adapter: SeamLoRA) -> Evaluation:
+    """KL and answer log-prob gaps of held-out samples, without and with the adapter."""
+    kl = {False: [], True: []}
+    gap = {False: [], True: []}
+    for sample in samples:
+        teacher_answer = answer_logprob(sample, sample.teacher)
+        for tuned in (False, True):
+            student = student_logprobs(model, sample, adapter if tuned else None)
+            kl[tuned].append(float(kl_per_row(sample.teacher, student).mean()))
+            gap[tuned].append(teacher_answer - answer_logprob(sample, student))
+    return Evaluation(kl_before=_mean(kl[False]), kl_after=_mean(kl[True]),
+                      answer_gap_before=_mean(gap[False]), answer_gap_after=_mean(gap[True]))
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else math.nan
+
+
+def _draw(engine, model, docs: list[corpus_mod.Document], rng: random.Random,
+          options: TuneOptions, end_ids: set[int], name: str) -> Sample:
+    """One combination: a schema of `schema_docs` documents, a prompt importing k of them
+    (schema order) and asking one's question; its teacher and student."""
+    chosen = rng.sample(docs, options.schema_docs)
+    schema = rag_schema(name, rng.choice(corpus_mod.SYSTEMS), rng.choice(corpus_mod.LABELS),
+                        [d.text for d in chosen])
+    k = min(rng.choice(options.docs_per_request), len(chosen))
+    imported = sorted(rng.sample(range(len(chosen)), k))
+    asked = chosen[rng.choice(imported)]
+    question = rng.choice(corpus_mod.QUESTION_FORMS).format(q=asked.question)
+    engine.add_schema(schema)
+    try:
+        return make_sample(engine, model, rag_prompt(name, imported, question),
+                           options.answer_tokens, end_ids)
+    finally:
+        engine.remove_schema(name)
+
+
+def _corpus(llm, adapter_dir: Path, options: TuneOptions, schemas, say, writing) -> list:
+    path = adapter_dir / CORPUS_FILE
+    if options.resume and path.exists():
+        return corpus_mod.load_corpus(path)
+    user_texts = corpus_mod.user_documents(schemas)
+    say(f"promptlang tune: writing the corpus ({len(user_texts)} documents of yours, "
+        f"{options.written_docs} the model writes)")
+
+    def generate(instruction: str, max_tokens: int, seed: int) -> str:
+        return _reply(llm, instruction, max_tokens, seed)
+
+    docs = corpus_mod.build_corpus(generate, user_texts=user_texts,
+                                   written=options.written_docs, seed=options.seed,
+                                   doc_tokens=options.doc_tokens, progress=writing)
+    corpus_mod.save_corpus(path, docs)
+    return docs
+
+
+def _reply(llm, instruction: str, max_tokens: int, seed: int) -> str:
+    """The model's reply to one user turn (sampled at temperature 0.8, seeded)."""
+    from promptlang.pml import nodes
+
+    name = "tune-writer"
+    llm.add_schema(nodes.Schema(name, ()))
+    doc = nodes.PromptDoc(name, (nodes.RoleOpen("user"), nodes.Text(instruction),
+                                 nodes.RoleClose("user"), nodes.RoleOpen("assistant")))
+    result = llm.generate(doc, max_new_tokens=max_tokens, temperature=0.8, top_p=0.95,
+                          seed=seed, recompute="none")
+    return result.text
+
+
+def _checkpoint(path: Path, adapter: SeamLoRA, optimizer, step: int, seconds: float,
+                rng: random.Random) -> None:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(),
+                "step": step, "seconds": seconds, "rng": rng.getstate()}, buffer)
+    write_private(path, buffer.getvalue())

@@ -1,0 +1,176 @@
+"""The seam adapter (runtime/tune/): its math against plain PyTorch, the student against the
+runtime's own `none` prefill, and `tune` end to end on a tiny random model."""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from promptlang.runtime.engine import LLM
+from promptlang.runtime.store import ModuleStore
+from promptlang.runtime.tune import corpus
+from promptlang.runtime.tune.lora import AdapterFileError, SeamLoRA, attached, shape_of
+from promptlang.runtime.tune.samples import (kl_per_row, make_sample, rag_prompt, rag_schema,
+                                             student_logprobs)
+from promptlang.runtime.tune.train import TuneOptions, plain_copy, tune
+
+from .tiny import Words, tiny_llama
+
+VOCAB = 1000
+TEXTS = ["the red boat sails at dawn from the north pier with nine crew",
+         "a baker in the old town sells rye bread every tuesday morning",
+         "the clock museum opened in spring and shows forty clocks",
+         "our choir sings on sundays and practises in the east hall"]
+
+
+def _trained_like(adapter: SeamLoRA, seed: int = 3) -> SeamLoRA:
+    """Nonzero B everywhere (a fresh adapter's B is zero and changes nothing)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in adapter.b:
+            for b in layer.values():
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.05)
+    return adapter
+
+
+def _engine(model) -> LLM:
+    return LLM.from_model(model, Words(VOCAB, bos=True), store=ModuleStore(),
+                          recompute="none", exact_reuse=False)
+
+
+def test_the_adapter_adds_scale_b_a_x_to_each_projection_as_plain_pytorch_computes_it():
+    model = plain_copy(tiny_llama(0, VOCAB))
+    adapter = _trained_like(SeamLoRA(shape_of(model, rank=4, alpha=8.0), seed=1))
+    ids = torch.tensor([[5, 17, 99, 3, 42]])
+    # reference: the same model with W + (alpha / rank) B A written into its weights
+    reference = plain_copy(model)
+    with torch.no_grad():
+        for index, layer in enumerate(reference.model.layers):
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                linear = getattr(layer.self_attn, name)
+                a = adapter.a[index][name]
+                b = adapter.b[index][name]
+                linear.weight += (b @ a) * (8.0 / 4)
+    with attached(model, adapter):
+        got = model(input_ids=ids).logits
+    expected = reference(input_ids=ids).logits
+    assert torch.allclose(got, expected, atol=1e-5)
+    # outside the context the model is the base model again
+    assert not torch.allclose(model(input_ids=ids).logits, expected, atol=1e-3)
+
+
+def test_a_fresh_adapter_changes_nothing_and_a_saved_one_loads_the_same(tmp_path):
+    model = plain_copy(tiny_llama(0, VOCAB))
+    ids = torch.tensor([[5, 17, 99]])
+    fresh = SeamLoRA(shape_of(model), seed=2)
+    base = model(input_ids=ids).logits
+    with attached(model, fresh):
+        assert torch.allclose(model(input_ids=ids).logits, base, atol=0)
+    trained = _trained_like(SeamLoRA(shape_of(model), seed=2))
+    trained.save(tmp_path / "a.safetensors", {"model_fingerprint": "x"})
+    loaded, meta = SeamLoRA.load(tmp_path / "a.safetensors")
+    assert meta["model_fingerprint"] == "x"
+    with attached(model, trained):
+        want = model(input_ids=ids).logits
+    with attached(model, loaded):
+        assert torch.equal(model(input_ids=ids).logits, want)
+
+
+def test_a_file_that_is_not_an_adapter_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(b"not a safetensors file")
+    with pytest.raises(AdapterFileError, match="bad.safetensors"):
+        SeamLoRA.load(path)
+
+
+def test_the_student_without_adapter_is_the_runtime_s_none_prefill():
+    base = tiny_llama(0, VOCAB)
+    llm = _engine(base)
+    model = plain_copy(base)
+    llm.add_schema(rag_schema("s", "answer from the notes", "notes:\n\n", TEXTS))
+    prompt = rag_prompt("s", [0, 2, 3], "Question: when does the choir sing?")
+    sample = make_sample(llm, model, prompt, answer_tokens=4, end_ids={2})
+    served = llm.prefill(prompt, recompute="none", all_logits=True)
+    student = student_logprobs(model, sample, None)
+    tail = len(served.token_ids) - served.cached_length
+    expected = torch.log_softmax(served.logits[-tail:], dim=-1)
+    assert torch.allclose(student[:tail], expected, atol=1e-4)
+    # the teacher is the plain prompt's own prefill: its first rows are the baseline's
+    plain = llm.prefill(prompt, baseline=True, all_logits=True)
+    assert torch.allclose(sample.teacher[:tail], torch.log_softmax(plain.logits[-tail:], dim=-1),
+                          atol=1e-4)
+    # and documents encoded apart make the two differ: there is a gap to learn
+    assert float(kl_per_row(sample.teacher, student).mean()) > 1e-4
+
+
+def test_training_steps_lower_the_kl_of_the_sample_they_train_on():
+    base = tiny_llama(0, VOCAB)
+    llm = _engine(base)
+    model = plain_copy(base)
+    llm.add_schema(rag_schema("s", "answer from the notes", "notes:\n\n", TEXTS))
+    sample = make_sample(llm, model, rag_prompt("s", [1, 3], "what does the baker sell?"),
+                         answer_tokens=4, end_ids={2})
+    adapter = SeamLoRA(shape_of(model), seed=0)
+    optimizer = torch.optim.AdamW(adapter.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(12):
+        loss = kl_per_row(sample.teacher, student_logprobs(model, sample, adapter)).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_tune_runs_end_to_end_writes_its_files_and_resumes(tmp_path):
+    llm = _engine(tiny_llama(0, VOCAB))
+    options = TuneOptions(minutes=5, max_steps=3, written_docs=16, doc_tokens=12,
+                          schema_docs=4, docs_per_request=(2,), answer_tokens=3, held_out=2)
+    said = []
+    report = tune(llm, tmp_path / "adapter", options, say=said.append)
+    assert report.steps == 3
+    assert report.adapter_path.exists()
+    for name in ("corpus.json", "tune-log.jsonl", "checkpoint.pt"):
+        assert (tmp_path / "adapter" / name).exists()
+    _, meta = SeamLoRA.load(report.adapter_path)
+    assert meta["model_fingerprint"] == llm.adapter.fingerprint
+    assert report.evaluation.kl_before > 0
+    resumed = tune(llm, tmp_path / "adapter",
+                   TuneOptions(**{**options.__dict__, "max_steps": 5, "resume": True}),
+                   say=said.append)
+    assert resumed.steps == 5
+    assert any("resumed at step 3" in line for line in said)
+
+
+def test_the_corpus_shares_no_eight_words_with_the_benchmark_items():
+    """Tuning data must be disjoint from every evaluation item: tune's word lists and
+    phrasings against the bench's item templates (bench/qa.py, bench/qa_kinds.py)."""
+    root = Path(__file__).resolve().parents[2] / "bench"
+    bench_words = re.findall(r"[a-z]+", " ".join(
+        (root / name).read_text().lower() for name in ("qa.py", "qa_kinds.py")))
+    grams = {tuple(bench_words[i:i + 8]) for i in range(len(bench_words) - 7)}
+    ours = " ".join(corpus.PLACES + corpus.THINGS + corpus.ASPECTS + corpus.SYSTEMS
+                    + corpus.LABELS + corpus.QUESTION_FORMS)
+    ours += " " + " ".join(corpus.subjects(random.Random(0), 50))
+    words = re.findall(r"[a-z]+", ours.lower())
+    assert not [words[i:i + 8] for i in range(len(words) - 7) if tuple(words[i:i + 8]) in grams]
+
+
+def test_cache_ls_lists_the_adapters_tune_wrote(tmp_path, monkeypatch, capsys):
+    from promptlang.cli import main
+
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path))
+    model = plain_copy(tiny_llama(0, VOCAB))
+    folder = tmp_path / "adapters" / "0123456789abcdef"
+    folder.mkdir(parents=True)
+    SeamLoRA(shape_of(model)).save(folder / "seam-lora.safetensors",
+                                   {"model_fingerprint": "f" * 64, "steps": "7",
+                                    "minutes": "1.5"})
+    assert main(["cache", "ls"]) == 0
+    out = capsys.readouterr().out
+    assert "seam adapters:" in out
+    assert "0123456789abcdef  model ffffffffffffffff  7 steps, 1.5 min" in out
