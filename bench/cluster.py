@@ -1,4 +1,4 @@
-"""`promptlang bench cluster`: routers compared on a local Ray Serve cluster (issue 21).
+"""`promptlang bench cluster`: routers compared on a local Ray Serve cluster.
 
 A RAG workload -- each request imports k of N documents (bench/rag.py's generator), in an
 order of its own, and asks about one -- is served by `replicas` engine replicas on a local
@@ -90,8 +90,12 @@ class RouterRun:
         units = {tier: sum(s.units.get(tier, 0) for s in answered) for tier in TIERS}
         total = sum(units.values()) or 1
         ttfts = sorted(s.ttft for s in answered if s.ttft is not None)
-        at = lambda q: round(ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] * 1e3, 1) \
-            if ttfts else None  # noqa: E731
+
+        def at(q: float) -> float | None:
+            if not ttfts:
+                return None
+            return round(ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] * 1e3, 1)
+
         per_replica = sorted((sum(s.replica == r for s in answered)
                               for r in {s.replica for s in answered}), reverse=True)
         return {"router": self.router, "sent": self.sent, "answered": len(answered),
@@ -177,7 +181,8 @@ def _say(message: str) -> None:
 def _documents(llm, options: ClusterOptions) -> tuple[list[str], list[str]]:
     from promptlang.bench.latency.sweep import document
 
-    texts, questions = [], []
+    texts = []
+    questions = []
     for i in range(options.docs):
         text, item = document(llm.tokenizer, options.doc_tokens, seed=7000 + i)
         texts.append(text)
@@ -262,7 +267,8 @@ def _serve_all(router: str, port: int, bodies: Sequence[dict],
     """Every body once, `clients` at a time, in order; stops sending at `run_timeout`."""
     run = RouterRun(router)
     deadline = time.perf_counter() + options.run_timeout
-    lock, queue = threading.Lock(), list(bodies)
+    lock = threading.Lock()
+    queue = list(bodies)
 
     def client() -> None:
         while time.perf_counter() < deadline:
@@ -288,7 +294,10 @@ def _one(port: int, body: dict, timeout: float) -> Sample:
     from promptlang.server.cluster import REPLICA_HEADER
 
     began = time.perf_counter()
-    ttft, units, replica, finished = None, {}, None, False
+    ttft = None
+    units = {}
+    replica = None
+    finished = False
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
@@ -323,7 +332,8 @@ def goals(report: ClusterReport) -> list[Goal]:
     out = [Goal("no request lost", lost == 0 if rows else None,
                 f"{lost} lost of {sum(r['sent'] for r in rows.values())} sent")]
     if "affinity" in rows and "pow2" in rows:
-        a, p = rows["affinity"], rows["pow2"]
+        a = rows["affinity"]
+        p = rows["pow2"]
         out.append(Goal("module affinity keeps more in memory than power-of-two",
                         a["memory hits %"] > p["memory hits %"],
                         f"{a['memory hits %']}% against {p['memory hits %']}%"))
@@ -331,7 +341,8 @@ def goals(report: ClusterReport) -> list[Goal]:
 
 
 def sections(report: ClusterReport) -> list[Section]:
-    o, c = report.options, report.costs
+    o = report.options
+    c = report.costs
     lines = [f"model {report.model}; {o.replicas} replicas of {o.threads} torch thread(s); "
              f"{o.docs} documents of ~{o.doc_tokens} tokens, k={o.k} per request, "
              f"{o.requests} requests per router, {o.clients} concurrent streams, "
@@ -347,7 +358,7 @@ def sections(report: ClusterReport) -> list[Section]:
     return [Section("Cluster: routers on the same RAG workload",
                     [run.row() for run in report.runs], lines),
             Section("Per-request costs (one engine, this process)", (), cost_lines),
-            Section("Goals (issue 21)", (), [str(g) for g in report.goals])]
+            Section("Goals", (), [str(g) for g in report.goals])]
 
 
 def to_json(report: ClusterReport) -> dict:

@@ -76,9 +76,12 @@ def workload_shapes(shape: ModelShape, rows: int = PREFILL_ROWS) -> list[tuple[i
 def sgemm_rate(m: int, k: int, n: int, seconds: float = 0.1) -> float:
     """FLOP/s of A[m, k] @ B[k, n] (2 m k n FLOPs) run back to back for at least
     `seconds` after one untimed call: a sustained rate, not the best single call."""
-    a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+    a = torch.randn(m, k)
+    b = torch.randn(k, n)
+    out = torch.empty(m, n)
     torch.matmul(a, b, out=out)
-    calls, began = 0, time.perf_counter()
+    calls = 0
+    began = time.perf_counter()
     while True:
         torch.matmul(a, b, out=out)
         calls += 1
@@ -125,7 +128,9 @@ class FloorSampler:
 
     def __init__(self, sgemm: Sgemm, copy_bytes: int = 64 << 20, seconds: float = 0.05,
                  copies: int = 3):
-        self.sgemm, self.seconds, self.copies = sgemm, seconds, copies
+        self.sgemm = sgemm
+        self.seconds = seconds
+        self.copies = copies
         self._src = torch.ones(copy_bytes // 4)
         self._dst = torch.empty_like(self._src)
 

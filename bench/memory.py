@@ -110,7 +110,8 @@ def memory_rows(shapes: dict[str, ModelShape] | None = None) -> list[dict[str, A
     such model) and how the two relate ("paper vs ours", see `paper_note`)."""
     rows = []
     for name, shape in (shapes or PUBLISHED).items():
-        fp16, fp32 = kv_bytes_per_token(shape, 2), kv_bytes_per_token(shape, 4)
+        fp16 = kv_bytes_per_token(shape, 2)
+        fp32 = kv_bytes_per_token(shape, 4)
         printed = PAPER_TABLE2.get(name)
         rows.append({
             "model": name,
@@ -252,7 +253,7 @@ def sections(report: MemoryReport) -> list[Section]:
             f"flags"], float_format="{:,.1f}"),
         Section("KV bytes per token of published models (from their config.json)",
                 _printed(report.rows), paper_lines(report.rows), float_format="{:,.1f}"),
-        Section("Goals (issue 7)", (), [str(g) for g in report.goals]),
+        Section("Goals", (), [str(g) for g in report.goals]),
     ]
 
 

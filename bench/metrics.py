@@ -26,6 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
+from promptlang.errors import InvalidArgumentError
+
 RESAMPLES = 2000
 SEED = 0
 LEVEL = 0.95
@@ -87,7 +89,7 @@ def paired_columns(*columns: Sequence[float]) -> list[np.ndarray]:
     """The columns as float arrays, items where any column is NaN left out."""
     arrays = [np.asarray(c, dtype=np.float64) for c in columns]
     if len({a.shape for a in arrays}) > 1:
-        raise ValueError("paired values need one value per item in every column")
+        raise InvalidArgumentError("paired values need one value per item in every column")
     keep = ~np.any([np.isnan(a) for a in arrays], axis=0)
     return [a[keep] for a in arrays]
 
@@ -121,10 +123,12 @@ def recovery_interval(baseline: Sequence[float], cached: Sequence[float],
     n = len(baseline)
     if n == 0:
         return NO_ITEMS
-    gap, won = baseline - cached, setting - cached
+    gap = baseline - cached
+    won = setting - cached
     estimate = float(won.mean() / gap.mean()) if gap.mean() > 0 else None
     indices = resample_indices(n, resamples, seed)
-    gaps, wins = gap[indices].mean(axis=1), won[indices].mean(axis=1)
+    gaps = gap[indices].mean(axis=1)
+    wins = won[indices].mean(axis=1)
     has_gap = gaps > 0
     ratios = np.full(len(gaps), -np.inf)
     ratios[has_gap] = wins[has_gap] / gaps[has_gap]

@@ -120,7 +120,8 @@ def best_time(work: Callable[[], object], repeat: int) -> float:
 
 def exponent(times: Sequence[float]) -> float:
     """The growth exponent from the 1x and 4x times: log2(t4 / t1) / 2."""
-    first, last = max(times[0], 1e-9), max(times[-1], 1e-9)
+    first = max(times[0], 1e-9)
+    last = max(times[-1], 1e-9)
     return math.log2(last / first) / math.log2(FACTORS[-1] / FACTORS[0])
 
 

@@ -1,7 +1,7 @@
 """`promptlang bench peers`: promptlang beside llama.cpp (llama-cpp-python) and transformers'
 own full prefill, on the same model and the same token ids.
 
-Workloads (issue 20):
+Workloads:
 
   document  a ~6.4k-token document (latency.document) as a cached module, then new
             questions about it: promptlang serves the document from its store; llama.cpp
@@ -60,12 +60,14 @@ from promptlang.bench.floor import prefill_flops
 from promptlang.bench.latency.sweep import document
 from promptlang.bench.rag import build_prompt, build_schema, plan_requests
 from promptlang.bench.peers_report import (APPROXIMATE, DECODE_ROUNDS, DEFAULT_ROW, F16_STORE,
-                                            QUESTION_KINDS, PeersOptions, PeersReport,
-                                            _median, goals)
+                                           QUESTION_KINDS, PeersOptions, PeersReport,
+                                           _median, goals)
 from promptlang.runtime.recompute.policy import DEFAULT_POLICY
 from promptlang.bench.shapes import shape_from_config
+from promptlang.errors import InvalidArgumentError
 
-DOC_SCHEMA, RAG_SCHEMA = "peers-document", "peers-rag"
+DOC_SCHEMA = "peers-document"
+RAG_SCHEMA = "peers-rag"
 LLAMA_TIMEOUT = 3600.0           # seconds a llama.cpp session may last, at most
 # first words of the document's new questions of the second kind: none opens any other
 # prompt of the run (so no engine reuses any of the question from an earlier request)
@@ -119,7 +121,7 @@ def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,
     llm.add_schema(schema)
     n = options.questions
     if not 1 <= n <= len(OPENERS):
-        raise ValueError(f"questions must be 1 to {len(OPENERS)}, not {n}")
+        raise InvalidArgumentError(f"questions must be 1 to {len(OPENERS)}, not {n}")
     # prompt 0 warms every cache (not timed); then n new questions that open as the one
     # before (its words, a new number), then n whose first word no earlier prompt had
     questions = [f"{item.question} Answer in one sentence, #{i}." for i in range(n + 1)] + [
@@ -150,7 +152,8 @@ def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,
         llama = _LlamaLines.start(gguf, threads, max(len(i) for i in ids) + 64
                                   + options.decode_tokens)
         if isinstance(llama, str):
-            report.llama_missing, llama = llama, None
+            report.llama_missing = llama
+            llama = None
         else:
             report.llama_version = llama.version
             ttft["llama.cpp"] = _guarded(report, lambda i: _llama_ttft(
@@ -210,7 +213,8 @@ def _guarded(report: PeersReport, call):
         try:
             return call(*args)
         except _LlamaFailed as failed:
-            report.llama_missing, report.llama_version = str(failed), None
+            report.llama_missing = str(failed)
+            report.llama_version = None
             return None
     return guarded
 
@@ -230,7 +234,9 @@ class _LlamaLines:
     killed after LLAMA_TIMEOUT seconds in all."""
 
     def __init__(self, process: subprocess.Popen, timer: threading.Timer, version: str):
-        self.process, self.timer, self.version = process, timer, version
+        self.process = process
+        self.timer = timer
+        self.version = version
 
     @classmethod
     def start(cls, gguf: str, threads: int, n_ctx: int) -> "_LlamaLines | str":
@@ -283,7 +289,8 @@ class _LlamaLines:
 def _per_token(llm, prompt, tokens: int) -> float | None:
     """Seconds per decoded token after the first, greedy."""
     result = llm.generate(prompt, max_new_tokens=tokens)
-    n, t = len(result.token_ids), result.timings
+    n = len(result.token_ids)
+    t = result.timings
     return (t.total - t.first_token) / (n - 1) if n > 1 else None
 
 
@@ -296,7 +303,8 @@ def quantized_check(llm) -> tuple[int, float | None]:
     count = decoder.quantized_weights if decoder is not None else 0
     if not count:
         return 0, None
-    adapter, logits = llm.adapter, []
+    adapter = llm.adapter
+    logits = []
     ids = torch.randint(0, 1000, (201,), generator=torch.Generator().manual_seed(5))
     keys, values = adapter.empty_kv(201)
     adapter.forward(ids[:200], torch.arange(200), Past(keys, values, torch.arange(0)), None)
@@ -309,7 +317,8 @@ def quantized_check(llm) -> tuple[int, float | None]:
 
 
 def _rag(llm, options: PeersOptions, report: PeersReport) -> list[list[int]]:
-    texts, questions = [], []
+    texts = []
+    questions = []
     for i in range(options.rag_docs):
         text, item = document(llm.tokenizer, options.rag_doc_tokens, seed=9100 + i)
         texts.append(text)

@@ -1,5 +1,5 @@
 """`promptlang bench peers`' report: what one run measured (`PeersReport`), its goals
-(issue 20) and its tables; the measuring is bench/peers.py."""
+and its tables; the measuring is bench/peers.py."""
 
 from __future__ import annotations
 
@@ -84,7 +84,8 @@ def goals(report: PeersReport) -> list[Goal]:
 
     rag = report.rag
     for kind, what in QUESTION_KINDS:
-        doc, first = getattr(report, kind), len(out)
+        doc = getattr(report, kind)
+        first = len(out)
         theirs_doc = _median(doc.get("llama.cpp"))
         for engine, note in (("promptlang", ""), (APPROXIMATE, f" ({APPROXIMATE[12:-1]})")):
             ratio(f"document ~6.4k{'' if kind == 'doc' else ', ' + what}, promptlang cached "
@@ -108,7 +109,8 @@ def goals(report: PeersReport) -> list[Goal]:
               50, False, "medians")
     theirs = report.decode.get("llama.cpp")
     for engine in ("promptlang", F16_STORE, APPROXIMATE):
-        mine, note = report.decode.get(engine), engine[len("promptlang"):]
+        mine = report.decode.get(engine)
+        note = engine[len("promptlang"):]
         name = f"decode at the document's cached context >= llama.cpp's tokens/s{note}"
         if mine is None or theirs is None:
             out.append(Goal(name, None, missing if theirs is None else "not measured"))
@@ -129,7 +131,10 @@ def goals(report: PeersReport) -> list[Goal]:
 
 def sections(report: PeersReport) -> list[Section]:
     o = report.options
-    ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
+
+    def ms(v):
+        return None if v is None else round(v * 1e3, 1)
+
     rows = []
 
     def row(workload: str, engine: str, values=None, per_token=None) -> None:
@@ -167,16 +172,16 @@ def sections(report: PeersReport) -> list[Section]:
              "answers: docs/RECOMPUTE.md); promptlang (exact): the default, answers as the "
              "full prefill's (a new combination computes its later documents again)"]
     return [Section(f"Peers ({report.model})", rows, lines),
-            Section("Goals (issue 20)", (), [str(g) for g in report.goals
+            Section("Goals", (), [str(g) for g in report.goals
                                              if not _default_policy(g)]),
             Section(f"Goals of the default policy ({DEFAULT_POLICY}: answers as the full "
-                    "prefill's, issue 16)", (), [str(g) for g in report.goals
+                    "prefill's)", (), [str(g) for g in report.goals
                                                  if _default_policy(g)])]
 
 
 def _default_policy(goal: Goal) -> bool:
     """A RAG goal of the default policy, whose cost on a new combination of documents is the
-    seams issue's (16): issue 20's RAG goals are the cached path's (`none`)."""
+    seam goal's (docs/BENCHMARKS.md): the peers' own RAG goals are the cached path's (`none`)."""
     return f"({DEFAULT_POLICY})" in goal.name
 
 

@@ -55,6 +55,7 @@ import unicodedata
 from dataclasses import asdict, dataclass
 from typing import Literal, Sequence
 
+from promptlang.errors import InvalidArgumentError
 from promptlang.pml import nodes
 
 # the people and kinds, re-exported: qa.SURNAMES, qa.ATTRIBUTES, ...
@@ -188,11 +189,13 @@ def generate(n_items: int, seed: int = 0, kind: str = "single", docs_per_item: i
              doc_words: int | None = None) -> list[QAItem]:
     """`n_items` items of `kind` ("single", "cross", "dependent", "needle", "same-shape",
     or "mixed": the kinds in turn), each with `docs_per_item` documents of at least
-    `doc_words` words (default: DEFAULT_DOC_WORDS[kind]). Item i depends only on (seed, i, kind, knobs)."""
+    `doc_words` words (default: DEFAULT_DOC_WORDS[kind]). Item i depends only on (seed, i,
+    kind, knobs)."""
     if kind != "mixed" and kind not in KINDS:
-        raise ValueError(f"unknown kind {kind!r}: choose from {', '.join(KINDS)} or 'mixed'")
+        raise InvalidArgumentError(f"unknown kind {kind!r}: choose from {', '.join(KINDS)} "
+                                   "or 'mixed'")
     if docs_per_item < 1:
-        raise ValueError("docs_per_item must be at least 1")
+        raise InvalidArgumentError("docs_per_item must be at least 1")
     items = []
     for index in range(n_items):
         item_kind = KINDS[index % len(KINDS)] if kind == "mixed" else kind
@@ -281,7 +284,7 @@ def build_schema(items: Sequence[QAItem], name: str, mode: Mode = "modules",
         head = [nodes.RoleOpen("system"), nodes.Text(system + "\n\nDocuments:\n\n")]
         tail = [nodes.RoleClose("system")]
     else:
-        raise ValueError(f"unknown docs_role {docs_role!r}: 'user' or 'system'")
+        raise InvalidArgumentError(f"unknown docs_role {docs_role!r}: 'user' or 'system'")
 
     body: list[nodes.SchemaChild] = []
     if mode == "modules":
@@ -295,7 +298,7 @@ def build_schema(items: Sequence[QAItem], name: str, mode: Mode = "modules",
         body = [nodes.Scaffold(scaffold_name(item), tuple(module(d) for d in item.documents))
                 for item in items]
     else:
-        raise ValueError(f"unknown mode {mode!r}: 'modules', 'unions' or 'scaffold'")
+        raise InvalidArgumentError(f"unknown mode {mode!r}: 'modules', 'unions' or 'scaffold'")
     return nodes.Schema(name, tuple(head + body + tail))
 
 
@@ -308,13 +311,13 @@ def build_prompt(item: QAItem, schema_name: str, mode: Mode = "modules",
     elif mode in ("modules", "unions", "scaffold"):   # all of a scaffold's modules: joint KV
         imports = [nodes.ModuleRef(doc.name, _arguments(doc)) for doc in item.documents]
     else:
-        raise ValueError(f"unknown mode {mode!r}: 'modules', 'unions' or 'scaffold'")
+        raise InvalidArgumentError(f"unknown mode {mode!r}: 'modules', 'unions' or 'scaffold'")
     question = [nodes.Text(f"Question: {item.question}"), nodes.RoleClose("user"),
                 nodes.RoleOpen("assistant")]
     if docs_role == "system":
         question.insert(0, nodes.RoleOpen("user"))
     elif docs_role != "user":
-        raise ValueError(f"unknown docs_role {docs_role!r}: 'user' or 'system'")
+        raise InvalidArgumentError(f"unknown docs_role {docs_role!r}: 'user' or 'system'")
     return nodes.PromptDoc(schema_name, tuple(imports + question))
 
 

@@ -10,6 +10,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from promptlang.errors import InvalidArgumentError
+
 
 FEMALE_NAMES = ("Ilsa", "Mirela", "Tova", "Anouk", "Brisa", "Calla", "Dagny", "Elowen", "Fenna",
                 "Greta", "Halla", "Isolde", "Jorunn", "Kaia", "Liesel", "Maren", "Nadia", "Odile",
@@ -165,7 +167,7 @@ class _Draw:
     def _take(self, pool: tuple[str, ...]) -> str:
         used = self.used.setdefault(pool, set())
         if len(used) == len(pool):
-            raise ValueError("too many people or facts for one item: lower docs_per_item")
+            raise InvalidArgumentError("too many people or facts for one item: lower docs_per_item")
         while True:   # pools are much larger than what one item uses: few retries
             value = self.rng.choice(pool)
             if value not in used:
@@ -190,7 +192,7 @@ class _Draw:
         """Give `person` values for `count` attributes it has none for yet; their keys."""
         keys = [a.key for a in ATTRIBUTES if a.key not in person.values and self._left(a.pool)]
         if len(keys) < count:
-            raise ValueError("value pools exhausted: lower docs_per_item")
+            raise InvalidArgumentError("value pools exhausted: lower docs_per_item")
         chosen = self.rng.sample(keys, count)
         for key in chosen:
             self.give(person, key)
@@ -206,7 +208,8 @@ def _render(template: str, person: _Person, key: str, pronoun: bool = False) -> 
     if pronoun:
         subj, poss = ("she", "her") if person.female else ("he", "his")
     else:
-        subj, poss = person.name, f"{person.name}'s"
+        subj = person.name
+        poss = f"{person.name}'s"
     sentence = template.format(Subj=subj.capitalize() if pronoun else subj, subj=subj,
                                Poss=poss.capitalize() if pronoun else poss, value=value,
                                a=_article(value), animal=person.animal,
@@ -261,17 +264,19 @@ def _single(rng: random.Random, draw: _Draw, n_docs: int, words: int) -> _Built:
     person = rng.choice(docs[target][1])
     key = rng.choice(list(person.values))
     if rng.random() < 0.25:   # "Who lives in Velmora?": the answer is a name
-        attr, value = _BY_KEY[key], person.values[key]
+        attr = _BY_KEY[key]
+        value = person.values[key]
         question = attr.who.format(value=value, a=_article(value), animal=person.animal)
         answer = person.name
     else:
-        question, answer = _question(person.name, person, key), person.values[key]
+        question = _question(person.name, person, key)
+        answer = person.values[key]
     return [text for text, _ in docs], question, answer, (target,), []
 
 
 def _cross(rng: random.Random, draw: _Draw, n_docs: int, words: int) -> _Built:
     if n_docs < 2:
-        raise ValueError("a cross item needs docs_per_item >= 2")
+        raise InvalidArgumentError("a cross item needs docs_per_item >= 2")
     key_doc, answer_doc = rng.sample(range(n_docs), 2)
     person = draw.person()
     key, asked = draw.facts(person, 2)
@@ -295,7 +300,7 @@ def _cross(rng: random.Random, draw: _Draw, n_docs: int, words: int) -> _Built:
 
 def _dependent(rng: random.Random, draw: _Draw, n_docs: int, words: int) -> _Built:
     if n_docs < 2:
-        raise ValueError("a dependent item needs docs_per_item >= 2")
+        raise InvalidArgumentError("a dependent item needs docs_per_item >= 2")
     intro = rng.randrange(n_docs - 1)
     person = draw.person()
     a_keys = draw.facts(person, rng.randint(1, 2))
@@ -329,7 +334,7 @@ SAME_SHAPE_KEYS = ("occupation", "city")     # the facts every same-shape docume
 
 def _same_shape(rng: random.Random, draw: _Draw, n_docs: int, words: int) -> _Built:
     if n_docs < 2:
-        raise ValueError("a same-shape item needs docs_per_item >= 2")
+        raise InvalidArgumentError("a same-shape item needs docs_per_item >= 2")
     templates = [rng.choice(_BY_KEY[key].statements) for key in SAME_SHAPE_KEYS]
     facts_words = sum(len(t.split()) for t in templates) + 2 * len(templates)
     filler: list[str] = []
@@ -346,7 +351,8 @@ def _same_shape(rng: random.Random, draw: _Draw, n_docs: int, words: int) -> _Bu
             sentences.insert(slot + shift, _render(template, person, key))
         texts.append(" ".join(sentences))
     target = rng.randrange(n_docs)
-    person, key = people[target], rng.choice(SAME_SHAPE_KEYS)
+    person = people[target]
+    key = rng.choice(SAME_SHAPE_KEYS)
     checks = [(person.name, (target,))]
     return texts, _question(person.name, person, key), person.values[key], (target,), checks
 

@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 import torch
 
-from promptlang.errors import PromptLangError
+from promptlang.errors import InvalidArgumentError, PromptLangError
 from promptlang.pml import nodes
 from promptlang.pml.layout import module_unit_id
 from promptlang.bench import qa
@@ -74,9 +74,9 @@ class RagOptions:
 
     def check(self) -> None:
         if not 1 <= self.k <= self.docs:
-            raise PromptLangError(f"the RAG workload picks k={self.k} of {self.docs} "
-                                  "documents per request: k must be between 1 and the "
-                                  "number of documents (--rag-k, --rag-docs)")
+            raise InvalidArgumentError(f"the RAG workload picks k={self.k} of {self.docs} "
+                                       "documents per request: k must be between 1 and the "
+                                       "number of documents (--rag-k, --rag-docs)")
 
 
 # --- the requests --------------------------------------------------------------------------
@@ -94,7 +94,7 @@ def plan_requests(n_docs: int, k: int, count: int, seed: int = 0) -> list[RagReq
     the wanted kind is impossible (every set used; k=1 cannot be reordered) the next one
     down is drawn; the label always says what the request is."""
     if not 1 <= k <= n_docs:
-        raise ValueError(f"need 1 <= k <= n_docs, got k={k}, n_docs={n_docs}")
+        raise InvalidArgumentError(f"need 1 <= k <= n_docs, got k={k}, n_docs={n_docs}")
     rng = random.Random(f"promptlang.bench.rag:{seed}:{n_docs}:{k}")
     orders: list[tuple[int, ...]] = []
     out = []
@@ -157,7 +157,9 @@ def request_order_ids(bound, docs: Sequence[int]) -> list[int]:
     units = {module_unit_id((doc_module(i),)): i for i in docs}
     pieces = bound.segments()
     first = min(seg.start for seg, origin in pieces if origin in units)
-    head, tail, by_doc = [], [], {i: [] for i in docs}
+    head = []
+    tail = []
+    by_doc = {i: [] for i in docs}
     for seg, origin in pieces:
         if origin in units:
             by_doc[units[origin]] += seg.token_ids
@@ -181,11 +183,13 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def longest_prefix(kept: Sequence[Sequence[int]], ids: Sequence[int]) -> tuple[int | None, int]:
     """(index into `kept`, tokens shared) of the kept sequence sharing the longest prefix
     with `ids`; (None, 0) when none shares a token. Ties go to the earliest kept."""
-    best, length = None, 0
+    best = None
+    length = 0
     for index, other in enumerate(kept):
         n = common_prefix(other, ids)
         if n > length:
-            best, length = index, n
+            best = index
+            length = n
     return best, length
 
 
@@ -208,7 +212,8 @@ class PrefixCache:
         self.kept: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = []
 
     def serve(self, ids: Sequence[int], reuse: bool = True, keep: bool = True) -> Served:
-        adapter, assembler = self.llm.adapter, self.llm.assembler
+        adapter = self.llm.adapter
+        assembler = self.llm.assembler
         ids = list(ids)
         began = time.perf_counter()
         index, reused = longest_prefix([k[0] for k in self.kept], ids) if reuse else (None, 0)
@@ -288,7 +293,8 @@ def run_rag(llm: LLM, options: RagOptions = RagOptions(), *, model_name: str = "
     options.check()
     started = time.perf_counter()
     tokenizer = llm.tokenizer
-    texts, questions = [], []
+    texts = []
+    questions = []
     for i in range(options.docs):
         text, item = document(tokenizer, options.doc_tokens, seed=options.seed * 1000 + i)
         texts.append(text)
@@ -336,7 +342,8 @@ def _serve(engine: LLM, prefix: PrefixCache, request: RagRequest, question: str,
         else:
             got[side] = prefix.serve(ids, reuse=False, keep=False)
     ours_seconds, ours_logits = got["promptlang"]
-    served, full = got["prefix"], got["full"]
+    served = got["prefix"]
+    full = got["full"]
     full_token = int(full.logits.argmax())
     return RagSample(request, len(ids), bound.cached_token_count, served.reused, ours_seconds,
                      served.seconds, full.seconds, int(served.logits.argmax()) == full_token,

@@ -14,6 +14,8 @@ from typing import Any, Iterable, Mapping, Sequence, TextIO
 
 from tqdm import tqdm
 
+from promptlang.errors import InvalidArgumentError
+
 
 def _cell(value: Any, float_format: str) -> str:
     if value is None:
@@ -57,7 +59,10 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | N
     columns = list(columns or rows[0].keys())
     numeric = [all(isinstance(row.get(c), (int, float)) or row.get(c) is None for row in rows)
                for c in columns]
-    escape = lambda text: text.replace("|", "\\|")  # noqa: E731
+
+    def escape(text: str) -> str:
+        return text.replace("|", "\\|")
+
     lines = ["| " + " | ".join(escape(c) for c in columns) + " |",
              "|" + "|".join("---:" if num else ":---" for num in numeric) + "|"]
     lines += ["| " + " | ".join(escape(_cell(row.get(c), float_format)) for c in columns) + " |"
@@ -85,10 +90,10 @@ def ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[f
     """Per-sample ratios numerators[i] / denominators[i] of samples taken side by side
     (the same round of an interleaved measurement), never a ratio of two summaries."""
     if len(numerators) != len(denominators):
-        raise ValueError(f"ratios need paired samples: {len(numerators)} against "
-                         f"{len(denominators)}")
+        raise InvalidArgumentError(f"ratios need paired samples: {len(numerators)} against "
+                                   f"{len(denominators)}")
     if any(d <= 0 for d in denominators):
-        raise ValueError("ratios need positive denominators")
+        raise InvalidArgumentError("ratios need positive denominators")
     return [n / d for n, d in zip(numerators, denominators)]
 
 
@@ -107,7 +112,7 @@ class Spread:
     @classmethod
     def of(cls, values: Sequence[float]) -> "Spread":
         if not values:
-            raise ValueError("a spread needs at least one sample")
+            raise InvalidArgumentError("a spread needs at least one sample")
         ordered = sorted(values)
         if len(ordered) == 1:
             q1 = q3 = ordered[0]
@@ -117,7 +122,9 @@ class Spread:
 
     def describe(self, number: str = "{:.2f}", unit: str = "") -> str:
         """'1.50x (min-max 1.20-1.90, IQR 1.40-1.60, n=5)' for number "{:.2f}", unit "x"."""
-        f = lambda v: number.format(v) + unit  # noqa: E731
+        def f(v) -> str:
+            return number.format(v) + unit
+
         return (f"{f(self.median)} (min-max {f(self.low)}-{f(self.high)}, "
                 f"IQR {f(self.q1)}-{f(self.q3)}, n={self.n})")
 
@@ -190,15 +197,16 @@ def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float
     """(k, c) of the least-squares line through (log x, log y): y ~= c * x**k.
     TTFT growing with k ~ 1 is linear in length, k ~ 2 quadratic."""
     if len(xs) != len(ys) or len(xs) < 2:
-        raise ValueError("fit_exponent needs two or more (x, y) pairs")
+        raise InvalidArgumentError("fit_exponent needs two or more (x, y) pairs")
     if any(v <= 0 for v in (*xs, *ys)):
-        raise ValueError("fit_exponent needs positive values (it fits in log-log space)")
+        raise InvalidArgumentError("fit_exponent needs positive values (it fits in log-log space)")
     lx = [math.log(x) for x in xs]
     ly = [math.log(y) for y in ys]
-    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    mx = sum(lx) / len(lx)
+    my = sum(ly) / len(ly)
     sxx = sum((x - mx) ** 2 for x in lx)
     if sxx == 0:
-        raise ValueError("fit_exponent needs at least two distinct x values")
+        raise InvalidArgumentError("fit_exponent needs at least two distinct x values")
     k = sum((x - mx) * (y - my) for x, y in zip(lx, ly)) / sxx
     return k, math.exp(my - k * mx)
 

@@ -156,8 +156,7 @@ def _serve_options(args):
 
 def _run_serve(run: _Run):
     from promptlang.bench import serve
-    from promptlang.bench.report import render_markdown, render_text, write_csv, \
-        write_json
+    from promptlang.bench.report import render_markdown, render_text, write_csv, write_json
 
     report = serve.run_serve(run.llm, _serve_options(run.args), model_name=run.model_name,
                              sgemm_flops_per_s=run.machine.matmul_flops_per_s)
@@ -180,8 +179,7 @@ def _cluster_options(args):
 
 def _run_cluster(run: _Run):
     from promptlang.bench import cluster
-    from promptlang.bench.report import render_markdown, render_text, write_csv, \
-        write_json
+    from promptlang.bench.report import render_markdown, render_text, write_csv, write_json
 
     report = cluster.run_cluster(run.llm, _cluster_options(run.args),
                                  model_name=run.model_name)
@@ -197,16 +195,15 @@ def _run_scaling(run: _Run):
     import json
 
     from promptlang.bench import scaling
-    from promptlang.bench.report import render_markdown, render_text, write_csv, \
-        write_json
-    from promptlang.errors import PromptLangError
+    from promptlang.bench.report import render_markdown, render_text, write_csv, write_json
+    from promptlang.errors import InputFileError
 
     source = Path(run.args.costs) if run.args.costs else run.out / "cluster.json"
     try:
         costs = json.loads(source.read_text())["costs"]
     except (OSError, ValueError, KeyError) as error:
-        raise PromptLangError(f"{source}: no measured costs to project from ({error}); run "
-                              "`promptlang bench cluster` first, or pass --costs FILE") from None
+        raise InputFileError(f"{source}: no measured costs to project from ({error}); run "
+                             "`promptlang bench cluster` first, or pass --costs FILE") from None
     options = scaling.ScalingOptions.quick() if run.args.quick else scaling.ScalingOptions()
     result = scaling.run_scaling(costs, options, progress=lambda row: _say(
         f"{row['router']} x{row['replicas']}, {row['modules']:,} modules: "
@@ -259,8 +256,7 @@ def _run_peers(run: _Run):
 
 def _run_latency(run: _Run):
     from promptlang.bench import latency, rag
-    from promptlang.bench.report import render_markdown, render_text, write_csv, \
-        write_json
+    from promptlang.bench.report import render_markdown, render_text, write_csv, write_json
 
     report = latency.run_latency(run.llm, _latency_options(run.args),
                                  model_source=run.args.model, model_name=run.model_name,
@@ -285,8 +281,7 @@ def _run_latency(run: _Run):
 
 def _run_memory(run: _Run):
     from promptlang.bench import memory
-    from promptlang.bench.report import render_markdown, render_text, write_csv, \
-        write_json
+    from promptlang.bench.report import render_markdown, render_text, write_csv, write_json
 
     report = memory.run_memory(run.llm, run.model_name, workdir=run.out)
     parts = memory.sections(report)
@@ -299,8 +294,7 @@ def _run_memory(run: _Run):
 
 def _run_accuracy(run: _Run):
     from promptlang.bench import accuracy
-    from promptlang.bench.report import render_markdown, render_text, write_csv, \
-        write_json
+    from promptlang.bench.report import render_markdown, render_text, write_csv, write_json
 
     report = accuracy.run_accuracy(run.llm, _accuracy_options(run.args),
                                    model_name=run.model_name, progress=run.progress,
@@ -358,14 +352,14 @@ def _all(args: argparse.Namespace, typed: str = "") -> int:
 def _run_all(run: _Run) -> int:
     from dataclasses import asdict
 
-    from promptlang.bench.report import Section, render_markdown, render_text, \
-        write_json
+    from promptlang.bench.report import Section, render_markdown, render_text, write_json
 
     began = time.perf_counter()
     header = _header(run)
     timings = {}
     parts: dict[str, list] = {}
-    goals, reports = [], []
+    goals = []
+    reports = []
     for name, bench in (("memory", _run_memory), ("latency", _run_latency),
                         ("accuracy", _run_accuracy)):
         started = time.perf_counter()
@@ -374,7 +368,7 @@ def _run_all(run: _Run) -> int:
         goals += getattr(report, "goals", [])
         timings[name] = round(time.perf_counter() - started, 1)
     total = time.perf_counter() - began
-    summary = Section("Goals (issues 7 and 8), all benchmarks", (), [str(g) for g in goals])
+    summary = Section("Goals, all benchmarks", (), [str(g) for g in goals])
     print(render_text([summary]))
     write_json(run.out / "goals.json", [asdict(g) | {"verdict": g.verdict} for g in goals])
     run.written.append(run.out / "goals.json")

@@ -68,7 +68,8 @@ TIERS = (Tier("shared NFS (10 GbE server)", 1.25, 0.5),
 def zipf_sampler(modules: int, exponent: float, rng: random.Random):
     """Draw module indices with probability proportional to 1 / (rank + 1) ** exponent."""
     weights = [1.0 / (i + 1) ** exponent for i in range(modules)]
-    cumulative, total = [], 0.0
+    cumulative = []
+    total = 0.0
     for w in weights:
         total += w
         cumulative.append(total)
@@ -173,7 +174,8 @@ def _ttft(tier: Tier, row: dict, rate: float, costs: dict[str, float]) -> float 
 
 
 def sections(result: dict[str, Any]) -> list[Section]:
-    o, c = result["options"], result["costs"]
+    o = result["options"]
+    c = result["costs"]
     lines = [f"Zipf exponent {o['zipf']}, k={o['k']} documents per request, "
              f"{o['memory_gib']} GiB memory tier per replica = {result['capacity_docs']:,} "
              f"documents of {c['bytes_per_doc'] / 2**20:.1f} MiB; "

@@ -29,7 +29,7 @@ generated text), the time per output token after the first (median over requests
 aggregate output tokens per second (all tokens over the level's wall time), and how many
 answers equal the reference. The one-client level runs again after the others ("1 (again)":
 the machine's speed drifts over a run), and the ratios take the better of the two as "one
-client's" -- the stricter baseline. Goals (issue 18): aggregate tokens/s at 16 clients >= 5x
+client's" -- the stricter baseline. Goals: aggregate tokens/s at 16 clients >= 5x
 one client's; TTFT p50 at 4 clients <= 2x one client's; no request lost; every answer equal
 to the request served alone.
 
@@ -55,9 +55,12 @@ from promptlang.bench import qa
 from promptlang.bench.rag import build_prompt, build_schema, plan_requests
 from promptlang.bench.report import Goal, Section
 from promptlang.bench.shapes import ModelShape
+from promptlang.errors import ServerStartError
 
-THROUGHPUT_CLIENTS, THROUGHPUT_GOAL = 16, 5.0     # tokens/s at 16 clients >= 5x one client's
-TTFT_CLIENTS, TTFT_GOAL = 4, 2.0                  # TTFT p50 at 4 clients <= 2x one client's
+THROUGHPUT_CLIENTS = 16
+THROUGHPUT_GOAL = 5.0            # tokens/s at 16 clients >= 5x one client's
+TTFT_CLIENTS = 4
+TTFT_GOAL = 2.0                  # TTFT p50 at 4 clients <= 2x one client's
 CHILD_START_SECONDS = 120.0       # the clients' process: start (imports) and slack, at most
 
 
@@ -133,7 +136,10 @@ class Level:
 
     def row(self) -> dict[str, Any]:
         answered = self.answered()
-        ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
+
+        def ms(v):
+            return None if v is None else round(v * 1e3, 1)
+
         return {"clients": f"{self.clients} (again)" if self.again else self.clients,
                 "sent": self.sent, "answered": len(answered),
                 "lost": len(self.samples) - len(answered), "ttft p50 ms": ms(self.ttft(0.5)),
@@ -165,7 +171,8 @@ def request_flops(shape: ModelShape, prompt: int, cached: int, completion: int) 
     and attention (QK and PV: 4 per key per head dimension), and one LM-head row per
     generated token. A prefill row attends to the cached past and the new tokens up to
     itself, a decode row to the prompt and the tokens generated before it."""
-    new, steps = max(0, prompt - cached), max(0, completion - 1)
+    new = max(0, prompt - cached)
+    steps = max(0, completion - 1)
     keys = new * cached + new * (new + 1) // 2 + steps * prompt + steps * (steps + 1) // 2
     return (2 * shape.layers * shape.linear_params_per_layer() * (new + steps)
             + 4 * shape.layers * shape.heads * shape.head_dim * keys
@@ -267,16 +274,19 @@ def _workload(llm, options: ServeOptions, levels: Sequence[int]
     from promptlang.bench.serve_peer import plain_body
     from promptlang.pml.writer import write
 
-    texts, questions = [], []
+    texts = []
+    questions = []
     for i in range(options.docs):
         text, item = document(llm.tokenizer, options.doc_tokens, seed=9000 + i)
         texts.append(text)
         questions.append(item.question)
     llm.add_schema(build_schema(texts, "serve-bench"))
     plan = plan_requests(options.docs, options.k, options.distinct, seed=1)
-    out, first = [], 0
+    out = []
+    first = 0
     for sent in levels:
-        bodies, plain = [], []
+        bodies = []
+        plain = []
         for n in range(first, first + sent):
             j = n % len(plan)
             request = plan[j]
@@ -300,7 +310,11 @@ def _workload(llm, options: ServeOptions, levels: Sequence[int]
 def _one(client, body: dict) -> Sample:
     """One streamed request: its TTFT, total time, tokens and text (or why it was lost)."""
     began = time.perf_counter()
-    ttft, parts, tokens, finished, usage = None, [], None, False, None
+    ttft = None
+    parts = []
+    tokens = None
+    finished = False
+    usage = None
     try:
         stream = client.chat.completions.create(stream=True,
                                                 stream_options={"include_usage": True},
@@ -394,7 +408,8 @@ def goals(report: ServeReport) -> list[Goal]:
                         "client's", ratio >= THROUGHPUT_GOAL,
                         f"{many.tokens_per_s():.1f} vs {one.tokens_per_s():.1f} tokens/s = "
                         f"{ratio:.2f}x" + _ceiling_note(report, many, one)))
-    four, one = by.get(TTFT_CLIENTS), fastest
+    four = by.get(TTFT_CLIENTS)
+    one = fastest
     if one is None or four is None or one.ttft(0.5) is None or four.ttft(0.5) is None:
         out.append(Goal(f"TTFT p50 at {TTFT_CLIENTS} clients <= {TTFT_GOAL:g}x one client's",
                         None, f"needs levels 1 and {TTFT_CLIENTS}"))
@@ -461,7 +476,7 @@ def sections(report: ServeReport) -> list[Section]:
         out.append(Section("The same load on llama-cpp-python's server",
                            [level.row() for level in report.llama_levels],
                            serve_peer.llama_lines(report)))
-    return out + [Section("Goals (issue 18)", (), [str(g) for g in report.goals])]
+    return out + [Section("Goals", (), [str(g) for g in report.goals])]
 
 
 def to_json(report: ServeReport) -> dict:
@@ -488,7 +503,7 @@ class _Server:
         deadline = time.monotonic() + start_timeout
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the benchmark's server did not start")
+                raise ServerStartError("the benchmark's server did not start")
             time.sleep(0.02)
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"

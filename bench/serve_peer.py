@@ -25,6 +25,7 @@ import urllib.request
 from typing import Sequence
 
 from promptlang.bench import qa
+from promptlang.errors import ServerStartError
 
 START_TIMEOUT = 180.0            # seconds for llama-cpp-python's server to answer, at most
 
@@ -72,7 +73,7 @@ class LlamaServer:
             except OSError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError("llama-cpp-python's server did not start") from None
+                    raise ServerStartError("llama-cpp-python's server did not start") from None
                 time.sleep(0.5)
 
     def stop(self) -> None:
@@ -95,8 +96,9 @@ def llama_lines(report) -> list[str]:
     ours = {level.clients: level for level in report.levels if not level.again}
     for level in report.llama_levels:
         mine = ours.get(level.clients)
-        if mine is not None and level.tokens_per_s() > 0 and mine.ttft(0.5) is not None \
-                and level.ttft(0.5) is not None:
+        both_measured = (mine is not None and level.tokens_per_s() > 0
+                         and mine.ttft(0.5) is not None and level.ttft(0.5) is not None)
+        if both_measured:
             lines.append(f"{level.clients} clients: promptlang {mine.tokens_per_s():.1f} "
                          f"vs llama-cpp-python {level.tokens_per_s():.1f} tokens/s "
                          f"({mine.tokens_per_s() / level.tokens_per_s():.1f}x); TTFT p50 "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from promptlang.errors import InvalidArgumentError
 from promptlang.runtime.recompute.policy import Recompute
 
 BASE_SETTINGS = ("baseline", "cached", "isolate", "scaffold")
@@ -48,8 +49,8 @@ def settings(recompute: Sequence[str] = (), rules: Sequence[str] = RECOMPUTE_RUL
     specs = normalize_specs(recompute)
     unknown = set(rules) - set(RECOMPUTE_RULES)
     if unknown:
-        raise ValueError(f"unknown rule(s) {sorted(unknown)}: choose from "
-                         f"{', '.join(RECOMPUTE_RULES)}")
+        raise InvalidArgumentError(f"unknown rule(s) {sorted(unknown)}: choose from "
+                                   f"{', '.join(RECOMPUTE_RULES)}")
     names = ["baseline"]
     for rule in RECOMPUTE_RULES:
         if rule == "isolate" and not isolate:

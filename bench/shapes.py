@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from promptlang.errors import UnsupportedModelError
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -104,8 +106,8 @@ def shape_from_config(config: Any, name: str | None = None) -> ModelShape:
     hidden = _first(config, "hidden_size", "n_embd", "d_model")
     heads = _first(config, "num_attention_heads", "n_head", "n_heads")
     if None in (layers, hidden, heads):
-        raise ValueError(f"{type(config).__name__} does not say its layers, hidden size "
-                         "and attention heads")
+        raise UnsupportedModelError(f"{type(config).__name__} does not say its layers, hidden size "
+                                    "and attention heads")
     kv_heads = getattr(config, "num_key_value_heads", None)
     if kv_heads is None and hasattr(config, "multi_query"):   # Falcon
         if getattr(config, "new_decoder_architecture", False) or not config.multi_query:

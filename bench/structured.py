@@ -4,7 +4,7 @@ The same prompt is decoded greedily with and without a JSON Schema constraint
 (runtime/decoding/constrain.py: llguidance's mask before every pick), in interleaved rounds so that
 drift of the machine falls on both sides alike. Per round and side: the time per token after
 the first ((total - first token) / (tokens - 1)); the overhead is the median over rounds of
-constrained / free - 1. Goal (issue 19): <= 10%. The mask's own time is measured apart too
+constrained / free - 1. Goal: <= 10%. The mask's own time is measured apart too
 (the matcher's mask and its unpacking into a [V] boolean row, per token).
 
 When outlines-core is installed (`pip install outlines-core`; not a dependency), the same
@@ -211,4 +211,4 @@ def sections(report: StructuredReport) -> list[Section]:
                   Section("JSON Schema features each engine compiles", report.coverage, ())]
     elif report.compared:
         parts.append(Section("llguidance against outlines-core", (), [report.compared]))
-    return parts + [Section("Goals (issue 19)", (), [str(g) for g in report.goals])]
+    return parts + [Section("Goals", (), [str(g) for g in report.goals])]

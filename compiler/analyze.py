@@ -104,7 +104,10 @@ def _code_span(fn) -> Span | None:
 class _Analyzer:
     def __init__(self, fn, source: FunctionSource, module: cst.Module, node: cst.FunctionDef,
                  positions):
-        self.fn, self.source, self.module, self.node = fn, source, module, node
+        self.fn = fn
+        self.source = source
+        self.module = module
+        self.node = node
         self.positions = positions
         self.diagnostics: list[Diagnostic] = []
         self.lines = source.text.split("\n")
@@ -212,8 +215,9 @@ class _Analyzer:
             return []           # `...` is a placeholder; None emits nothing
         if isinstance(value, (cst.Yield, cst.Await)):
             return []           # reported as PL101
-        if isinstance(value, (cst.Integer, cst.Float, cst.Imaginary)) or (
-                isinstance(value, cst.Name) and value.value in ("True", "False")):
+        is_number = isinstance(value, (cst.Integer, cst.Float, cst.Imaginary))
+        is_bool = isinstance(value, cst.Name) and value.value in ("True", "False")
+        if is_number or is_bool:
             try:
                 text = str(ast.literal_eval(value.value))
             except ValueError as e:     # an int past the digit limit of str()
@@ -290,7 +294,8 @@ class _Analyzer:
             if isinstance(current, cst.If):
                 arms.append(ir.Arm(arm_id, self.code(current.test), self.suite(current.body),
                                    self.span(current), self.place("if", current)))
-                owner, current = current, current.orelse
+                owner = current
+                current = current.orelse
             else:    # CPython's ast has no node for `else`: it is placed by its `if`
                 arms.append(ir.Arm(arm_id, "", self.suite(current.body), self.span(current),
                                    self.place("else", owner)))
@@ -356,7 +361,8 @@ class _Analyzer:
                 self.report("PL106", problem, node)
                 return list(self.suite(node.body))
             path, role = roles[0][1]
-            open_id, close_id = self.new_id(), self.new_id()
+            open_id = self.new_id()
+            close_id = self.new_id()
             self.in_role = True
             try:
                 body = self.suite(node.body)

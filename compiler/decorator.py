@@ -39,6 +39,7 @@ from promptlang.compiler.plan import FunctionPlan, PlannedFunction
 from promptlang.compiler.prompt import CompiledPrompt
 from promptlang.compiler.source import caller_span, deepest_span, module_name_for_file
 from promptlang.compiler.trace import Hooks, Trace
+from promptlang.errors import InvalidArgumentTypeError
 from promptlang.pml import nodes
 from promptlang.pml.writer import write
 
@@ -67,11 +68,13 @@ class PromptFunction(PlannedFunction):
             raise CompileError([Diagnostic(
                 "PL111", f"@prompt is applied twice to {fn.__qualname__}", where)])
         if isinstance(fn, (staticmethod, classmethod)):
-            raise TypeError(f"put @prompt below @{type(fn).__name__}, directly on the def")
+            raise InvalidArgumentTypeError(f"put @prompt below @{type(fn).__name__}, "
+                                           "directly on the def")
         if not inspect.isfunction(fn):
-            raise TypeError(f"@prompt decorates a function, not {type(fn).__name__}")
+            raise InvalidArgumentTypeError(f"@prompt decorates a function, not {type(fn).__name__}")
         if name is not None and (not isinstance(name, str) or not name.strip()):
-            raise TypeError(f"@prompt(name=...) must be a non-empty string, not {name!r}")
+            raise InvalidArgumentTypeError(f"@prompt(name=...) must be a non-empty string, "
+                                           f"not {name!r}")
         functools.update_wrapper(self, fn)
         self.options = {"name": name, "params": dict(params or {})}
         self.schema_name = name or default_schema_name(fn)
@@ -102,7 +105,8 @@ class PromptFunction(PlannedFunction):
                         raise self._too_deep(None) from None
                     except SyntaxError as e:     # CPython's limits on the rewritten body
                         raise self._too_deep(e) from None
-                    self._instrumented, self._plan = instrumented, plan
+                    self._instrumented = instrumented
+                    self._plan = plan
         return self._plan
 
     def _too_deep(self, error: SyntaxError | None) -> CompileError:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
-from promptlang.errors import PromptLangError, Span
+from promptlang.errors import InvalidArgumentError, PromptLangError, Span
 
 Severity = Literal["error", "warning"]
 
@@ -114,7 +114,7 @@ class Diagnostic:
 
     def __post_init__(self):
         if self.code not in CODES:
-            raise ValueError(f"unregistered diagnostic code {self.code}")
+            raise InvalidArgumentError(f"unregistered diagnostic code {self.code}")
 
     @property
     def severity(self) -> Severity:

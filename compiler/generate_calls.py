@@ -29,7 +29,7 @@ from typing import Any, Literal, Sequence
 
 from promptlang.compiler.markers import bad_token_count, token_count_problem
 from promptlang.compiler.trace import current_trace
-from promptlang.errors import PromptLangError
+from promptlang.errors import InvalidArgumentError, StateError
 
 Normalise = Literal["sum", "mean", "grammar"]
 
@@ -45,7 +45,8 @@ class Gen:
     top_p: float
     top_k: int
     seed: int | None
-    regex: str | None = None           # structured output (runtime/decoding/constrain.py): at most one
+    # structured output (runtime/decoding/constrain.py): at most one of regex, json_schema, grammar
+    regex: str | None = None
     json_schema: Any = None            # a dict, JSON text, a file (Path) or a pydantic model
     grammar: str | None = None         # a Lark grammar
 
@@ -75,21 +76,21 @@ def gen(name: str | None = None, *, max_tokens: int = 256, stop: str | Sequence[
     value (`run["call"]` is a dict) once the output is complete, the text otherwise.
     """
     if name is not None and (not isinstance(name, str) or not name):
-        raise PromptLangError(f"gen() names its result with a non-empty string, not {name!r}")
+        raise InvalidArgumentError(f"gen() names its result with a non-empty string, not {name!r}")
     stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
     if any(not isinstance(s, str) or not s for s in stops):
-        raise PromptLangError(f"gen(stop=...) takes non-empty strings, not {stop!r}")
+        raise InvalidArgumentError(f"gen(stop=...) takes non-empty strings, not {stop!r}")
     if token_count_problem(max_tokens) is not None:
         raise bad_token_count("gen(max_tokens=...)", max_tokens)
     for label, value in (("temperature", temperature), ("top_p", top_p)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value):
-            raise PromptLangError(f"gen({label}=...) must be a number, not {value!r}")
+            raise InvalidArgumentError(f"gen({label}=...) must be a number, not {value!r}")
     given = [n for n, v in (("regex", regex), ("json_schema", json_schema),
                             ("grammar", grammar)) if v is not None]
     if len(given) > 1:
-        raise PromptLangError(f"gen() takes at most one of regex, json_schema and grammar, "
-                              f"not {' and '.join(given)}")
+        raise InvalidArgumentError(f"gen() takes at most one of regex, json_schema and grammar, "
+                                   f"not {' and '.join(given)}")
     spec = Gen(name, max_tokens, stops, float(temperature), float(top_p),
                operator.index(top_k), seed, regex, json_schema, grammar)
     return _current_trace("gen").generation(spec)
@@ -105,9 +106,9 @@ def select(*args, name: str | None = None, options: Sequence[str] | None = None,
     per-token average (`normalise="mean"`: does not favour short options). Exact, not
     sampled; ties go to the first option. `normalise="grammar"` instead decodes greedily
     under a grammar of the options (Guidance's select, through llguidance): its cost grows
-    with the longest option, not with how many there are, so it suits long option lists. The chosen option becomes part of the
-    conversation and is stored under `name` (`run["tool"]`; the scores are in
-    `run.choices["tool"]`).
+    with the longest option, not with how many there are, so it suits long option lists.
+    The chosen option becomes part of the conversation and is stored under `name`
+    (`run["tool"]`; the scores are in `run.choices["tool"]`).
 
     `select("tool", ["a", "b"])` and Guidance's `select(["a", "b"], name="tool")` both
     work: a positional string is the name, a positional list the options.
@@ -118,30 +119,30 @@ def select(*args, name: str | None = None, options: Sequence[str] | None = None,
         elif not isinstance(arg, str) and options is None:
             options = arg
         else:
-            raise PromptLangError(f"select() takes one name and one list of options, "
-                                  f"not {args!r}")
+            raise InvalidArgumentError(f"select() takes one name and one list of options, "
+                                       f"not {args!r}")
     if isinstance(options, str) or not isinstance(options, Sequence):
-        raise PromptLangError(f"select() takes a list of option strings, not {options!r}")
+        raise InvalidArgumentError(f"select() takes a list of option strings, not {options!r}")
     options = tuple(options)
     if not options or any(not isinstance(o, str) or not o for o in options):
-        raise PromptLangError(f"select() needs at least one option, each a non-empty string: "
-                              f"{options!r}")
+        raise InvalidArgumentError(f"select() needs at least one option, each a non-empty string: "
+                                   f"{options!r}")
     if len(set(options)) != len(options):
-        raise PromptLangError(f"select() options must be distinct: {options!r}")
+        raise InvalidArgumentError(f"select() options must be distinct: {options!r}")
     if name is not None and (not isinstance(name, str) or not name):
-        raise PromptLangError(f"select() names its result with a non-empty string, "
-                              f"not {name!r}")
+        raise InvalidArgumentError(f"select() names its result with a non-empty string, "
+                                   f"not {name!r}")
     if normalise not in ("sum", "mean", "grammar"):
-        raise PromptLangError(f"select(normalise=...) is 'sum', 'mean' or 'grammar', not "
-                              f"{normalise!r}")
+        raise InvalidArgumentError(f"select(normalise=...) is 'sum', 'mean' or 'grammar', not "
+                                   f"{normalise!r}")
     return _current_trace("select").generation(Select(name, options, normalise))
 
 
 def _current_trace(what: str):
     trace = current_trace()
     if trace is None:
-        raise PromptLangError(f"{what}() only runs inside a @prompt function: call the function "
-                              f"with an LLM (fn.run(llm, ...)) to generate")
+        raise StateError(f"{what}() only runs inside a @prompt function: call the function "
+                         f"with an LLM (fn.run(llm, ...)) to generate")
     return trace
 
 

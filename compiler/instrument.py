@@ -91,7 +91,8 @@ def _rt(method: str, *args: ast.expr, keywords=()) -> ast.Call:
 
 class _Instrument(ast.NodeTransformer):
     def __init__(self, places: dict, root: ast.FunctionDef):
-        self.places, self.root = places, root
+        self.places = places
+        self.root = root
 
     def at(self, kind: str, node: ast.AST, *extra):
         """The item whose statement is `node` (an `else` and a `case` by their `if` / `match`)."""
@@ -114,7 +115,8 @@ class _Instrument(ast.NodeTransformer):
         item = self.at("expr", node)
         if item is None:
             return node
-        number, value = ast.Constant(item.id), node.value
+        number = ast.Constant(item.id)
+        value = node.value
         if isinstance(item, ir.TextItem):
             call = _rt("text", number)
         elif isinstance(item, ir.ValueItem):
@@ -169,7 +171,8 @@ def _plain_signature(node: ast.FunctionDef) -> ast.FunctionDef:
     args.defaults = [ast.copy_location(ast.Constant(None), d) for d in args.defaults]
     args.kw_defaults = [None if d is None else ast.copy_location(ast.Constant(None), d)
                         for d in args.kw_defaults]
-    node.decorator_list, node.returns = [], None
+    node.decorator_list = []
+    node.returns = None
     return node
 
 

@@ -76,7 +76,9 @@ def schema_of(function) -> nodes.Schema:
 
 class _Planner:
     def __init__(self, function, fir: ir.FunctionIR, stack: tuple):
-        self.function, self.ir, self.stack = function, fir, stack
+        self.function = function
+        self.ir = fir
+        self.stack = stack
         self.diagnostics: list[Diagnostic] = list(function.analysis.diagnostics)
         self.notes: dict[int, dict[str, Any]] = {}   # item id -> its PlannedItem's fields
         self.own: list[int] = []                     # the function module's own items
@@ -184,7 +186,8 @@ class _Planner:
 
     def unique(self, key: int | None, base: str, table: dict) -> str:
         used = table.setdefault(key, set())
-        name, n = base, 1
+        name = base
+        n = 1
         while name in used:
             n += 1
             name = f"{base}-{n}"
@@ -285,7 +288,8 @@ class _Planner:
 
     def cached_branch(self, item: ir.BranchItem, key, out: list, flow: _Flow) -> _Flow:
         members: list[nodes.Module] = []
-        sources, cuts = flow.sources, flow.cuts
+        sources = flow.sources
+        cuts = flow.cuts
         for arm in item.arms:
             arm_out: list = []
             arm_flow = self.walk(arm.body, arm.id, arm_out, _Flow((), flow.cuts))

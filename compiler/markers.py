@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from promptlang.compiler.diagnostics import CompileError, Diagnostic
 from promptlang.compiler.source import caller_span
-from promptlang.errors import PromptLangError, Span
+from promptlang.errors import InvalidArgumentError, Span, StateError
 from promptlang.pml.nodes import ROLES
 
 MAX_TOKENS_CAP = 1 << 20     # no length bound or max_tokens above this many tokens (1,048,576)
@@ -66,8 +66,8 @@ class RoleBlock:
         self.role = role
 
     def __enter__(self):
-        raise PromptLangError(f"`with {self.role}():` only has a meaning directly inside a "
-                              "@prompt function's body")
+        raise StateError(f"`with {self.role}():` only has a meaning directly inside a "
+                         "@prompt function's body")
 
     def __exit__(self, *exc) -> bool:
         return False
@@ -78,7 +78,7 @@ class RoleHelper:
 
     def __init__(self, role: str):
         if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}")
+            raise InvalidArgumentError(f"unknown role {role!r}")
         self.role = role
         self.__name__ = self.__qualname__ = role
         self.__doc__ = f"`with {role}():` wraps the block's text in the {role} chat role."

@@ -5,7 +5,8 @@ top-level code RUNS, as `python FILE` would run it. @prompt collects analysis er
 of raising them; then every @prompt function defined in the file is planned and every
 diagnostic kept, sorted, with the file named as the command line named it. Whatever the file
 raises while it is imported (SystemExit and KeyboardInterrupt included) is a diagnostic
-located at the file's line in the traceback. promptlang/cli/compile.py and the server's loader use it.
+located at the file's line in the traceback. promptlang/cli/compile.py and the server's loader
+use it.
 """
 
 from __future__ import annotations

@@ -101,12 +101,14 @@ def deepest_span(text: str, file: str, first_line: int = 1) -> Span:
         tree = ast.parse(text)
     except (SyntaxError, RecursionError, MemoryError, ValueError):
         return _longest_statement(text, lines, file, first_line)
-    best, best_depth = None, -1
+    best = None
+    best_depth = -1
     stack = [(tree, 0)]
     while stack:
         node, depth = stack.pop()
         if depth > best_depth and hasattr(node, "lineno"):
-            best, best_depth = node, depth
+            best = node
+            best_depth = depth
         stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
     if best is None:
         return _line_span(lines, file, first_line, 0)
@@ -116,13 +118,18 @@ def deepest_span(text: str, file: str, first_line: int = 1) -> Span:
 def _longest_statement(text: str, lines, file: str, first_line: int) -> Span:
     """Where the longest logical line starts: the likely culprit when even
     `ast.parse` gives up (it nests as deeply as it is long)."""
-    best, best_count, start, count = (first_line, 0), 0, None, 0
+    best = (first_line, 0)
+    best_count = 0
+    start = None
+    count = 0
     try:
         for token in tokenize.generate_tokens(io.StringIO(text).readline):
             if token.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
                 if start is not None and count > best_count:
-                    best, best_count = start, count
-                start, count = None, 0
+                    best = start
+                    best_count = count
+                start = None
+                count = 0
             elif token.type not in (tokenize.NL, tokenize.COMMENT, tokenize.INDENT,
                                     tokenize.DEDENT):
                 start = start or token.start

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from promptlang.compiler.plan import FunctionPlan, merge_text, prompt_function_of
-from promptlang.errors import PromptLangError
+from promptlang.errors import InternalError, StateError, TraceError
 from promptlang.pml import nodes
 
 _CURRENT: ContextVar["Trace | None"] = ContextVar("promptlang_trace", default=None)
@@ -75,8 +75,8 @@ class Hooks:
     def _trace(self) -> "Trace":
         trace = _CURRENT.get()
         if trace is None:
-            raise PromptLangError(f"the instrumented body of {self.function.__qualname__} ran "
-                                  "outside a call of a @prompt function")
+            raise StateError(f"the instrumented body of {self.function.__qualname__} ran "
+                             "outside a call of a @prompt function")
         return trace
 
     def text(self, item: int) -> None:
@@ -155,7 +155,7 @@ class Trace:
             missing = next((i for k, i in enumerate(expected)
                             if k >= len(frame.own) or frame.own[k] != i), None)
             span = frame.plan.items[missing].span if missing is not None else None
-            raise PromptLangError(
+            raise TraceError(
                 f"{frame.plan.ir.qualname} left out cached text of module '{frame.name}' that "
                 "its schema always includes (an early exit from a block, or a suppressed "
                 "exception?): the prompt would not render what the function emitted", span)
@@ -168,14 +168,14 @@ class Trace:
         elif self.tail and not self.forced and cached:
             # the plan puts every item that can run after uncached text in the tail
             if self.doc is not None:
-                raise PromptLangError(
+                raise TraceError(
                     f"cached text of {plan.ir.qualname} ran after a generation: gen() or "
                     "select() was called where the compiler did not see it (from a helper "
                     "function?); call them directly in the @prompt function's body",
                     plan.items[item].span)
-            raise PromptLangError(f"internal error: cached item {item} of "
-                                  f"{plan.ir.qualname} ran after uncached text",
-                                  plan.items[item].span)
+            raise InternalError(f"internal error: cached item {item} of "
+                                f"{plan.ir.qualname} ran after uncached text",
+                                plan.items[item].span)
         return self.tail
 
     def generation(self, spec) -> str:
@@ -187,7 +187,7 @@ class Trace:
                 raise _StaticPartDone()
             self.live = self.program.open(self.doc)
         if self.live is None:
-            raise PromptLangError("gen()/select() ran after the @prompt call finished")
+            raise StateError("gen()/select() ran after the @prompt call finished")
         return self.live.generate(spec)
 
     def run_uncached(self, function, args, kwargs) -> None:
@@ -231,7 +231,8 @@ class Trace:
 
     def fstring(self, plan: FunctionPlan, item: int, values: tuple[str, ...]) -> None:
         planned = plan.items[item]
-        parts, holes = planned.parts, iter(values)
+        parts = planned.parts
+        holes = iter(values)
         text = "".join(next(holes) if p is None else p for p in parts)
         if self.is_tail(plan, item):
             self._emit(text)
@@ -262,7 +263,7 @@ class Trace:
                 self._emit(str(result))
             return
         if target is not static:
-            raise PromptLangError(
+            raise TraceError(
                 f"this call was compiled as a call to {static.__qualname__} but reached "
                 f"{getattr(target, '__qualname__', repr(func))} at run time", span)
         if getattr(func, "__self__", None) is not None and func is not target:

@@ -18,8 +18,12 @@ PLAIN_AFFIXES: Mapping[str, tuple[str, str]] = {
 }
 
 # Contents no template rewrites (no spaces to trim, no markup) and none contains another.
-_S1, _U1, _A1, _U2, _A2, _U3 = ("zqsysonezq", "zquseronezq", "zqasstonezq",
-                                "zqusertwozq", "zqassttwozq", "zquserthreezq")
+_S1 = "zqsysonezq"
+_U1 = "zquseronezq"
+_A1 = "zqasstonezq"
+_U2 = "zqusertwozq"
+_A2 = "zqassttwozq"
+_U3 = "zquserthreezq"
 
 
 Render = Callable[[list[dict[str, str]], bool], str]
@@ -133,7 +137,8 @@ def _after(text: str, marker: str) -> str:
 
 
 def _between(text: str, first: str, second: str) -> str:
-    start, end = _position(text, first) + len(first), _position(text, second)
+    start = _position(text, first) + len(first)
+    end = _position(text, second)
     if end < start:
         raise _Unsplittable("the template reorders messages")
     return text[start:end]

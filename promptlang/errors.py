@@ -119,7 +119,8 @@ class SourceFileError(PromptLangError):
 
 
 class InputFileError(PromptLangError):
-    """An input file that is not a regular file, is over the size cap, or is not UTF-8."""
+    """An input file that is not a regular file, is over the size cap, or is not UTF-8; or
+    an input file or folder without what it should hold (no .pml files, no measured costs)."""
 
 
 class ContextLengthError(PromptLangError):
@@ -144,3 +145,68 @@ class TokenizerMismatchError(PromptLangError):
 
 class CacheError(PromptLangError):
     """A problem with the module store that the user must know about."""
+
+
+# --- errors of the Python API, the runtime and the tools around it -------------------------
+# Where the code once raised a builtin, the class subclasses that builtin too, so that
+# `except ValueError` (or TypeError, RuntimeError) keeps catching what it caught before.
+
+
+class InvalidArgumentError(PromptLangError, ValueError):
+    """A Python call got an argument value it cannot use (out of range, an unknown name...)."""
+
+
+class InvalidArgumentTypeError(PromptLangError, TypeError):
+    """A Python call got an argument of a kind it does not take (not a function, not a node...)."""
+
+
+class ConfigError(PromptLangError, ValueError):
+    """A setting promptlang cannot use: an environment variable, a `serve --ray` cluster setting."""
+
+
+class UnsupportedModelError(ModelError, ValueError):
+    """A model that cannot serve what is asked of it (parallel contexts, a RoPE-only policy...)."""
+
+
+class ChatTemplateError(ModelError, TypeError):
+    """A model's chat template that renders something other than text."""
+
+
+class DocumentKindError(PromptLangError):
+    """A PML file or text that holds a prompt where a schema is wanted, or the reverse."""
+
+
+class DuplicateNameError(PromptLangError):
+    """A name used twice where it must be unique: a module imported twice, two served functions."""
+
+
+class EmptyPromptError(PromptLangError):
+    """A prompt with nothing to compute: it imports no module and adds no text."""
+
+
+class PMLWriteError(PromptLangError):
+    """A PML tree that cannot be written as PML text (a bad name, role, comment or length)."""
+
+
+class TraceError(PromptLangError):
+    """A @prompt function that at run time does what its compiled plan does not allow."""
+
+
+class StateError(PromptLangError):
+    """A call where it has no meaning: gen()/select() outside a @prompt call, a closed session."""
+
+
+class InternalError(PromptLangError, RuntimeError):
+    """A broken invariant inside promptlang, or a kernel's failure status: a bug to report."""
+
+
+class ServerStartError(PromptLangError, RuntimeError):
+    """A server that promptlang starts itself (the benchmarks', a peer's) did not come up."""
+
+
+class AdapterFileError(PromptLangError, ValueError):
+    """A seam adapter file that is missing, damaged or made for another model."""
+
+
+class TuneError(PromptLangError, ValueError):
+    """`promptlang tune` cannot run with what it was given (too few documents, a bad option)."""

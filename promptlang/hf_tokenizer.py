@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from promptlang.chat_template import PLAIN_AFFIXES, derive_role_affixes
-from promptlang.errors import ModelError, RoleError
+from promptlang.errors import ChatTemplateError, ModelError, RoleError
 from promptlang.pml.nodes import ROLES
 
 _SANE_MAX_LENGTH = 10_000_000       # tokenizers without a limit report ~1e30
@@ -231,7 +231,7 @@ class HFTokenizer:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
         if not isinstance(text, str):
-            raise TypeError(f"chat template rendered {type(text).__name__}, not text")
+            raise ChatTemplateError(f"chat template rendered {type(text).__name__}, not text")
         return text
 
     def __repr__(self) -> str:
@@ -305,7 +305,8 @@ def _normalizer_shrink(spec: Any) -> int | None:
             factor *= step
         return factor
     if kind == "Replace":
-        pattern, content = spec.get("pattern", {}), spec.get("content", "")
+        pattern = spec.get("pattern", {})
+        content = spec.get("content", "")
         literal = pattern.get("String") if isinstance(pattern, dict) else None
         if isinstance(literal, str) and literal and isinstance(content, str) and content:
             return max(1, -(-len(literal) // len(content)))
@@ -330,7 +331,8 @@ def _byte_symbols() -> dict[int, str]:
     """The byte-level alphabet: byte -> the character a ByteLevel vocabulary spells it with
     (printable Latin-1 bytes as themselves, the other 68 as U+0100 on, in byte order)."""
     keep = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
-    symbols, extra = {}, 0
+    symbols = {}
+    extra = 0
     for byte in range(256):
         if byte in keep:
             symbols[byte] = chr(byte)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import stat
 
-from promptlang.errors import InputFileError, PromptLangError, Span, span_in
+from promptlang.errors import ConfigError, InputFileError, PromptLangError, Span, span_in
 
 DEFAULT_MAX_INPUT_BYTES = 64 * 1024 * 1024
 
@@ -24,7 +24,7 @@ def max_input_bytes() -> int:
     if not text:
         return DEFAULT_MAX_INPUT_BYTES
     if not text.isdigit() or len(text) > 18 or int(text) <= 0:
-        raise PromptLangError(
+        raise ConfigError(
             f"PROMPTLANG_MAX_INPUT_BYTES must be a positive whole number of bytes, not {text!r}")
     return int(text)
 
@@ -53,7 +53,8 @@ def read_bytes(path: str | os.PathLike, *, max_bytes: int | None = None,
         if info.st_size > cap:
             raise error(f"{name}: {info.st_size} bytes is over the input cap of {cap} bytes "
                         "(set PROMPTLANG_MAX_INPUT_BYTES to change it)", span)
-        chunks, total = [], 0
+        chunks = []
+        total = 0
         while True:                     # read at most cap + 1 bytes: the file may grow
             chunk = os.read(fd, min(1 << 20, cap + 1 - total))
             if not chunk:

@@ -30,6 +30,7 @@ from typing import Any
 from promptlang.compiler.generate_calls import Gen, Select
 from promptlang.compiler.prompt import CompiledPrompt
 from promptlang.compiler.trace import Trace
+from promptlang.errors import InvalidArgumentTypeError
 from promptlang.pml import nodes
 from promptlang.pml.prompt import Prompt
 
@@ -116,7 +117,9 @@ class _Call:
     """One call of a program: the trace's `program`, opened at the first generation."""
 
     def __init__(self, program: Program, arguments, started: float):
-        self.program, self.arguments, self.started = program, arguments, started
+        self.program = program
+        self.arguments = arguments
+        self.started = started
         self.live: _Live | None = None
 
     def open(self, doc: nodes.PromptDoc) -> "_Live":
@@ -164,7 +167,7 @@ class _Live:
             if spec.name is not None:
                 self.run.choices[spec.name] = turn.choice
         else:
-            raise TypeError(f"not a generation: {spec!r}")
+            raise InvalidArgumentTypeError(f"not a generation: {spec!r}")
         if self.run.ttft is None:
             self.run.ttft = turn.started_at - self.started + turn.timings.first_token
         self.run.steps.append(turn)

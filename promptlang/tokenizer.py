@@ -18,6 +18,8 @@ import re
 import zlib
 from typing import Protocol, Sequence, runtime_checkable
 
+from promptlang.errors import InvalidArgumentError
+
 
 @runtime_checkable
 class Tokenizer(Protocol):
@@ -105,8 +107,8 @@ class WordTokenizer:
     def __init__(self, vocab_size: int = 1000, max_positions: int | None = 4096,
                  bos: bool = False):
         if vocab_size <= len(self.SPECIAL_TOKENS):
-            raise ValueError(f"vocab_size must exceed the {len(self.SPECIAL_TOKENS)} "
-                             "special tokens")
+            raise InvalidArgumentError(f"vocab_size must exceed the {len(self.SPECIAL_TOKENS)} "
+                                       "special tokens")
         self.vocab_size = vocab_size
         self._max_positions = max_positions
         self._bos = bos
@@ -161,7 +163,8 @@ class WordTokenizer:
 
     def _encode_control(self, text: str) -> list[int]:
         """Special-token strings become their ids; the text between them, words."""
-        ids, start = [], 0
+        ids = []
+        start = 0
         for match in self._special.finditer(text):
             ids += self.encode(text[start:match.start()])
             ids.append(self.SPECIAL_TOKENS.index(match.group()))

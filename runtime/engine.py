@@ -19,12 +19,14 @@ import contextlib
 import os
 import threading
 import time
-from typing import Generator
+from dataclasses import dataclass
+from typing import Callable, Generator
 
 import torch
 
-from promptlang.errors import (ContextLengthError, PromptLangError, TokenizerMismatchError,
-                               UnknownSchemaError)
+from promptlang.errors import (ContextLengthError, EmptyPromptError, InvalidArgumentTypeError,
+                               PromptLangError, TokenizerMismatchError, UnknownSchemaError,
+                               UnsupportedModelError)
 from promptlang.pml import nodes
 from promptlang.pml.binding import BoundPrompt, bind
 from promptlang.pml.layout import SchemaLayout, lay_out
@@ -32,6 +34,7 @@ from promptlang.runtime.kv.assembler import Assembler, KVBuffer, request_keys
 from promptlang.runtime.decoding.constrain import Constraint
 from promptlang.runtime.decoding.open_decode import Generation
 from promptlang.runtime.decoding.healing import heal_point
+from promptlang.runtime.kv.unit import UnitKV
 from promptlang.runtime.passes.encoder import EncodeStats, UnitEncoder
 from promptlang.runtime.model import ModelAdapter, adapt
 from promptlang.runtime.recompute import (DEFAULT_POLICY, NO_RECOMPUTE, Recompute,
@@ -67,6 +70,46 @@ class TextStream:
     def close(self) -> None:
         """Stop early (the request's buffer goes back to the pool)."""
         self._deltas.close()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Request:
+    """How `LLM._open` serves one request (what generate, prefill, open and start ask)."""
+
+    schema: object = None                # a schema to register first (add_schema's input)
+    baseline: bool = False               # no reuse: every token prefilled contiguously
+    recompute: object = None             # the request's policy (None: schema's, else LLM's)
+    room: int = 1                        # tokens to generate: the buffer's room after it
+    add_generation_prompt: bool = True   # append the assistant's prefix (bind's option)
+    all_logits: bool = False             # the prefill's logits for every token, not the last
+    started: float = 0.0                 # time.perf_counter() when the request was made
+    heal: bool = False                   # take the prompt's last token off (token healing)
+    defer: int = 0                       # a prefill of at most this many tokens is left in
+                                         # Opened.pending for the caller to run in a batch
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Retrieved:
+    """A request's units, retrieved (`LLM._retrieve`)."""
+
+    keys: dict[str, str]                 # unit id -> its store key
+    context_of: Callable                 # unit id -> the tokens it was encoded after
+    missed: dict                         # unit id -> its positions that missed request tokens
+    served: dict                         # unit id -> (key, UnitKV) of an exact entry
+    primed: frozenset[str]               # units served primed (recompute/primer.py)
+    stats: EncodeStats                   # what encoding the misses cost, and tiers hit
+    by_unit: dict[str, UnitKV]           # unit id -> its KV as encoded apart
+    units: list[tuple[str, UnitKV]]      # (key, KV) of every non-empty unit, as served
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Selected:
+    """What the request's policy computes again (`LLM._select`)."""
+
+    plan: RecomputePlan                  # the cached positions computed again
+    contexts: object                     # APE's ParallelContexts, or None
+    approximate: int                     # cached tokens served as encoded apart though they
+                                         # missed request tokens before them
 
 
 class LLM:
@@ -117,11 +160,12 @@ class LLM:
         layout = None
         if isinstance(schema, SchemaLayout):
             self._check_layout(schema)
-            layout, schema = schema, schema.schema
+            layout = schema
+            schema = schema.schema
         elif isinstance(schema, (str, os.PathLike)) and not isinstance(schema, nodes.Schema):
             schema = read_schema(schema)
         if not isinstance(schema, nodes.Schema):
-            raise PromptLangError(f"not a schema: {type(schema).__name__}")
+            raise InvalidArgumentTypeError(f"not a schema: {type(schema).__name__}")
         with self._lock:
             known = self._schemas.get(schema.name)
             if known is None or known[0] != schema or layout is not None:
@@ -171,7 +215,7 @@ class LLM:
         bound = bind(doc, self.layout(doc.schema), self.tokenizer,
                      add_generation_prompt=add_generation_prompt)
         if bound.cached_token_count + bound.uncached_token_count == 0:
-            raise PromptLangError("the prompt is empty: nothing to compute", doc.span)
+            raise EmptyPromptError("the prompt is empty: nothing to compute", doc.span)
         self._check_fits(bound.end, "the prompt", doc.span)
         return bound
 
@@ -181,16 +225,17 @@ class LLM:
         `.doc`). Returns a Result, or with stream=True a TextStream of text deltas.
         options: the fields of SamplingParams (max_new_tokens=256, temperature=0.0,
         top_p=1.0, top_k=0, seed=None, stop=(), stop_token_ids=(), draft=0, and one of
-        regex=, json_schema=, grammar= for structured output: runtime/decoding/constrain.py), applied
-        on top of `sampling` when given. recompute: a policy ("none", "first:K",
+        regex=, json_schema=, grammar= for structured output: runtime/decoding/constrain.py),
+        applied on top of `sampling` when given. recompute: a policy ("none", "first:K",
         "deviation:F", "exact", "seams", "ape" or a Recompute; docs/RECOMPUTE.md); None: the
         schema's `recompute` attribute, else the LLM's."""
         started = time.perf_counter()
         params = options_to_params(sampling, **options)
         constraint = Constraint.of(params, self.tokenizer)    # a bad one fails before the prefill
         heal = params.token_healing and constraint is None
-        opened, _ = self._open(prompt, schema, baseline, recompute, params.max_new_tokens,
-                               True, False, started, heal=heal)
+        request = _Request(schema=schema, baseline=baseline, recompute=recompute,
+                           room=params.max_new_tokens, started=started, heal=heal)
+        opened, _ = self._open(prompt, request)
         deltas = self._decode(opened, params, constraint)
         if stream:
             return TextStream(deltas)
@@ -204,17 +249,26 @@ class LLM:
                 all_logits: bool = True, recompute=None) -> Prefilled:
         """Run a request's prefill only and return its logits and KV (copies)."""
         started = time.perf_counter()
-        opened, logits = self._open(prompt, schema, baseline, recompute, 1, True, all_logits,
-                                    started)
-        buffer, n = opened.buffer, opened.buffer.length
+        request = _Request(schema=schema, baseline=baseline, recompute=recompute, room=1,
+                           all_logits=all_logits, started=started)
+        opened, logits = self._open(prompt, request)
+        buffer = opened.buffer
+        n = buffer.length
         try:
             opened.timings.total = time.perf_counter() - started
-            return Prefilled(logits.clone(), buffer.keys[:, :, :n].clone(),
-                             buffer.values[:, :, :n].clone(), buffer.positions[:n].clone(),
-                             buffer.token_ids[:n].clone(), opened.cached_tokens,
-                             opened.timings, opened.bound, opened.recompute, opened.exact,
-                             opened.approximate_tokens, _context_positions(buffer),
-                             opened.primed)
+            return Prefilled(logits=logits.clone(),
+                             keys=buffer.keys[:, :, :n].clone(),
+                             values=buffer.values[:, :, :n].clone(),
+                             positions=buffer.positions[:n].clone(),
+                             token_ids=buffer.token_ids[:n].clone(),
+                             cached_length=opened.cached_tokens,
+                             timings=opened.timings,
+                             bound=opened.bound,
+                             recompute=opened.recompute,
+                             exact=opened.exact,
+                             approximate_tokens=opened.approximate_tokens,
+                             parallel=_context_positions(buffer),
+                             primed=opened.primed)
         finally:
             self.assembler.release(buffer)
 
@@ -224,8 +278,10 @@ class LLM:
         KV buffer to the caller instead of decoding: the start of a Session. `room`: tokens
         the buffer holds after the prompt before it grows."""
         started = time.perf_counter()
-        opened, _ = self._open(prompt, schema, baseline, recompute, max(1, room),
-                               add_generation_prompt, False, started)
+        request = _Request(schema=schema, baseline=baseline, recompute=recompute,
+                           room=max(1, room), add_generation_prompt=add_generation_prompt,
+                           started=started)
+        opened, _ = self._open(prompt, request)
         opened.timings.total = time.perf_counter() - started
         return opened
 
@@ -239,38 +295,67 @@ class LLM:
 
     # --- the phases ---------------------------------------------------------------------------
 
-    def _open(self, prompt, schema, baseline: bool, recompute, room: int,
-              add_generation_prompt: bool, all_logits: bool,
-              started: float, heal: bool = False,
-              defer: int = 0) -> tuple[Opened, torch.Tensor | None]:
+    def _open(self, prompt, request: _Request) -> tuple[Opened, torch.Tensor | None]:
         """Bind, retrieve, assemble and prefill; returns the open request (the caller
-        releases its buffer) and the prefill's logits ([Q, V] with all_logits, else [1, V]).
-        `room`: tokens to generate, the buffer's room after the prompt. `heal`: take the
-        prompt's last token off where token healing applies (runtime/decoding/healing.py). `defer`:
-        a prefill of at most this many tokens is not run but left in `Opened.pending`
-        (logits None) for the caller to run in a batch."""
-        policy = _policy(recompute) if recompute is not None else None
-        bound = self.bind(prompt, schema=schema, add_generation_prompt=add_generation_prompt)
-        point = heal_point(bound, self.tokenizer) if heal else None
+        releases its buffer) and the prefill's logits ([Q, V] with all_logits, else [1, V];
+        None when the prefill is left pending)."""
+        bound, healed, policy = self._bind_request(prompt, request)
+        t = Timings(bind=time.perf_counter() - request.started)
+        room = self._room(bound, request.room)
+        if request.baseline:
+            return self._open_baseline(bound, healed, t, room, request)
+        mark = time.perf_counter()
+        retrieved = self._retrieve(bound, policy)
+        t.retrieve = time.perf_counter() - mark
+        t.encode = retrieved.stats.seconds
+        mark = time.perf_counter()
+        selected = self._select(bound, policy, retrieved)
+        t.select = time.perf_counter() - mark
+        return self._assemble_and_prefill(bound, healed, t, room, request, retrieved, selected)
+
+    def _bind_request(self, prompt, request: _Request) -> tuple[BoundPrompt, str, Recompute]:
+        """The bound prompt (its last token taken off where token healing applies:
+        runtime/decoding/healing.py), the healed text, and the request's policy."""
+        policy = _policy(request.recompute) if request.recompute is not None else None
+        bound = self.bind(prompt, schema=request.schema,
+                          add_generation_prompt=request.add_generation_prompt)
+        point = heal_point(bound, self.tokenizer) if request.heal else None
         healed = ""
         if point is not None:
-            bound, healed = point.bound, point.text
-        policy = self._recompute_for(bound, policy)
-        t = Timings(bind=time.perf_counter() - started)
+            bound = point.bound
+            healed = point.text
+        return bound, healed, self._recompute_for(bound, policy)
+
+    def _room(self, bound: BoundPrompt, room: int) -> int:
+        """Tokens the request's buffer holds after the prompt (decoding grows it past this)."""
         if self.max_positions is not None:
             room = max(1, min(room, self.max_positions - bound.end))
-        room = min(room, self.decode_room)               # decoding grows the buffer past this
-        if baseline:
-            ids = bound.token_ids()
-            buffer = self.assembler.acquire(len(ids) + room)
-            with self._released_on_error(buffer):
-                mark = time.perf_counter()
-                logits = baseline_prefill(self.adapter, buffer, ids, all_logits)
-                t.prefill = time.perf_counter() - mark
-            return Opened(buffer, logits[-1], len(ids), bound, t, len(ids), 0, 0,
-                          started, healed=healed), logits
+        return min(room, self.decode_room)
 
-        mark = time.perf_counter()
+    def _open_baseline(self, bound: BoundPrompt, healed: str, t: Timings, room: int,
+                       request: _Request) -> tuple[Opened, torch.Tensor]:
+        """The request's tokens prefilled at contiguous positions with no reuse at all."""
+        ids = bound.token_ids()
+        buffer = self.assembler.acquire(len(ids) + room)
+        with self._released_on_error(buffer):
+            mark = time.perf_counter()
+            logits = baseline_prefill(self.adapter, buffer, ids, request.all_logits)
+            t.prefill = time.perf_counter() - mark
+        opened = Opened(buffer=buffer,
+                        logits=logits[-1],
+                        position=len(ids),
+                        bound=bound,
+                        timings=t,
+                        prefill_tokens=len(ids),
+                        cached_tokens=0,
+                        recomputed_tokens=0,
+                        started=request.started,
+                        healed=healed)
+        return opened, logits
+
+    def _retrieve(self, bound: BoundPrompt, policy: Recompute) -> _Retrieved:
+        """Each unit's KV: from an exact entry made by an earlier request with the same tokens
+        before it (recompute/exact.py), else from the store, encoded on a miss."""
         layout = bound.layout
         keys = {unit_id: self.encoder.key(layout, unit_id) for unit_id in bound.units}
         context_of = lambda unit_id: self.encoder.context_of(layout.units[unit_id])  # noqa: E731
@@ -283,66 +368,110 @@ class LLM:
                    for unit_id in bound.units}
         units = [served.get(u, (self.encoder.key(layout, u, primed), kv))
                  for u, kv in by_unit.items() if kv.length]
-        t.retrieve, t.encode = time.perf_counter() - mark, stats.seconds
+        return _Retrieved(keys=keys,
+                          context_of=context_of,
+                          missed=missed,
+                          served=served,
+                          primed=primed,
+                          stats=stats,
+                          by_unit=by_unit,
+                          units=units)
 
-        mark = time.perf_counter()
+    def _select(self, bound: BoundPrompt, policy: Recompute,
+                retrieved: _Retrieved) -> _Selected:
+        """The cached positions the request's policy computes again, and APE's contexts."""
         plan = NO_RECOMPUTE
         if policy:                       # query:K: a probe pass over the request ranks them
-            chosen = (probe_choice(self.adapter, self.assembler, bound, units,
-                                   candidates(bound, context_of), int(policy.amount))
-                      if policy.kind == "query" else
-                      choose_positions(self.adapter, bound, by_unit, policy, context_of))
+            if policy.kind == "query":
+                chosen = probe_choice(self.adapter, self.assembler, bound, retrieved.units,
+                                      candidates(bound, retrieved.context_of),
+                                      int(policy.amount))
+            else:
+                chosen = choose_positions(self.adapter, bound, retrieved.by_unit, policy,
+                                          retrieved.context_of)
             plan = RecomputePlan.of(bound, chosen)
-        approximate = sum(p not in plan.positions for u, found in missed.items()
-                          if u not in served for p in found)
-        contexts = parallel_contexts(bound, by_unit, policy,
-                                     [u for u in missed if u not in served], plan.positions)
+        missed_apart = [u for u in retrieved.missed if u not in retrieved.served]
+        approximate = sum(p not in plan.positions
+                          for u in missed_apart for p in retrieved.missed[u])
+        contexts = parallel_contexts(bound, retrieved.by_unit, policy, missed_apart,
+                                     plan.positions)
         if contexts is not None and not self.adapter.attends_in_parallel:
-            raise PromptLangError(f"recompute policy {str(policy)!r} needs a RoPE model "
+            raise UnsupportedModelError(f"recompute policy {str(policy)!r} needs a RoPE model "
                                   f"(Llama family) with promptlang's attention; this one is "
                                   f"{self.adapter.model_type!r}")
-        t.select = time.perf_counter() - mark
+        return _Selected(plan=plan, contexts=contexts, approximate=approximate)
 
+    def _assemble_and_prefill(self, bound: BoundPrompt, healed: str, t: Timings, room: int,
+                              request: _Request, retrieved: _Retrieved,
+                              selected: _Selected) -> tuple[Opened, torch.Tensor | None]:
+        """The units' KV into a pooled buffer, a prompt tail seen before placed after them,
+        then one pass over the uncached tokens (or none: a tail seen whole, or a prefill left
+        to the caller's batch)."""
         mark = time.perf_counter()
+        plan = selected.plan
+        contexts = selected.contexts
+        units = retrieved.units
         ids, positions = uncached_tokens(plan.uncached(bound))
-        tail = None if plan or contexts is not None or all_logits else plan_tail(
-            self.tails, self.adapter.numerics, units, ids, positions)
+        tail = None
+        if not plan and contexts is None and not request.all_logits:
+            tail = plan_tail(self.tails, self.adapter.numerics, units, ids, positions)
         cached = sum(int((~kv.placeholder).sum()) for _, kv in units)
         buffer = self.assembler.acquire(cached + len(ids) + room, request_keys(units, plan))
         with self._released_on_error(buffer):
             self.assembler.assemble(buffer, units, plan)
             if tail is not None:
                 ids, positions = tail.place(buffer, ids, positions)
-            buffer.contexts = None if contexts is None else \
-                contexts._replace(context=contexts.context.to(buffer.positions.device))
+            if contexts is not None:
+                device = buffer.positions.device
+                buffer.contexts = contexts._replace(context=contexts.context.to(device))
+            else:
+                buffer.contexts = None
             whole = None if tail is None else tail.logits    # the tail seen whole before
             if whole is None:
                 ids, positions = with_last(buffer, ids, positions)
             t.assemble = time.perf_counter() - mark
-            opened = Opened(buffer, None, bound.end, bound, t, len(ids), buffer.length,
-                            len(plan), started, plan, tuple(served), approximate,
-                            healed=healed, units=dict(stats.tiers),
-                            primed=tuple(sorted(primed)), tail=tail)
+            opened = Opened(buffer=buffer,
+                            logits=None,
+                            position=bound.end,
+                            bound=bound,
+                            timings=t,
+                            prefill_tokens=len(ids),
+                            cached_tokens=buffer.length,
+                            recomputed_tokens=len(plan),
+                            started=request.started,
+                            recompute=plan,
+                            exact=tuple(retrieved.served),
+                            approximate_tokens=selected.approximate,
+                            healed=healed,
+                            units=dict(retrieved.stats.tiers),
+                            primed=tuple(sorted(retrieved.primed)),
+                            tail=tail)
 
             def finish(last: torch.Tensor) -> None:        # the prefill's KV is in the buffer
                 opened.logits = last
                 if tail is not None:
                     tail.keep(self.tails, buffer, last)
                 if plan and self.exact_reuse and contexts is None:   # APE's tokens: not exact
-                    exact.remember(self.store, bound, buffer, keys,
-                                   exact.made_exact(bound, missed, plan.positions, list(served)),
-                                   bound.layout.schema.name)
+                    self._remember_exact(bound, buffer, retrieved, plan)
             if whole is not None:                        # nothing to compute
                 opened.logits = whole
                 return opened, whole[None]
-            if len(ids) <= defer and not all_logits:
+            if len(ids) <= request.defer and not request.all_logits:
                 opened.pending = PendingPrefill(ids, positions, finish)
                 return opened, None
             mark = time.perf_counter()
-            logits = prefill(self.adapter, buffer, ids, positions, all_logits)
+            logits = prefill(self.adapter, buffer, ids, positions, request.all_logits)
             t.prefill = time.perf_counter() - mark
             finish(logits[-1])
         return opened, logits
+
+    def _remember_exact(self, bound: BoundPrompt, buffer: KVBuffer, retrieved: _Retrieved,
+                        plan: RecomputePlan) -> None:
+        """Keep the units this request made exact, for later requests with the same tokens
+        before them (recompute/exact.py)."""
+        made = exact.made_exact(bound, retrieved.missed, plan.positions, list(retrieved.served))
+        exact.remember(self.store, bound, buffer, retrieved.keys, made,
+                       bound.layout.schema.name)
 
     @contextlib.contextmanager
     def _released_on_error(self, buffer: KVBuffer):
@@ -381,9 +510,27 @@ class LLM:
         params = options_to_params(sampling, **options)
         constraint = Constraint.of(params, self.tokenizer)
         heal = params.token_healing and constraint is None
-        opened, _ = self._open(prompt, schema, baseline, recompute, params.max_new_tokens,
-                               True, False, started, heal=heal, defer=defer)
+        request = _Request(schema=schema, baseline=baseline, recompute=recompute,
+                           room=params.max_new_tokens, started=started, heal=heal, defer=defer)
+        opened, _ = self._open(prompt, request)
         return Generation(self, opened, params, constraint)
+
+    # --- what decoders use (decoding/engine_view.py) -----------------------------------------
+
+    def acquire_buffer(self, capacity: int) -> KVBuffer:
+        """A request buffer from the pool with room for `capacity` tokens."""
+        return self.assembler.acquire(capacity)
+
+    def release_buffer(self, buffer: KVBuffer) -> None:
+        """Give a request buffer back to the pool."""
+        self.assembler.release(buffer)
+
+    def finish(self, opened: Opened) -> None:
+        """The end of an opened request's decoding: its prompt tail is kept with the decoded
+        tokens (runtime/kv/tails.py), then its buffer goes back to the pool."""
+        if opened.tail is not None:
+            opened.tail.keep_decoded(self.tails, opened.buffer)
+        self.assembler.release(opened.buffer)
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -401,11 +548,12 @@ class LLM:
             return prompt
         if isinstance(prompt, (str, os.PathLike)):
             return read_prompt(prompt)
-        doc, attached = getattr(prompt, "doc", None), getattr(prompt, "schema", None)
+        doc = getattr(prompt, "doc", None)
+        attached = getattr(prompt, "schema", None)
         if isinstance(doc, nodes.PromptDoc) and attached is not None:
             self.add_schema(attached)
             return doc
-        raise PromptLangError(f"not a prompt: {type(prompt).__name__} (give PML text, a "
+        raise InvalidArgumentTypeError(f"not a prompt: {type(prompt).__name__} (give PML text, a "
                               "PromptDoc, or an object with .schema and .doc)")
 
     def _check_layout(self, layout: SchemaLayout) -> None:
@@ -445,21 +593,23 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     store_dtype (e.g. torch.bfloat16): keep cached KV at that precision (half the bytes).
     With the fused layers (Llama-family models on a CPU with the kernels) long units are
     read in place at that precision; otherwise they go back to `dtype` when copied into a
-    request's buffer. Ignored if `store` is given. recompute: the default recompute policy
-    of requests whose schema names none ("exact": answers as the full prefill's; docs/RECOMPUTE.md).
-    exact_reuse: keep the units a request makes exact and serve them to later requests with the same tokens
-    before them (docs/RECOMPUTE.md, "Exact reuse"). quantized: a model from a GGUF (the
-    default one included) has the fused layers read its Q4_1 linear weights and Q8_0 LM head
-    as stored for decode steps and short passes (the same values as the float copy, bit for
-    bit; ~6.4x and ~3.8x fewer bytes: fast/fused.py attach_blocks, attach_q8_head).
+    request's buffer. Ignored if `store` is given.
+    recompute: the default recompute policy of requests whose schema names none ("exact":
+    answers as the full prefill's; docs/RECOMPUTE.md).
+    exact_reuse: keep the units a request makes exact and serve them to later requests with
+    the same tokens before them (docs/RECOMPUTE.md, "Exact reuse").
+    quantized: a model from a GGUF (the default one included) has the fused layers read its
+    Q4_1 linear weights and Q8_0 LM head as stored for decode steps and short passes (the
+    same values as the float copy, bit for bit: fast/fused.py attach_blocks, attach_q8_head).
     quantize ("q4_1" or "q8_0"; Llama-family float32 checkpoints, not a GGUF): weight-only
     quantization -- the decoder's linear weights become Q4_1 or Q8_0 blocks (the LM head
     Q8_0) and the model computes with their dequantized values everywhere, while the fused
     layers read the blocks (runtime/model/quantize.py); answers are then the quantized model's.
     bf16_attention: passes of 8+ new tokens compute the attention's products from bfloat16
-    inputs (fused layers, CPUs with AVX512_BF16; ~0.8x a 6.4k question's TTFT): approximate.
+    inputs (fused layers, CPUs with AVX512_BF16): approximate.
     int8_linears: the fused layers' linear layers multiply int8 weights (a scale per row) by
-    12-bit inputs (a scale per token; CPUs with AVX512_VNNI; ~0.65x a 64-row pass): approximate.
+    12-bit inputs (a scale per token; CPUs with AVX512_VNNI): approximate.
+    What each costs and buys is measured in docs/BENCHMARKS.md.
     tail_budget_bytes: KV of recent requests' last uncached runs kept for later requests that
     start them the same way after the same units (runtime/kv/tails.py; 0: off).
 

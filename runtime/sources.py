@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from promptlang.errors import PromptLangError
+from promptlang.errors import DocumentKindError
 from promptlang.pml import nodes
 
 
@@ -25,5 +25,5 @@ def _read(source, parse_text, kind: type, name: str, other: str):
         return parse_text(source, file=f"<{name}>")
     parsed = parse_file(source)
     if not isinstance(parsed, kind):
-        raise PromptLangError(f"{os.fspath(source)} holds a {other}, not a {name}", parsed.span)
+        raise DocumentKindError(f"{os.fspath(source)} holds a {other}, not a {name}", parsed.span)
     return parsed

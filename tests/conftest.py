@@ -74,3 +74,20 @@ def tiny_model_dir(tmp_path):
         if path.is_file() and path.name != "config.json":     # keep the tiny config
             shutil.copy(path, folder / path.name)
     return folder
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests listed in tests/slow.txt `slow` (ids as pytest prints them; a line
+    ending in `*` covers every test whose id starts with the rest). The list holds the
+    tests measured at 2 s or more on the development machine (`--durations=0`), so that
+    `pytest -m "not slow"` stays a quick loop; `pytest` alone runs everything."""
+    from pathlib import Path
+
+    listed = Path(__file__).with_name("slow.txt").read_text().splitlines()
+    exact = {line.strip() for line in listed if line.strip() and not line.startswith("#")
+             and not line.strip().endswith("*")}
+    prefixes = tuple(line.strip()[:-1] for line in listed
+                     if line.strip().endswith("*") and not line.startswith("#"))
+    for item in items:
+        if item.nodeid in exact or item.nodeid.startswith(prefixes):
+            item.add_marker(pytest.mark.slow)

@@ -109,7 +109,7 @@ def test_help_lists_every_command_with_one_line_each(capsys):
     assert status == 0
     listed = [line.split()[0] for line in out.splitlines()
               if line.startswith("    ") and len(line.split()) > 1]
-    assert listed == ["check", "compile", "pml", "run", "serve", "cache", "bench"]
+    assert listed == ["check", "compile", "pml", "run", "serve", "tune", "cache", "bench"]
 
 
 def test_registered_command_runs_and_its_errors_print_without_traceback(tmp_path, monkeypatch,

@@ -1,5 +1,11 @@
-"""How a located error prints: `file:line:col: message`, the line, a caret under the column."""
+"""How a located error prints (`file:line:col: message`, the line, a caret under the column),
+and the hierarchy every error class belongs to."""
 
+import pickle
+
+import pytest
+
+from promptlang import errors
 from promptlang.errors import EXCERPT_WIDTH, PromptLangError, Span
 
 
@@ -29,3 +35,48 @@ def test_long_line_keeps_its_start_or_end_when_the_column_is_near_it():
     line = "a" * 5_000 + "<"
     source, caret = shown(line, 5_001)
     assert source.startswith("...") and source.endswith("<") and source[len(caret) - 1] == "<"
+
+
+# ---------------------------------------------------------------------------------------------
+# The hierarchy: every class is a PromptLangError; those raised where a builtin was raised
+# before are that builtin too, so `except ValueError` (TypeError, RuntimeError) still works.
+
+ERROR_CLASSES = [c for c in vars(errors).values()
+                 if isinstance(c, type) and issubclass(c, BaseException)]
+
+ALSO_BUILTIN = {
+    "InvalidArgumentError": ValueError, "ConfigError": ValueError,
+    "UnsupportedModelError": ValueError, "InvalidArgumentTypeError": TypeError,
+    "ChatTemplateError": TypeError, "InternalError": RuntimeError,
+    "ServerStartError": RuntimeError, "AdapterFileError": ValueError, "TuneError": ValueError,
+}
+
+
+@pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.__name__)
+def test_every_error_class_is_a_promptlang_error_with_a_docstring(cls):
+    assert issubclass(cls, PromptLangError)
+    assert cls.__doc__ and cls.__doc__.strip()
+
+
+@pytest.mark.parametrize("name, builtin", sorted(ALSO_BUILTIN.items(), key=lambda kv: kv[0]))
+def test_classes_raised_for_builtins_are_those_builtins(name, builtin):
+    cls = getattr(errors, name)
+    assert issubclass(cls, PromptLangError) and issubclass(cls, builtin)
+    with pytest.raises(builtin, match="bad value"):
+        raise cls("bad value")
+
+
+def test_no_other_class_takes_a_builtin_base():
+    for cls in ERROR_CLASSES:
+        for builtin in (ValueError, TypeError, RuntimeError):
+            if issubclass(cls, builtin):
+                assert ALSO_BUILTIN.get(cls.__name__) is builtin, cls.__name__
+
+
+@pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.__name__)
+def test_every_error_pickles_and_prints_with_its_location(cls):
+    error = cls("went wrong", Span("f.pml", 2, 3, "abcdef"))
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is cls and str(back) == str(error)
+    assert str(back).startswith("f.pml:2:3: went wrong")
+    assert str(cls("no place")) == "no place"

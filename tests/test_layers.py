@@ -1,4 +1,5 @@
-"""The layer rules of docs/COMPILER.md and DESIGN.md, read from the code with `ast`.
+"""The layer rules of docs/COMPILER.md, docs/DESIGN.md and docs/ARCHITECTURE.md, read from
+the code with `ast`.
 
 Every import counts: top-level and lazy (inside a function), `import x` and
 `from x import y`, relative imports resolved, `importlib.import_module("literal")`.
@@ -7,7 +8,7 @@ Files map to layers by the package-dir table of pyproject.toml:
     pml       promptlang.pml.*, and its foundations promptlang.errors, .inputs, .tokenizer
     compiler  promptlang.compiler.*  (compiler/)
     runtime   promptlang.runtime.*   (runtime/)
-    bench     promptlang.runtime.bench.* today, promptlang.bench.* if it moves
+    bench     promptlang.bench.*         (bench/)
     face      every other promptlang module (promptlang/__init__, the CLI, programs.py, ...)
 
 Rules: pml imports only pml; the compiler imports only pml and the compiler; the
@@ -199,6 +200,47 @@ def test_the_compiler_imports_nothing_but_pml_and_itself_at_import_time():
     assert upward == []
 
 
+# Inside the runtime, each room imports only the rooms after it in this list (lazy imports
+# included): docs/ARCHITECTURE.md, "The runtime's rooms".
+RUNTIME_ROOMS = ("tune", "top", "conversation", "decoding", "passes", "recompute", "store", "kv",
+                 "model", "fast")
+
+
+def runtime_room(name: str) -> str | None:
+    prefix = "promptlang.runtime"
+    if name != prefix and not name.startswith(prefix + "."):
+        return None
+    parts = name[len(prefix) + 1:].split(".")
+    return parts[0] if parts[0] in RUNTIME_ROOMS else "top"
+
+
+def upward_runtime_imports(graph: dict[str, list[Import]]) -> list[str]:
+    found = []
+    for name, imports in graph.items():
+        source = runtime_room(name)
+        if source is None or name == "promptlang.runtime":
+            continue
+        for i in imports:
+            target = runtime_room(i.target)
+            if target is None or i.target == "promptlang.runtime":
+                continue
+            if RUNTIME_ROOMS.index(target) < RUNTIME_ROOMS.index(source):
+                found.append(f"{i.source}:{i.line} ({source}) imports {i.target} ({target})")
+    return found
+
+
+def test_the_runtime_s_rooms_import_only_rooms_below_them():
+    assert upward_runtime_imports(scan(ROOT)) == []
+
+
+def test_an_upward_runtime_import_is_caught():
+    edge = Import("promptlang.runtime.kv.assembler", "promptlang.runtime.recompute.plan", True, 3)
+    graph = {"promptlang.runtime.kv.assembler": [edge]}
+    assert upward_runtime_imports(graph) == [
+        "promptlang.runtime.kv.assembler:3 (kv) imports promptlang.runtime.recompute.plan "
+        "(recompute)"]
+
+
 # -- the checker catches what it must -----------------------------------------------------------
 
 
@@ -209,7 +251,7 @@ def test_a_violation_planted_in_a_copy_of_a_compiler_file_is_caught(tmp_path):
     modules = find_modules(ROOT)
     assert violations({name: imports_of(name, copy, modules)}) == []
     copy.write_text(copy.read_text() + "\n\ndef planted():\n"
-                    "    from ..runtime.session import Session\n    return Session\n")
+                    "    from ..runtime.conversation.session import Session\n    return Session\n")
     found = violations({name: imports_of(name, copy, modules)})
     assert len(found) == 1
     assert "promptlang.runtime.conversation.session" in found[0]
@@ -251,9 +293,10 @@ def test_the_checker_catches_each_rule_on_a_synthetic_graph():
     assert not violations(graph(("promptlang.runtime.engine", "promptlang.pml.nodes", False)))
     assert not violations(graph(("promptlang.runtime.conversation.agent", "promptlang.pml.prompt", False)))
 
-    lazy_cycle = graph(("promptlang.runtime.engine", "promptlang.runtime.conversation.session", True),
-                       ("promptlang.runtime.conversation.session", "promptlang.runtime.engine", False))
-    assert cycles(lazy_cycle) == [["promptlang.runtime.engine", "promptlang.runtime.conversation.session"]]
+    engine = "promptlang.runtime.engine"
+    session = "promptlang.runtime.conversation.session"
+    lazy_cycle = graph((engine, session, True), (session, engine, False))
+    assert cycles(lazy_cycle) == [sorted([engine, session])]
     join_cycle = graph(("promptlang.compiler.decorator", JOIN, True),
                        (JOIN, "promptlang.compiler.decorator", False))
     assert cycles(join_cycle) == []

@@ -1,5 +1,5 @@
 """`promptlang bench accuracy`: what modular encoding costs in answers, and what
-selective recompute (issue 8) wins back at what TTFT.
+selective recompute wins back at what TTFT.
 
 The files: settings (../settings.py: the settings' names and defaults), results.py (options
 and records), run.py (run_accuracy), answer.py (one item under every setting, greedy
@@ -32,8 +32,9 @@ greedily under every setting, each document a module of its own:
 
 The specs come from `AccuracyOptions.recompute` (`--recompute`), the rules they apply to
 from `recompute_rules` (`--recompute-rules`); `scaffold=False` (`--no-scaffold`) leaves the
-scaffold setting out and `store16=False` (`--no-bf16`) the cached-bf16 one. Every setting of one rule reads the same module encodings (one store
-per rule), so a recompute setting costs only its own per-request work. The explicit "none"
+scaffold setting out and `store16=False` (`--no-bf16`) the cached-bf16 one. Every setting
+of one rule reads the same module encodings (one store per rule), so a recompute setting
+costs only its own per-request work. The explicit "none"
 for cached/isolate/scaffold keeps them free of any default policy of the LLM or schema.
 `run_accuracy(..., workers=N)` (`--workers`) shares the items among N processes.
 
@@ -79,7 +80,7 @@ encoded by an untimed request per setting before any timed request; median of
 `cost_repeats` requests taken round robin over the settings), all with one new token
 (`Result.timings.first_token`).
 
-The goal (issue 8): a recompute setting (cached+SPEC or isolate+SPEC, each measured
+The recompute goal: a recompute setting (cached+SPEC or isolate+SPEC, each measured
 against the cached gap) that is at least 10x faster than the baseline at ~6k tokens
 recovers at least half of the cached-versus-baseline gap on the dependent items, judged by
 answer-in-output (GOAL_METRIC; exact match and the gold log-prob are reported beside it:

@@ -15,6 +15,7 @@ from promptlang.bench import metrics, qa
 from promptlang.bench.settings import STORE16, split_setting
 from promptlang.bench.report import Progress
 from promptlang.bench.accuracy.results import AccuracyOptions, Answer, ItemResult
+from promptlang.errors import InvalidArgumentError
 
 
 def _rule_llms(llm, budget: int) -> dict:
@@ -53,7 +54,7 @@ def _requests(item: qa.QAItem, llms: dict, names: Sequence[str]) -> dict[str, tu
             requests[name] = (llms["context" if rule == "cached" else "isolate"], prompt,
                               schema, False, spec)
         else:
-            raise ValueError(f"unknown setting {name!r}")
+            raise InvalidArgumentError(f"unknown setting {name!r}")
     return requests
 
 
@@ -71,7 +72,9 @@ def _answer(item: qa.QAItem, llms: dict, options: AccuracyOptions, names: Sequen
             bar: Progress) -> ItemResult:
     requests = _requests(item, llms, names)
     answers: dict[str, Answer] = {}
-    tokens, reference, reference_logprobs = 0, None, None
+    tokens = 0
+    reference = None
+    reference_logprobs = None
     gold = gold_ids(llms["context"], item)
     for setting in names:
         llm, prompt, schema, baseline, spec = requests[setting]
@@ -83,11 +86,13 @@ def _answer(item: qa.QAItem, llms: dict, options: AccuracyOptions, names: Sequen
                                 max_new_tokens=options.max_new_tokens, drafts=drafts,
                                 gold=gold)
         if baseline:
-            reference, tokens = decoded.token_ids, decoded.prompt_tokens
+            reference = decoded.token_ids
+            tokens = decoded.prompt_tokens
             reference_logprobs = decoded.first_logprobs
         kl = math.nan if reference_logprobs is None else \
             metrics.kl_divergence(reference_logprobs, decoded.first_logprobs)
-        text, others = decoded.text, item.distractor_answers
+        text = decoded.text
+        others = item.distractor_answers
         answers[setting] = Answer(text, decoded.token_ids, qa.exact_match(text, item.answer),
                                   qa.answer_in_output(text, item.answer, others),
                                   decoded.token_ids == reference, decoded.ttft, decoded.encode,
@@ -164,7 +169,8 @@ def greedy_answer(llm, prompt, schema, *, baseline: bool = False, recompute: str
     started = time.perf_counter()
     opened = llm.open(prompt, schema=schema, baseline=baseline, room=max_new_tokens + 1,
                       add_generation_prompt=True, recompute=recompute)
-    buffer, position = opened.buffer, opened.position
+    buffer = opened.buffer
+    position = opened.position
     limit = llm.max_positions
     decoding = Decoding(SamplingParams(max_new_tokens=max_new_tokens), llm.tokenizer)
     try:

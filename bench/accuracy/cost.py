@@ -68,7 +68,8 @@ def measure_cost(llm, options: AccuracyOptions, names: Sequence[str] | None = No
     """Baseline and warm per-setting TTFT (one new token) on ~cost_tokens tokens."""
     started = time.perf_counter()
     names = list(names or options.settings)
-    target, note = options.cost_tokens, ""
+    target = options.cost_tokens
+    note = ""
     limit = llm.max_positions
     if limit is not None and target + options.max_new_tokens + 8 > limit:
         target = max(64, limit - options.max_new_tokens - 64)
@@ -79,7 +80,8 @@ def measure_cost(llm, options: AccuracyOptions, names: Sequence[str] | None = No
     requests = _requests(item, llms, ["baseline", *names])
     cached_requests = [n for n in names if n != "baseline"]
     total = options.cost_baseline_repeats + len(cached_requests) * (1 + options.cost_repeats)
-    baseline, points = [], []
+    baseline = []
+    points = []
     with Progress(total=total, desc="recompute cost", enabled=progress) as bar:
         for setting in cached_requests:     # untimed: encodes the units (and warms up)
             this, this_prompt, this_schema, _, spec = requests[setting]

@@ -28,7 +28,7 @@ METRIC_NAMES = {"found": "answer in output", "correct": "exact match"}
 
 @dataclass(frozen=True)
 class AccuracyOptions:
-    items_per_kind: int = 10         # small: `bench all` stays fast; the issue-8 run: 200
+    items_per_kind: int = 10         # small: `bench all` stays fast; the recompute runs: 200
     kinds: tuple[str, ...] = qa.KINDS
     seed: int = 0
     docs_per_item: int = 4

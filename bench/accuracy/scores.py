@@ -1,5 +1,5 @@
 """Scores per setting and kind, paired comparisons with the baseline, the recovery of the
-cached-vs-baseline gap by a recompute setting, and the issue-8 goal judged on intervals.
+cached-vs-baseline gap by a recompute setting, and the recompute goal judged on intervals.
 """
 
 from __future__ import annotations
@@ -21,9 +21,15 @@ def score(results: Sequence[ItemResult], kinds: Sequence[str],
           names: Sequence[str] | None = None) -> list[Score]:
     """One Score per (setting, kind), then per setting over all kinds. `names`: the
     settings (default: those of the first result)."""
-    mean = lambda values: statistics.fmean(values) if values else 0.0  # noqa: E731
-    measured = lambda values: statistics.fmean(v for v in values if not math.isnan(v)) \
-        if any(not math.isnan(v) for v in values) else math.nan  # noqa: E731
+
+    def mean(values):
+        return statistics.fmean(values) if values else 0.0
+
+    def measured(values):
+        if any(not math.isnan(v) for v in values):
+            return statistics.fmean(v for v in values if not math.isnan(v))
+        return math.nan
+
     scores = []
     for setting in names or _settings_of(results):
         for kind in [*kinds, "all"]:
@@ -108,8 +114,8 @@ def recovery(report: AccuracyReport, setting: str, kind: str, metric: str = GOAL
              level: float = metrics.LEVEL) -> Recovery | None:
     """The Recovery of `setting` on `kind` by `metric` ("found", "correct" or
     "gold_logprob"), with its interval at `level` (None if either was not measured)."""
-    if any(report.cell(s, kind) is None or not report.cell(s, kind).items
-           for s in ("baseline", "cached", setting)):
+    cells = [report.cell(s, kind) for s in ("baseline", "cached", setting)]
+    if any(cell is None or not cell.items for cell in cells):
         return None
     columns = [item_values(report.results, s, kind, metric)
                for s in ("baseline", "cached", setting)]
@@ -148,7 +154,7 @@ def _recovery_text(r: Recovery | None) -> str:
 
 
 def recovery_goal(report: AccuracyReport) -> Goal:
-    """The issue-8 goal on GOAL_KIND items, by GOAL_METRIC, judged on intervals: among
+    """The recompute goal on GOAL_KIND items, by GOAL_METRIC, judged on intervals: among
     the recompute settings at least GOAL_SPEEDUP x faster than the baseline (k of them),
     it passes when one's recovery interval at the Bonferroni level 1 - 0.05/k (so that
     picking the best of k is accounted for) lies at or above GOAL_RECOVERY."""

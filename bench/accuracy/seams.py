@@ -1,4 +1,4 @@
-"""The issue-16 goals: cached answers as right as the full prefill, at cached speed.
+"""The seam goals: cached answers as right as the full prefill, at cached speed.
 
 For every setting served from the guaranteed-context rule's modules (`cached`, and each
 `cached+SPEC`), one goal line: PASS when on every kind of the run
@@ -25,7 +25,7 @@ from promptlang.runtime.recompute.policy import DEFAULT_POLICY
 SEAM_POINTS = 2.0       # answer-in-output points below the baseline's, at most
 SEAM_NATS = 0.15        # gold log-probability nats below the baseline's, at most
 SEAM_SPEEDUP = 30.0     # x the baseline's TTFT at ~6k tokens, at least
-SEAM_NAME = "as right as the full prefill at >= 30x (issue 16)"
+SEAM_NAME = "as right as the full prefill at >= 30x"
 
 
 def seam_goals(report: AccuracyReport) -> list[Goal]:
@@ -38,22 +38,25 @@ def seam_goals(report: AccuracyReport) -> list[Goal]:
 
 def _goal(report: AccuracyReport, setting: str) -> Goal:
     kinds = list(report.options.kinds)
-    failed, parts = [], []
+    failed = []
+    parts = []
     for kind in kinds:
         c = report.comparison(setting, kind)
         if c is None or c.found.estimate is None:
             return Goal(f"{setting} {SEAM_NAME}", None, f"no comparison on {kind} items")
-        points, nats = 100 * c.found.estimate, c.gold_logprob.estimate
+        points = 100 * c.found.estimate
+        nats = c.gold_logprob.estimate
         ok = points >= -SEAM_POINTS and (nats is not None and nats >= -SEAM_NATS)
         if not ok:
             failed.append(kind)
         parts.append(f"{kind} {c.found.text(100, 1)} pts, {c.gold_logprob.text(1, 2)} nats")
     speed = None if report.cost is None else report.cost.speedup(setting)
     if speed is None:
-        speed_text, fast = "cost not measured", None
+        speed_text = "cost not measured"
+        fast = None
     else:
-        speed_text, fast = f"{speed:.1f}x faster at ~{report.cost.prompt_tokens:,} tokens", \
-            speed >= SEAM_SPEEDUP
+        speed_text = f"{speed:.1f}x faster at ~{report.cost.prompt_tokens:,} tokens"
+        fast = speed >= SEAM_SPEEDUP
         again = report.cost.speedup(seen_before(setting))
         if again is not None:
             speed_text += f" ({again:.1f}x for the same modules seen before)"

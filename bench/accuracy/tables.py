@@ -12,6 +12,7 @@ from promptlang.bench.settings import DESCRIPTIONS, STORE16, split_setting
 from promptlang.bench.report import Section
 from promptlang.bench.accuracy.results import (AccuracyReport, CostReport, GOAL_KIND,
                                                GOAL_SPEEDUP, wilson_interval)
+from promptlang.errors import InvalidArgumentError
 from promptlang.bench.accuracy.scores import (Recovery, _pct, _share, recompute_settings,
                                               recovery)
 
@@ -79,7 +80,8 @@ def paired_table(report: AccuracyReport) -> list[dict[str, Any]]:
     rows = []
     for kind in [*report.options.kinds, "all"]:
         for setting in report.settings:
-            cell, paired = report.cell(setting, kind), report.comparison(setting, kind)
+            cell = report.cell(setting, kind)
+            paired = report.comparison(setting, kind)
             if setting == "baseline" or cell is None or paired is None or not cell.items:
                 continue
             rows.append({"kind": kind, "setting": setting,
@@ -117,7 +119,8 @@ def store16_effect(report: AccuracyReport) -> list[str]:
     lines = [f"{STORE16} gives the same greedy tokens as cached (float32 store) on {same}/"
              f"{len(both)} items ({100 * same / len(both):.0f}%), at half the KV bytes per token"]
     for kind in [*report.options.kinds, "all"]:
-        a, b = report.cell("cached", kind), report.cell(STORE16, kind)
+        a = report.cell("cached", kind)
+        b = report.cell(STORE16, kind)
         if a is not None and b is not None and a.items:
             lines.append(f"{kind}: answer in output {_pct(a.rate('found'))} (float32) vs "
                          f"{_pct(b.rate('found'))} (bfloat16); exact match "
@@ -188,7 +191,7 @@ def sections(report: AccuracyReport) -> list[Section]:
             "'SETTING, seen before' is the same request again with exact reuse on: served "
             "the units the first one made exact",
             f"this section took {c.seconds / 60:.1f} min, encoding included"]))
-    parts.append(Section("Goals (issues 8 and 16)", (), [str(g) for g in report.goals]))
+    parts.append(Section("Goals", (), [str(g) for g in report.goals]))
     return parts
 
 
@@ -202,7 +205,7 @@ def plot(report: AccuracyReport, path, note: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     if report.cost is None:
-        raise ValueError("no recompute cost measured: nothing to plot against")
+        raise InvalidArgumentError("no recompute cost measured: nothing to plot against")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     kinds = [k for k in (GOAL_KIND, "all") if k == "all" or k in report.options.kinds]
@@ -211,7 +214,8 @@ def plot(report: AccuracyReport, path, note: str = "") -> Path:
         for ax, kind in zip(axes[0], kinds):
             shown = 0
             for setting in report.settings:
-                ttft, cell = report.cost.ttft(setting), report.cell(setting, kind)
+                ttft = report.cost.ttft(setting)
+                cell = report.cell(setting, kind)
                 if ttft is None or cell is None or not cell.items:
                     continue
                 rule = split_setting(setting)[0]

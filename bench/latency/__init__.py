@@ -2,7 +2,7 @@
 
 The files: results.py (options and records), run.py (run_latency over the lengths),
 sweep.py (one length: the document, the rounds, the tiers), decode.py (decode against
-transformers' generate), goals.py (the issue-7 goals), tables.py (sections, plot, JSON).
+transformers' generate), goals.py (the latency goals), tables.py (sections, plot, JSON).
 This file re-exports their names: `from promptlang.bench import latency`.
 
 The prompt is a system turn, one document module of about L tokens (filler sentences

@@ -21,7 +21,8 @@ def _compare_decode(stores: _Stores, case: _Case, options: LatencyOptions,
     """Per-token decode time with the document cached, against a stock transformers
     model's `generate()` on the same tokens (greedy, its own prefill subtracted): the
     two sides' runs interleaved, `decode_samples` on each, the order alternating."""
-    llm, length = stores.memory, case.length
+    llm = stores.memory
+    length = case.length
     prompt = build_prompt(case.schema.name, DECODE_QUESTION)
     n = options.decode_tokens
     generated = len(llm.generate(prompt, max_new_tokens=n).token_ids)   # untimed: warms
@@ -38,7 +39,8 @@ def _compare_decode(stores: _Stores, case: _Case, options: LatencyOptions,
 
     with _StockModel(model_source, ids) as stock:
         hf_ttft = stock.ttft()
-        mine, theirs = [], []
+        mine = []
+        theirs = []
         for i in range(options.decode_samples):
             for side in rotated(("ours", "transformers"), i):
                 if side == "ours":
@@ -77,7 +79,8 @@ class _StockModel:
         began = time.perf_counter()
         out = self._generate(self.prompt, None, 1)
         seconds = time.perf_counter() - began
-        self._cache, self._context = out.cache, out.sequences   # cache: the prompt's KV
+        self._cache = out.cache           # the prompt's KV
+        self._context = out.sequences
         return seconds
 
     def _timed(self, count: int) -> float:

@@ -1,4 +1,4 @@
-"""The latency goals (issue 7), each judged once on the median of per-round ratios: cached
+"""The latency goals, each judged once on the median of per-round ratios: cached
 TTFT against the machine's floor, the speedup over the baseline, the TTFT exponent, the
 break-even length, decode speed, and first-token agreement.
 """
@@ -22,7 +22,8 @@ def exponents(points: Sequence[Point]) -> tuple[float | None, float | None, str]
     inside = [p for p in points if FIT_RANGE[0] <= p.cached_tokens <= FIT_RANGE[1]]
     span = f"{FIT_RANGE[0]:,}-{FIT_RANGE[1]:,} cached tokens"
     if len({p.cached_tokens for p in inside}) < 2:
-        inside, span = list(points), f"all {len(points)} points (fewer than two in {span})"
+        inside = list(points)
+        span = f"all {len(points)} points (fewer than two in {span})"
     if len({p.cached_tokens for p in inside}) < 2:
         return None, None, "fewer than two lengths"
     xs = [p.cached_tokens for p in inside]
@@ -40,14 +41,16 @@ def _where(point: Point, target: int) -> str:
 
 
 def latency_goals(report: LatencyReport) -> list[Goal]:
-    """Issue 7's latency goals, each judged once on the per-round ratios of the point
+    """The latency goals, each judged once on the per-round ratios of the point
     nearest its length (the samples declared in the options), and the agreement check."""
-    points, options = report.points, report.options
+    points = report.points
+    options = report.options
     if not points:
         return [Goal("latency goals", None, "no length fits the model's context")]
     at = min(points, key=lambda p: (abs(p.cached_tokens - options.goal_length), p.target))
     where = _where(at, options.goal_length)
-    x, up = at.x_floor, at.speedup
+    x = at.x_floor
+    up = at.speedup
     sgemm = report.machine.get("matmul_sgemm") or "the best sgemm"
     goals = [
         Goal("cached TTFT <= 2x floor", x.median <= 2,

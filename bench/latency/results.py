@@ -51,7 +51,8 @@ class Agreement:
     def add(self, baseline: torch.Tensor, cached: torch.Tensor) -> None:
         """One round: both sides' logits for the first generated token ([V] each)."""
         self.samples += 1
-        self.baseline_token, self.cached_token = int(baseline.argmax()), int(cached.argmax())
+        self.baseline_token = int(baseline.argmax())
+        self.cached_token = int(cached.argmax())
         self.disagreements += self.baseline_token != self.cached_token
         diff = float((baseline.float() - cached.float()).abs().max())
         self.max_logit_diff = max(self.max_logit_diff, diff)
@@ -139,7 +140,8 @@ class Point:
         for tier in TIERS:
             row[f"{tier}_s"] = self.median(tier)
             row[f"{tier}_min_s"] = self.best(tier)
-        x, up = self.x_floor, self.speedup
+        x = self.x_floor
+        up = self.speedup
         row.update(disk_write_s=self.disk_write, speedup=up.median, speedup_min=up.low,
                    speedup_max=up.high, floor_s=self.floor, floor_compute_s=self.floor_compute,
                    floor_memory_s=self.floor_memory, device_x_floor=x.median,

@@ -34,7 +34,8 @@ def run_latency(llm: LLM, options: LatencyOptions = LatencyOptions(), *,
     comparison loads a stock copy from it. Disk-tier files go to a temporary folder
     under `workdir` (default: the system's), removed at the end."""
     started = time.perf_counter()
-    adapter, tokenizer = llm.adapter, llm.tokenizer
+    adapter = llm.adapter
+    tokenizer = llm.tokenizer
     shape = shape_from_config(adapter.config)
     weight_bytes = floor.module_weight_bytes(adapter.model)
     kv_per_token = adapter.kv_bytes_per_token()
@@ -42,7 +43,8 @@ def run_latency(llm: LLM, options: LatencyOptions = LatencyOptions(), *,
     sampler = floor.FloorSampler(best)
 
     goal = _nearest(options.lengths, options.goal_length) if options.lengths else None
-    cases, skipped = [], []
+    cases = []
+    skipped = []
     for length in options.lengths:
         case = _Case.make(tokenizer, length, options.seed)
         room = (options.decode_tokens + 16) if length == goal else 1   # 16: question slack
@@ -55,7 +57,8 @@ def run_latency(llm: LLM, options: LatencyOptions = LatencyOptions(), *,
         ((options.decode_samples + options.repeats * native.available())
          if goal is not None else 0)
 
-    points, decode_result = [], None
+    points = []
+    decode_result = None
     with tempfile.TemporaryDirectory(prefix=".kv-latency-", dir=workdir) as folder, \
             Progress(total=steps, desc="latency", enabled=progress) as bar:
         if cases:

@@ -133,8 +133,10 @@ def rotated(parts: Sequence[str], round_index: int) -> list[str]:
 
 def _measure(stores: _Stores, case: _Case, options: LatencyOptions,
              sampler: floor.FloorSampler, bar: Progress, goal: int | None = None) -> Point:
-    memory, tiered = stores.memory, stores.tiered
-    prompt, no_doc = case.prompt, case.no_doc
+    memory = stores.memory
+    tiered = stores.tiered
+    prompt = case.prompt
+    no_doc = case.no_doc
     for llm in (memory, tiered):
         llm.add_schema(case.schema)
 
@@ -150,7 +152,9 @@ def _measure(stores: _Stores, case: _Case, options: LatencyOptions,
                   answer=case.item.answer)
 
     # what each tier's requests really did, from the engine's own counters
-    copied = lambda: memory.assembler.copied_tokens  # noqa: E731
+    def copied() -> int:
+        return memory.assembler.copied_tokens
+
     mark = copied()
     for _ in range(options.repeats):      # the buffer still holds the document
         point.held.append(_ttft(memory, prompt))

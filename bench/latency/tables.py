@@ -16,7 +16,8 @@ from promptlang.bench.latency.goals import exponents
 def sections(report: LatencyReport, tokenizer=None) -> list[Section]:
     """The report's tables and lines, for the terminal and for Markdown. `tokenizer`
     (optional) shows the agreement table's tokens as text."""
-    o, points = report.options, report.points
+    o = report.options
+    points = report.points
     ttft = [{"prompt tokens": p.prompt_tokens, "cached": p.cached_tokens,
              "baseline": p.median("baseline"), "cold": p.cold, "device": p.median("device"),
              "held": p.median("held"), "host": p.median("host"), "disk": p.median("disk"),
@@ -49,7 +50,8 @@ def sections(report: LatencyReport, tokenizer=None) -> list[Section]:
                            for s in report.sgemms)]
     for p in points:
         if p.device_torch:
-            ours, torch_only = p.median("device"), p.median("device_torch")
+            ours = p.median("device")
+            torch_only = p.median("device_torch")
             floor_lines.append(
                 f"at {p.cached_tokens:,} cached tokens, the same device-tier requests on "
                 f"PyTorch's kernels alone (runtime/fast/kernels.c off): {torch_only * 1e3:.1f} ms "
@@ -101,7 +103,7 @@ def sections(report: LatencyReport, tokenizer=None) -> list[Section]:
             f"stock model); ratio per pair {d.ratio.describe()}",
             f"transformers generate() time to first token on the same prompt: "
             f"{d.hf_ttft:.2f} s"]))
-    out.append(Section("Goals (issue 7)", (), [str(g) for g in report.goals]))
+    out.append(Section("Goals", (), [str(g) for g in report.goals]))
     return out
 
 

@@ -5,6 +5,7 @@
     promptlang pml check FILE...    PML only (the alias `check` dispatches to)    (pml.py)
     promptlang run SCHEMA PROMPT    answer a prompt from cached modules          (run.py)
     promptlang serve                the OpenAI HTTP API over one engine          (serve.py)
+    promptlang tune [SOURCE...]     learn the model's seam adapter                (tune.py)
     promptlang cache ls|clear       the KV store's disk tier                      (cache.py)
     promptlang bench ...            latency, memory, accuracy benchmarks          (bench.py)
 
@@ -24,11 +25,12 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from promptlang.cli import bench, cache, check, compile, pml, run, serve
+from promptlang.cli import bench, cache, check, compile, pml, run, serve, tune
 from promptlang.cli.pml import format_binding, format_layout     # noqa: F401 - public helpers
 from promptlang.errors import PromptLangError
 
-GROUPS = (check, compile, pml, run, serve, cache, bench)     # in the order `--help` lists them
+# in the order `--help` lists them
+GROUPS = (check, compile, pml, run, serve, tune, cache, bench)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -121,7 +121,7 @@ def register(subparsers: Any) -> None:
                                "threads / N); default 1")
     accuracy.add_argument("--cost-tokens", type=_non_negative, metavar="N",
                           help="prompt length of the recompute cost section "
-                               "(default 6000; 0 skips it and the issue-8 goal)")
+                               "(default 6000; 0 skips it and the recompute cost goal)")
     accuracy.add_argument("--cost-repeats", type=_positive, metavar="R",
                           help="timed warm requests per setting in the cost section (default 3)")
     accuracy.add_argument("--resamples", type=_positive, metavar="B",
@@ -186,7 +186,7 @@ def register(subparsers: Any) -> None:
              "the baseline; the gold answer's teacher-forced log-probability and the "
              "first-token KL from the baseline, each setting against the baseline with "
              "paired bootstrap intervals; the TTFT of "
-             "every setting at ~6k tokens, accuracy.png and the issue-8 goal."),
+             "every setting at ~6k tokens, accuracy.png and the recompute cost goal."),
             ("serve", [common, serve], _handler("serve"), "the OpenAI server under load",
              "promptlang serve's API on 127.0.0.1 under 1, 4, 16 and 32 concurrent "
              "`openai` clients (streaming; RAG through the promptlang field and plain "
@@ -202,7 +202,7 @@ def register(subparsers: Any) -> None:
              "The same token ids through promptlang, llama.cpp (llama-cpp-python, in a "
              "process of its own, when installed) and transformers' full prefill: a ~6.4k "
              "document with new questions (llama.cpp's prefix hit), decode at that "
-             "context, and RAG k of N documents; the issue-20 goals."),
+             "context, and RAG k of N documents; the peers goals."),
             ("cluster", [common, cluster], _handler("cluster"),
              "routers compared on a local Ray Serve cluster",
              "A RAG workload (k of N documents) served by engine replicas on a local Ray "
@@ -308,7 +308,8 @@ def _kinds(text: str) -> tuple[str, ...]:
     return kinds
 
 
-_NEGATED = {"scaffold": "--no-scaffold", "store16": "--no-bf16", "isolate": "--no-isolate"}     # store_false options: dest -> flag
+# store_false options: dest -> flag
+_NEGATED = {"scaffold": "--no-scaffold", "store16": "--no-bf16", "isolate": "--no-isolate"}
 
 
 def command_line(args: argparse.Namespace) -> str:

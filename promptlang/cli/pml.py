@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import Any, Sequence
 
-from promptlang.errors import PromptLangError
+from promptlang.errors import DocumentKindError, PromptLangError
 
 DESCRIPTION = ("Parse each FILE. A schema is laid out with the tokenizer and its modules' "
                "positions are printed; a prompt is bound against --schema, else against the "
@@ -89,8 +89,8 @@ def check_files(args: argparse.Namespace) -> int:
     if args.schema and not args.no_layout:
         explicit = documents.get(args.schema) or parse(args.schema)
         if isinstance(explicit, nodes.PromptDoc):
-            explicit = PromptLangError(f"{args.schema}: --schema needs a <schema> file, "
-                                       "not a <prompt>")
+            explicit = DocumentKindError(f"{args.schema}: --schema needs a <schema> file, "
+                                         "not a <prompt>")
         if isinstance(explicit, PromptLangError):
             print(explicit, file=sys.stderr)
             failed = True

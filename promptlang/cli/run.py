@@ -56,17 +56,18 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from promptlang.errors import PromptLangError
+    from promptlang.errors import DocumentKindError
     from promptlang.inputs import read_text
     from promptlang.pml import nodes
     from promptlang.pml.parser import parse_file
     from promptlang.runtime import engine
 
-    schema, prompt = parse_file(args.schema), parse_file(args.prompt)
+    schema = parse_file(args.schema)
+    prompt = parse_file(args.prompt)
     if not isinstance(schema, nodes.Schema):
-        raise PromptLangError(f"{args.schema} holds a prompt, not a schema", schema.span)
+        raise DocumentKindError(f"{args.schema} holds a prompt, not a schema", schema.span)
     if not isinstance(prompt, nodes.PromptDoc):
-        raise PromptLangError(f"{args.prompt} holds a schema, not a prompt", prompt.span)
+        raise DocumentKindError(f"{args.prompt} holds a schema, not a prompt", prompt.span)
     for warning in (*schema.warnings, *prompt.warnings):
         print(warning, file=sys.stderr)
     started = time.perf_counter()

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from promptlang.errors import (ArgumentTooLongError, ContextLengthError, MissingArgumentError,
-                               PromptLangError, RoleError, Span, TokenizerMismatchError,
-                               UnionConflictError, UnknownModuleError, UnknownParameterError,
-                               UnknownSchemaError)
+from promptlang.errors import (ArgumentTooLongError, ContextLengthError, DuplicateNameError,
+                               EmptyPromptError, MissingArgumentError, RoleError, Span,
+                               TokenizerMismatchError, UnionConflictError, UnknownModuleError,
+                               UnknownParameterError, UnknownSchemaError)
 from promptlang.pml import nodes
 from promptlang.pml.layout import (ModuleLayout, ModulePath, SchemaLayout, Segment,
                                    module_unit_id, role_segment, scaffold_unit_id)
@@ -120,8 +120,8 @@ class _Binder:
                 self._import_scaffold(child)
         pos = flush(pos)
         if len(self.imported) == 1 and not self.uncached:
-            raise PromptLangError("the prompt is empty: it imports no module and adds no text",
-                                  prompt.span)
+            raise EmptyPromptError("the prompt is empty: it imports no module and adds no text",
+                                   prompt.span)
 
         modules = tuple(p for p in layout.modules if p in self.imported)
         units = self._units(modules)
@@ -158,7 +158,7 @@ class _Binder:
             raise UnknownModuleError(
                 f"{where} has no module {ref.name!r} (known: {known}){hint}", ref.span)
         if path in self.imported:
-            raise PromptLangError(f"module {'/'.join(path)!r} is imported twice", ref.span)
+            raise DuplicateNameError(f"module {'/'.join(path)!r} is imported twice", ref.span)
         if module.union is not None:
             chosen = self.union_choice.get(module.union)
             if chosen is not None:
@@ -216,7 +216,9 @@ class _Binder:
 
     def _units(self, modules: tuple[ModulePath, ...]) -> tuple[str, ...]:
         layout = self.layout
-        units, seen, whole = [], set(), {}
+        units = []
+        seen = set()
+        whole = {}
         for path in modules:
             module = layout.modules[path]
             if not module.cache:

@@ -105,7 +105,8 @@ class Locator:
     """A document's text under its file name: offsets -> spans, and the one way to fail."""
 
     def __init__(self, source: str, file: str):
-        self.source, self.file = source, file
+        self.source = source
+        self.file = file
         self._line_starts = [0] + [m.end() for m in re.finditer("\n", source)]
         self._line_texts: dict[int, str] = {}      # one copy of each line's text, shared by spans
 
@@ -139,14 +140,18 @@ class Chars:
     __slots__ = ("raw", "text", "offset", "cdata")
 
     def __init__(self, raw: str, text: str, offset: int, cdata: bool):
-        self.raw, self.text, self.offset, self.cdata = raw, text, offset, cdata
+        self.raw = raw
+        self.text = text
+        self.offset = offset
+        self.cdata = cdata
 
 
 class CommentToken:
     __slots__ = ("text", "offset")
 
     def __init__(self, text: str, offset: int):
-        self.text, self.offset = text, offset
+        self.text = text
+        self.offset = offset
 
 
 class Attr:
@@ -156,7 +161,10 @@ class Attr:
     __slots__ = ("name", "value", "offset", "value_offset")
 
     def __init__(self, name: str, value: str, offset: int, value_offset: int):
-        self.name, self.value, self.offset, self.value_offset = name, value, offset, value_offset
+        self.name = name
+        self.value = value
+        self.offset = offset
+        self.value_offset = value_offset
 
 
 class Tag:
@@ -166,8 +174,11 @@ class Tag:
 
     def __init__(self, name: str, attrs: list[Attr], closing: bool, self_closing: bool,
                  offset: int):
-        self.name, self.attrs, self.offset = name, attrs, offset
-        self.closing, self.self_closing = closing, self_closing
+        self.name = name
+        self.attrs = attrs
+        self.offset = offset
+        self.closing = closing
+        self.self_closing = self_closing
 
     def attr(self, name: str) -> Attr | None:
         return next((a for a in self.attrs if a.name == name), None)
@@ -194,15 +205,17 @@ class Lexer:
     bare '<' read as text is a warning (`collected_warnings`)."""
 
     def __init__(self, where: Locator):
-        self.where, self.source, self.fail = where, where.source, where.fail
+        self.where = where
+        self.source = where.source
+        self.fail = where.fail
         self.warnings: list[nodes.ParseWarning] = []
         self._unreported = 0                        # warnings past MAX_WARNINGS
         source = self.source
         self.pos = 0
         if source.startswith("\ufeff"):
             self.pos = 1
-        if source.startswith("<?xml", self.pos) and source[self.pos + 5:self.pos + 6] in (
-                "?", " ", "\t", "\r", "\n"):
+        after = source[self.pos + 5:self.pos + 6]
+        if source.startswith("<?xml", self.pos) and after in ("?", " ", "\t", "\r", "\n"):
             end = source.find("?>", self.pos)
             if end == -1:
                 self.fail("the <?xml ...?> declaration is not closed with '?>'", self.pos)
@@ -224,7 +237,8 @@ class Lexer:
         return (*self.warnings, more)
 
     def next(self) -> Token:
-        s, pos = self.source, self.pos
+        s = self.source
+        pos = self.pos
         if pos >= len(s):
             return End(pos)
         if s[pos] != "<" or self._bare_lt(pos):
@@ -310,14 +324,16 @@ class Lexer:
         return CommentToken(text, start)
 
     def _tag(self, start: int) -> Tag:
-        s, fail = self.source, self.fail
+        s = self.source
+        fail = self.fail
         closing = s.startswith("</", start)
         m = NAME.match(s, start + 2 if closing else start + 1)
         if m is None:
             if closing:
                 fail("expected a tag name after '</'", start + 2)
             fail("a bare '<' must be written &lt; (or the text put in <![CDATA[...]]>)", start)
-        name, pos = m.group(), m.end()
+        name = m.group()
+        pos = m.end()
         shown = f"</{name}>" if closing else f"<{name}>"
         attrs: list[Attr] = []
         seen: set[str] = set()             # attribute names so far: the duplicate check is O(1)
@@ -342,7 +358,8 @@ class Lexer:
             pos = self.pos
 
     def _attribute(self, m: re.Match, shown: str, seen: set[str]) -> Attr:
-        s, fail = self.source, self.fail
+        s = self.source
+        fail = self.fail
         name = m.group()
         if name in seen:
             fail(f"duplicate attribute '{name}' in {shown}", m.start())
@@ -402,7 +419,8 @@ def run_text(run: list[Chars]) -> tuple[str, int] | None:
     offsets = [p.offset for p in run]
     if not run[0].cdata:
         cut = _leading_cut(run[0].raw)
-        parts[0], offsets[0] = parts[0][cut:], offsets[0] + cut
+        parts[0] = parts[0][cut:]
+        offsets[0] = offsets[0] + cut
     if not run[-1].cdata:
         cut = len(run[-1].raw) - _trailing_cut(run[-1].raw)
         parts[-1] = parts[-1][:len(parts[-1]) - cut]

@@ -51,7 +51,9 @@ class _Parser:
         self.source = source
         self.base_dir = os.path.abspath(base_dir) if base_dir is not None else None
         where = Locator(source, file)
-        self.span, self.line_of, self.fail = where.span, where.line_of, where.fail
+        self.span = where.span
+        self.line_of = where.line_of
+        self.fail = where.fail
         self.lexer = Lexer(where)
         self.depth = 0
         self.src_budget: SrcBudget | None = None    # made at the first src= (reads the cap)
@@ -94,7 +96,8 @@ class _Parser:
         name = attrs["name"]
         if not name.value:
             self.fail("the schema name may not be empty", name.value_offset, SchemaError)
-        recompute, recompute_span = None, None
+        recompute = None
+        recompute_span = None
         if "recompute" in attrs:
             recompute, recompute_span = self.recompute_text(attrs["recompute"])
         modules: dict[str, int] = {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from promptlang.errors import PromptLangError
+from promptlang.errors import InvalidArgumentTypeError, PMLWriteError
 from promptlang.pml import nodes
 from promptlang.pml.lexer import is_name, strip_formatting
 
@@ -31,7 +31,7 @@ def write(node: nodes.Node) -> str:
 def _write(node: nodes.Node, out: list[str]) -> None:
     writer = _WRITERS.get(type(node))
     if writer is None:
-        raise TypeError(f"write() takes a PML node, not {type(node).__name__}")
+        raise InvalidArgumentTypeError(f"write() takes a PML node, not {type(node).__name__}")
     writer(node, out)
 
 
@@ -59,7 +59,7 @@ def _escape_attr(value: str) -> str:
 
 
 def _fail(message: str, node) -> NoReturn:
-    raise PromptLangError(message, getattr(node, "span", None))
+    raise PMLWriteError(message, getattr(node, "span", None))
 
 
 def _write_text(node: nodes.Text, out: list[str]) -> None:

@@ -49,8 +49,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal, Sequence
 
 from promptlang.pml.prompt import Prompt
-from promptlang.errors import PromptLangError
+from promptlang.errors import DuplicateNameError, InvalidArgumentError, InvalidArgumentTypeError
 from promptlang.pml import nodes
+from promptlang.runtime.decoding.engine_view import EngineView
 
 _TOOL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 _ACTION = re.compile(r"Action:\s*([A-Za-z][A-Za-z0-9_-]*)\s*\[(.*?)\]", re.DOTALL)
@@ -89,12 +90,12 @@ class Tool:
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _TOOL_NAME.fullmatch(self.name):
-            raise PromptLangError(f"a tool name is a letter then letters, digits, '_' or '-' "
+            raise InvalidArgumentError(f"a tool name is a letter then letters, digits, '_' or '-' "
                                   f"(it is written as `Action: name[input]`), not {self.name!r}")
         if not isinstance(self.description, str) or not self.description.strip():
-            raise PromptLangError(f"tool {self.name!r} needs a description")
+            raise InvalidArgumentError(f"tool {self.name!r} needs a description")
         if not callable(self.fn):
-            raise PromptLangError(f"tool {self.name!r}: fn must be callable")
+            raise InvalidArgumentTypeError(f"tool {self.name!r}: fn must be callable")
 
     def __call__(self, text: str) -> Any:
         return self.fn(text)
@@ -126,7 +127,8 @@ def parse_step(text: str) -> ParsedStep:
     wins over a final answer written after it; neither: the text is the answer."""
     thought_match = _THOUGHT.search(text)
     thought = thought_match.group(1).strip() if thought_match else ""
-    action, final = _ACTION.search(text), _FINAL.search(text)
+    action = _ACTION.search(text)
+    final = _FINAL.search(text)
     if action is not None and (final is None or action.start() < final.start()):
         return ParsedStep(thought, action.group(1), action.group(2).strip())
     if final is not None:
@@ -177,7 +179,7 @@ class AgentRun:
 class Agent:
     """A ReAct agent: `llm`, its tools, and the loop described in the module doc."""
 
-    def __init__(self, llm, tools: Iterable[Tool], *, name: str = "agent",
+    def __init__(self, llm: EngineView, tools: Iterable[Tool], *, name: str = "agent",
                  instructions: str = INSTRUCTIONS, format: str | None = None,
                  guided: bool = True, json_actions: bool = False, max_tokens: int = 48,
                  max_observation_chars: int = 400):
@@ -185,14 +187,14 @@ class Agent:
         self.tools: dict[str, Tool] = {}
         for t in tools:
             if not isinstance(t, Tool):
-                raise PromptLangError(f"an agent's tools are Tool objects, not {t!r}")
+                raise InvalidArgumentTypeError(f"an agent's tools are Tool objects, not {t!r}")
             if t.name in self.tools:
-                raise PromptLangError(f"two tools are named {t.name!r}")
+                raise DuplicateNameError(f"two tools are named {t.name!r}")
             self.tools[t.name] = t
         if not self.tools:
-            raise PromptLangError("an agent needs at least one tool")
+            raise InvalidArgumentError("an agent needs at least one tool")
         if FINAL_TOOL in self.tools and json_actions:
-            raise PromptLangError(f"{FINAL_TOOL!r} ends a JSON-action run: name the tool "
+            raise InvalidArgumentError(f"{FINAL_TOOL!r} ends a JSON-action run: name the tool "
                                   "otherwise")
         self.guided = guided
         self.json_actions = json_actions
@@ -214,7 +216,7 @@ class Agent:
         offered = list(self.tools) if tools is None else list(tools)
         unknown = [t for t in offered if t not in self.tools]
         if unknown:
-            raise PromptLangError(f"unknown tool {unknown[0]!r} (tools: {', '.join(self.tools)})")
+            raise InvalidArgumentError(f"unknown tool {unknown[0]!r} (tools: {', '.join(self.tools)})")
         refs = tuple(nodes.ModuleRef(f"tool-{t}") for t in self.tools if t in offered)
         doc = nodes.PromptDoc(self.schema.name, (
             nodes.ModuleRef("agent", children=refs), nodes.RoleOpen("user"),
@@ -231,7 +233,7 @@ class Agent:
         from promptlang.runtime.conversation.session import Session
 
         if max_steps < 1:
-            raise PromptLangError(f"max_steps must be at least 1, not {max_steps}")
+            raise InvalidArgumentError(f"max_steps must be at least 1, not {max_steps}")
         started = time.perf_counter()
         prompt = self.prompt(question, tools)
         offered = [t for t in self.tools if t in prompt.arguments["tools"]]
@@ -319,9 +321,11 @@ class Agent:
         if found is None:
             return f"Error: there is no tool {name!r} (tools: {', '.join(self.tools)})", True
         try:
-            observation, error = str(found(text)), False
+            observation = str(found(text))
+            error = False
         except Exception as e:      # noqa: BLE001 - a failing tool is an observation
-            observation, error = f"Error: {type(e).__name__}: {e}", True
+            observation = f"Error: {type(e).__name__}: {e}"
+            error = True
         observation = " ".join(observation.split())
         if len(observation) > self.max_observation_chars:
             observation = observation[:self.max_observation_chars] + " ..."

@@ -20,9 +20,9 @@ token count for a baseline session), attending to every token before it:
   re-tokenized end of a generation are plain text ("<|im_start|>" in them is not a
   turn), as in a prompt.
 - `generate` runs the decode loop (decode.py; sampling options as for `LLM.generate`)
-  and keeps the KV of the tokens that make up the returned text: an end-of-sequence token and the text of a stop string are
-  not part of the conversation (a stop string inside a token leaves that token's text
-  before the stop, re-tokenized).
+  and keeps the KV of the tokens that make up the returned text: an end-of-sequence token
+  and the text of a stop string are not part of the conversation (a stop string inside a
+  token leaves that token's text before the stop, re-tokenized).
 - `select` scores every option in ONE forward pass (each option attends to the
   conversation and to its own earlier tokens, all starting at the same position),
   keeps the winner's KV and drops the others.
@@ -40,19 +40,25 @@ import json
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 import torch
 
-from promptlang.errors import ContextLengthError, PromptLangError, RoleError
+from promptlang.errors import (ContextLengthError, InternalError, InvalidArgumentError,
+                               InvalidArgumentTypeError, RoleError, StateError)
 from promptlang.pml.nodes import ROLES
 from promptlang.runtime.decoding.constrain import Constraint, forced_drafts
 from promptlang.runtime.decoding.decode import Decoder
+from promptlang.runtime.decoding.engine_view import EngineView
 from promptlang.runtime.decoding.healing import Healing, healable
 from promptlang.runtime.passes.prefill import move_slots, prefill, truncate
 from promptlang.runtime.decoding.results import Choice, Opening, Timings, Turn
 from promptlang.runtime.decoding.sampling import (Decoding, SamplingParams, options_to_params,
                                          sequence_logprob)
+
+if TYPE_CHECKING:
+    from promptlang.pml.binding import BoundPrompt
+    from promptlang.runtime.kv.assembler import KVBuffer
 
 _REPLACEMENT = "\ufffd"
 _KEPT_LOGITS = 8           # logits kept per decode step, for rolling back to a stop string
@@ -67,6 +73,19 @@ class _QueuedInput:
     token_ids: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Start:
+    """Where a session starts: its prompt's KV buffer and the state after its prefill."""
+
+    bound: "BoundPrompt"
+    buffer: "KVBuffer"                 # the buffer the session keeps
+    position: int                      # the first position after what the buffer holds
+    logits: torch.Tensor               # [V]: the prediction for `position`
+    opening: Opening
+    role: str | None                   # the role the prompt leaves open
+    static_text: str                   # the prompt's text
+
+
 @dataclass
 class _Counters:
     tokens: int = 0                    # tokens computed by flushes since the last turn
@@ -76,29 +95,37 @@ class _Counters:
 class Session:
     """A bound prompt's KV plus a growing tail of computed tokens (see the module doc)."""
 
-    def __init__(self, llm, prompt, *, schema=None, baseline: bool = False,
-                 add_generation_prompt: bool = False, room: int = 256, recompute=None):
-        opened = llm.open(prompt, schema=schema, baseline=baseline, room=room,
-                          add_generation_prompt=add_generation_prompt, recompute=recompute)
-        self._setup(llm, prompt, opened.bound, baseline, opened.buffer)
-        self.position = opened.position
-        self.logits = opened.logits
-        self.opening = Opening(opened.cached_tokens, opened.prefill_tokens, opened.timings,
-                               opened.recomputed_tokens, opened.approximate_tokens)
-        self.role = _open_role(opened.bound)
-        self.static_text = opened.bound.render()
-
-    def _setup(self, llm, prompt, bound, baseline: bool, buffer) -> None:
+    def __init__(self, llm: EngineView, prompt, *, schema=None, baseline: bool = False,
+                 add_generation_prompt: bool = False, room: int = 256, recompute=None,
+                 start: _Start | None = None):
+        """`start`: the state to continue from instead of opening `prompt` (fork's)."""
+        if start is None:
+            opened = llm.open(prompt, schema=schema, baseline=baseline, room=room,
+                              add_generation_prompt=add_generation_prompt, recompute=recompute)
+            opening = Opening(opened.cached_tokens, opened.prefill_tokens, opened.timings,
+                              opened.recomputed_tokens, opened.approximate_tokens)
+            start = _Start(bound=opened.bound,
+                           buffer=opened.buffer,
+                           position=opened.position,
+                           logits=opened.logits,
+                           opening=opening,
+                           role=_open_role(opened.bound),
+                           static_text=opened.bound.render())
         self.llm = llm
         self.prompt = prompt
-        self.bound = bound
+        self.bound = start.bound
         self.baseline = baseline
-        self.buffer = buffer
+        self.buffer = start.buffer
+        self.position = start.position
+        self.logits = start.logits
+        self.opening = start.opening
+        self.role = start.role
+        self.static_text = start.static_text
         self.turns: list[Turn] = []
         self._pending: list[_QueuedInput] = []
         self._log: list[_QueuedInput] = []             # everything after the prompt, for replay
         self._since = _Counters()
-        self._release = weakref.finalize(self, llm.assembler.release, buffer)
+        self._release = weakref.finalize(self, llm.release_buffer, start.buffer)
 
     # --- state ---------------------------------------------------------------------------
 
@@ -143,7 +170,7 @@ class Session:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise PromptLangError("this session is closed")
+            raise StateError("this session is closed")
 
     # --- adding text ---------------------------------------------------------------------
 
@@ -151,7 +178,7 @@ class Session:
         """Queue `text` (computed with the next generate/select/flush)."""
         self._check_open()
         if not isinstance(text, str):
-            raise PromptLangError(f"a session appends text, not {type(text).__name__}")
+            raise InvalidArgumentTypeError(f"a session appends text, not {type(text).__name__}")
         if text:
             self._queue(_QueuedInput("text", text))
         return self
@@ -163,7 +190,7 @@ class Session:
         ids = tuple(int(t) for t in token_ids)
         vocab = self.llm.adapter.vocab_size
         if any(not 0 <= t < vocab for t in ids):
-            raise PromptLangError(f"token ids must be in [0, {vocab})")
+            raise InvalidArgumentError(f"token ids must be in [0, {vocab})")
         if ids:
             self._queue(_QueuedInput("tokens", self.llm.tokenizer.decode(ids), ids))
         return self
@@ -317,7 +344,8 @@ class Session:
         the session's prompt."""
         if not self._pending or self._pending[-1].kind != "text":
             return ""
-        ids, joined = self._token_ids(self._pending), "".join(p.text for p in self._pending)
+        ids = self._token_ids(self._pending)
+        joined = "".join(p.text for p in self._pending)
         healed = healable(self.llm.tokenizer, ids[-1]) if ids else None
         if not healed or not joined.endswith(healed):
             return ""
@@ -331,11 +359,13 @@ class Session:
         generated tokens that decodes to a prefix of it, plus the rest of it re-tokenized.
         Returns the kept token ids and how many tokens this had to compute."""
         decode = self.llm.tokenizer.decode
-        count, prefix = 0, ""
+        count = 0
+        prefix = ""
         for k in range(len(ids), 0, -1):
             candidate = decode(ids[:k])
             if text.startswith(candidate) and not candidate.endswith(_REPLACEMENT):
-                count, prefix = k, candidate
+                count = k
+                prefix = candidate
                 break
         computed = 0
         if count <= decoder.fed:
@@ -385,19 +415,24 @@ class Session:
         options = tuple(options)
         if not options or len(set(options)) != len(options) or \
                 any(not isinstance(o, str) or not o for o in options):
-            raise PromptLangError(f"select needs distinct non-empty option strings: {options!r}")
+            raise InvalidArgumentError(f"select needs distinct non-empty option strings: {options!r}")
         if normalise not in ("sum", "mean", "grammar"):
-            raise PromptLangError(f"normalise is 'sum', 'mean' or 'grammar', not {normalise!r}")
+            raise InvalidArgumentError(f"normalise is 'sum', 'mean' or 'grammar', not {normalise!r}")
         if normalise == "grammar":
             return self._select_by_grammar(options, name)
         encoded = [self.llm.tokenizer.encode(o) for o in options]
         if any(not e for e in encoded):
-            raise PromptLangError(f"an option of {options!r} has no tokens")
+            raise InvalidArgumentError(f"an option of {options!r} has no tokens")
         if sum(len(e) for e in encoded) > SCORED_TOKENS:    # one pass over them all: too big
             return self._select_by_grammar(options, name)
         started, prefill_seconds, prefill_tokens = self._start_turn()
-        base_length, base_position, context = self.length, self.position, self.logits
-        starts, ids, positions, groups = [], [], [], []
+        base_length = self.length
+        base_position = self.position
+        context = self.logits
+        starts = []
+        ids = []
+        positions = []
+        groups = []
         for index, e in enumerate(encoded):
             starts.append(len(ids))
             ids += e
@@ -406,7 +441,8 @@ class Session:
         q = len(ids)
         # each option sees the whole past and its own earlier tokens, all from one position
         logits = self._forward(ids, positions, groups, all_rows=True)          # [Q, V]
-        sums, means = [], []
+        sums = []
+        means = []
         for start, e in zip(starts, encoded):
             predictions = torch.cat([context[None], logits[start:start + len(e) - 1]])
             total = sequence_logprob(predictions, e)
@@ -415,7 +451,8 @@ class Session:
         decisive = sums if normalise == "sum" else means
         index = max(range(len(options)), key=lambda i: (decisive[i], -i))
         decided = time.perf_counter() - started
-        start, n = starts[index], len(encoded[index])
+        start = starts[index]
+        n = len(encoded[index])
         move_slots(self.buffer, base_length + start, base_length, n)
         truncate(self.buffer, base_length + n)
         self.position = base_position + n
@@ -437,7 +474,7 @@ class Session:
         turn = self.generate(max(len(o) for o in options) + 1, grammar=grammar, name=name,
                              temperature=0.0)
         if turn.text not in options:
-            raise PromptLangError(f"the grammar select ended on {turn.text!r}, not an option "
+            raise InternalError(f"the grammar select ended on {turn.text!r}, not an option "
                                   f"(finish: {turn.finish_reason})")
         index = options.index(turn.text)
         choice = Choice(turn.text, index, options, (), (),
@@ -453,7 +490,7 @@ class Session:
         both), then the live KV slice is copied into a buffer of the fork's own."""
         self.flush()
         n = self.buffer.length
-        buffer = self.llm.assembler.acquire(max(self.buffer.capacity, n + 1))
+        buffer = self.llm.acquire_buffer(max(self.buffer.capacity, n + 1))
         with torch.inference_mode():
             for name in ("keys", "values"):
                 getattr(buffer, name)[:, :, :n] = getattr(self.buffer, name)[:, :, :n]
@@ -461,13 +498,16 @@ class Session:
                 getattr(buffer, name)[:n] = getattr(self.buffer, name)[:n]
         buffer.length = n
         buffer.held = list(self.buffer.held)
-        other = object.__new__(Session)
-        other._setup(self.llm, self.prompt, self.bound, self.baseline, buffer)
-        other.position, other.logits, other.opening = self.position, self.logits, self.opening
-        other.role, other.static_text = self.role, self.static_text
+        start = _Start(bound=self.bound,
+                       buffer=buffer,
+                       position=self.position,
+                       logits=self.logits,
+                       opening=self.opening,
+                       role=self.role,
+                       static_text=self.static_text)
+        other = Session(self.llm, self.prompt, baseline=self.baseline, start=start)
         other.turns = list(self.turns)
         other._log = list(self._log)
-        other._since = _Counters()        # what was computed so far, this session computed
         return other
 
     def replay(self, *, baseline: bool = False) -> "Session":

@@ -34,6 +34,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
+from promptlang.errors import InvalidArgumentError
 from promptlang.runtime.kv.assembler import KVBuffer
 from promptlang.runtime.model import ModelAdapter
 from promptlang.runtime.passes.prefill import extend, truncate
@@ -100,15 +101,20 @@ class Decoder:
                  position: int, *, limit: int | None = None, draft: int = 0,
                  drafter: Drafter | None = None, constrain: Constrain | None = None,
                  keep: int = 0, materialize: bool | None = None):
-        self.adapter, self.buffer, self.decoding = adapter, buffer, decoding
-        self.position, self.limit = position, limit
-        self.draft, self.drafter = draft, drafter
+        self.adapter = adapter
+        self.buffer = buffer
+        self.decoding = decoding
+        self.position = position
+        self.limit = limit
+        self.draft = draft
+        self.drafter = drafter
         self.constrain = constrain
         if materialize is None:          # the fused layers read stored units in place
             fused = getattr(getattr(adapter, "fast", None), "decoder", None)
             materialize = fused is None or not fused.available()
         self.materialize = materialize
-        self.start_length, self.start_position = buffer.length, position
+        self.start_length = buffer.length
+        self.start_position = position
         self.fed = 0                     # generated tokens fed to the model and kept
         self.computed = 0                # tokens run through the model, rejected drafts too
         self.passes = 0                  # forward passes run
@@ -120,7 +126,8 @@ class Decoder:
         """Yield (token id, text delta, finished) per picked token, from `logits` ([V],
         the prediction for `position`) onward; the last item has finished=True. When
         no position is left the generation ends with reason "length" (token None)."""
-        decoding, limit = self.decoding, self.limit
+        decoding = self.decoding
+        limit = self.limit
         self.first_logits = logits
         if limit is not None and self.position >= limit:
             yield None, decoding.finish("length"), True
@@ -232,7 +239,7 @@ class BatchStepper:
         positions, and `finish(logits)`): the prefill runs in a coming step, and that step's
         events include the decoder's first pick."""
         if decoder.adapter is not self.adapter:
-            raise ValueError("decoders stepped together must share one model")
+            raise InvalidArgumentError("decoders stepped together must share one model")
         self.joining[key] = (decoder, pending)
 
     @torch.inference_mode()
@@ -240,7 +247,7 @@ class BatchStepper:
         """Start `decoder` from `logits` ([V], for its position): its first pick, as
         (token id, text delta, finished); it joins the next steps unless finished."""
         if decoder.adapter is not self.adapter:
-            raise ValueError("decoders stepped together must share one model")
+            raise InvalidArgumentError("decoders stepped together must share one model")
         decoder.first_logits = logits
         if decoder.limit is not None and decoder.position >= decoder.limit:
             return None, decoder.decoding.finish("length"), True
@@ -257,7 +264,8 @@ class BatchStepper:
     def step(self) -> list[tuple[object, int | None, str, bool]]:
         """One pass for every live decoder and the joining prefills that fit: (key, token
         id, text delta, finished) each."""
-        events, live = [], []
+        events = []
+        live = []
         for key, (d, token) in list(self.picked.items()):
             if d.limit is not None and d.position + 1 >= d.limit:   # no position to pick at
                 del self.picked[key]

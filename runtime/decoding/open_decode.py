@@ -13,15 +13,18 @@ import time
 
 from promptlang.runtime.decoding.constrain import Constraint, forced_drafts
 from promptlang.runtime.decoding.decode import Decoder
+from promptlang.runtime.decoding.engine_view import EngineView
 from promptlang.runtime.decoding.healing import Healing
 from promptlang.runtime.decoding.results import Opened, Result
 from promptlang.runtime.decoding.sampling import Decoding, SamplingParams
 
 
 class Generation:
-    def __init__(self, llm, opened: Opened, params: SamplingParams,
+    def __init__(self, llm: EngineView, opened: Opened, params: SamplingParams,
                  constraint: Constraint | None = None):
-        self.llm, self.opened, self.constraint = llm, opened, constraint
+        self.llm = llm
+        self.opened = opened
+        self.constraint = constraint
         self.decoding = Decoding(params, llm.tokenizer)
         limit = llm.max_positions
         hook = constraint
@@ -49,19 +52,27 @@ class Generation:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            if self.opened.tail is not None:
-                self.opened.tail.keep_decoded(self.llm.tails, self.opened.buffer)
-            self.llm.assembler.release(self.opened.buffer)
+            self.llm.finish(self.opened)
 
     def result(self) -> Result:
         """The Result (call after the last step; releases the buffer)."""
         self.release()
-        opened, t = self.opened, self.opened.timings
+        opened = self.opened
+        t = self.opened.timings
         t.total = time.perf_counter() - opened.started
         text, token_ids, reason = self.decoding.result()
         if opened.healed:            # the removed text is the caller's; a cut-short spelling too
             text = "" if opened.healed.startswith(text) else text.removeprefix(opened.healed)
-        return Result(text, token_ids, reason, t, opened.prefill_tokens, opened.cached_tokens,
-                      opened.recomputed_tokens, len(opened.exact), opened.approximate_tokens,
-                      None if self.constraint is None else self.constraint.complete,
-                      dict(opened.units), len(opened.primed), opened.tail_tokens)
+        return Result(text=text,
+                      token_ids=token_ids,
+                      finish_reason=reason,
+                      timings=t,
+                      prefill_tokens=opened.prefill_tokens,
+                      cached_tokens=opened.cached_tokens,
+                      recomputed_tokens=opened.recomputed_tokens,
+                      exact_units=len(opened.exact),
+                      approximate_tokens=opened.approximate_tokens,
+                      complete=None if self.constraint is None else self.constraint.complete,
+                      units=dict(opened.units),
+                      primed_units=len(opened.primed),
+                      tail_tokens=opened.tail_tokens)

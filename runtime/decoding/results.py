@@ -47,7 +47,7 @@ class Timings:
         return " | ".join(parts)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Result:
     text: str
     token_ids: list[int]
@@ -72,7 +72,7 @@ class Result:
     tail_tokens: int = 0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Opened:
     """A prefilled request and its KV buffer (`LLM.open`; what generate and a Session
     decode from). Whoever holds it gives the buffer back with
@@ -114,7 +114,7 @@ class PendingPrefill:
     finish: Callable[[torch.Tensor], None]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Prefilled:
     """A prefill's outputs, copied out of the request buffer (for tests and benchmarks).
     Token order: the assembled cached tokens, then the prefilled ones."""

@@ -29,7 +29,7 @@ from typing import Any, Literal, NamedTuple, Sequence
 
 import torch
 
-from promptlang.errors import PromptLangError
+from promptlang.errors import InvalidArgumentError
 from promptlang.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "eos", "length"]
@@ -37,8 +37,8 @@ FinishReason = Literal["stop", "eos", "length"]
 _REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
 
 
-def _fail(message: str) -> PromptLangError:
-    return PromptLangError(message)
+def _fail(message: str) -> InvalidArgumentError:
+    return InvalidArgumentError(message)
 
 
 def _as_int(value, name: str) -> int:
@@ -228,7 +228,8 @@ class Sampler:
             logits = torch.where(logits == math.inf, 0.0, -math.inf)
         # Shift before scaling so a tiny temperature cannot overflow to inf.
         logits = (logits - logits.max()) / self.params.temperature
-        top_k, top_p = self.params.top_k, self.params.top_p
+        top_k = self.params.top_k
+        top_p = self.params.top_p
         if not top_k and top_p >= 1.0:
             probs = torch.softmax(logits, dim=-1)
             return int(torch.multinomial(probs, 1, generator=self._generator(logits.device)))
@@ -439,7 +440,8 @@ class Decoding:
         return self._finish(reason, len(self.detokenizer.text))
 
     def _finish(self, reason: FinishReason, end: int) -> str:
-        self.finish_reason, self._end = reason, end
+        self.finish_reason = reason
+        self._end = end
         return self.detokenizer.finish(end)
 
     def result(self) -> DecodeResult:

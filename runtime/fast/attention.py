@@ -28,7 +28,8 @@ class NativeAttention:
                  value: torch.Tensor, scaling: float | None) -> torch.Tensor | None:
         """[1, H_kv, G*Q, D] (the G query heads of a KV head as its rows), or None."""
         # query: [1, H, Q, D]; key, value: [1, H_kv, K, D], new tokens last
-        q, k = query.shape[2], key.shape[2]
+        q = query.shape[2]
+        k = key.shape[2]
         if q > MAX_QUERIES or query.device.type != "cpu" or not native.enabled():
             return None
         pieces = [(keys[0], values[0], False)

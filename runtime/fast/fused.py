@@ -28,6 +28,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 import promptlang.runtime.fast.native as native
+from promptlang.errors import InvalidArgumentError
 from promptlang.runtime.fast.pieces import Piece
 
 # Past pieces pl_decoder reads in place: float32, and bfloat16 or float16 (a 16-bit store's
@@ -61,7 +62,7 @@ _WEIGHTS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_pr
 # the LM head reads its Q8_0 blocks for up to this many rows (the decoder layers' Q4_1 limit
 # is kernels.c's Q4_MAX_ROWS / Q4_MAX_ROWS_WIDE): the default model's head, 2 threads,
 # 512-bit tiles: 1 row 1.7 vs 4.1 ms, 16 rows 5.0 vs 7.4, 64 rows 15.3 vs 15.6 (float); with
-# the 256-bit tiles only up to 3 rows paid (measured in session 10)
+# 256-bit tiles the blocks are faster than the float head for up to 3 rows only
 Q_MAX_ROWS = 64
 Q_MAX_ROWS_NARROW = 3
 
@@ -72,14 +73,28 @@ _switch = native.Switch()
 disabled = _switch.off
 
 
+class _Serving(NamedTuple):
+    """What `FusedDecoder.approximated` puts back: the weights served instead of their float
+    copies, their kind, the float weights they were checked against, the kernel's table, and
+    whether the attention's products are bfloat16."""
+
+    blocks: dict
+    kind: int
+    seen: tuple
+    table: ctypes.Array | None
+    bf16_attention: bool
+
+
 class FusedDecoder:
     """pl_decoder for one model; build with `of`, which returns None for other structures."""
 
     def __init__(self, hf_model: torch.nn.Module, layers: list[torch.nn.Module]):
         base = hf_model.model
         attn = layers[0].self_attn
-        self.embed, self.rotary, self.norm, self.lm_head = (base.embed_tokens, base.rotary_emb,
-                                                            base.norm, hf_model.lm_head)
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.norm = base.norm
+        self.lm_head = hf_model.lm_head
         self.layers = layers
         self.heads = int(hf_model.config.num_attention_heads)
         self.kv_heads = int(hf_model.config.num_key_value_heads or self.heads)
@@ -91,13 +106,13 @@ class FusedDecoder:
         self._modules = [m for layer in layers for m in layer.modules()]
         self._modules += [hf_model, base, self.embed, self.rotary, self.norm, self.lm_head]
         self._table: tuple[tuple[int, ...], ctypes.Array] | None = None
-        # blocks served instead of float weights (attach_blocks): slot -> blocks, their kind
-        # (4: Q4_1, 8: Q8_0), the float weights' (pointer, version) they were checked
-        # against, and the kernel's table
-        self._q4: dict[int, torch.Tensor] = {}
-        self._q_kind = 4
-        self._q4_seen: tuple = ()
-        self._q4_table: ctypes.Array | None = None
+        # weights served instead of their float copies (attach_blocks, attach_int8): slot ->
+        # buffer, the buffers' kind (4: Q4_1 blocks, 8: Q8_0 blocks, 1: int8 rows), the float
+        # weights' (pointer, version) they were checked against, and the kernel's table
+        self._blocks: dict[int, torch.Tensor] = {}
+        self._blocks_kind = 4
+        self._blocks_seen: tuple = ()
+        self._blocks_table: ctypes.Array | None = None
         # the attention's products in bfloat16 (kernels.c `bf`; native.products_available
         # says where): twice the arithmetic rate, an approximation -- off unless asked for
         self.bf16_attention = False
@@ -105,8 +120,10 @@ class FusedDecoder:
         self._slots = [_slot(layer, name) for layer in layers for name in _WEIGHTS]
         self._shape = (ctypes.c_long * 6)(self.hidden, self.heads, self.kv_heads, self.head_dim,
                                           self.inter, len(layers))
-        nq, nkv, hidden, inter = self.heads * self.head_dim, self.kv_heads * self.head_dim, \
-            self.hidden, self.inter
+        nq = self.heads * self.head_dim
+        nkv = self.kv_heads * self.head_dim
+        hidden = self.hidden
+        inter = self.inter
         shapes = ((hidden,), (nq, hidden), (nkv, hidden), (nkv, hidden), (hidden, nq),
                   (hidden,), (inter, hidden), (inter, hidden), (hidden, inter),
                   (nq,), (nkv,), (nkv,), (hidden,), (inter,), (inter,), (hidden,))
@@ -118,13 +135,14 @@ class FusedDecoder:
         name prefix, "Llama": LlamaForCausalLM, LlamaDecoderLayer, ...), else None."""
         config = hf_model.config
         base = getattr(hf_model, "model", None)
-        if (type(hf_model).__name__ != f"{family}ForCausalLM"
-                or base is None or type(base).__name__ != f"{family}Model"
-                or getattr(config, "hidden_act", None) not in ("silu", "swish")
-                or getattr(config, "pretraining_tp", 1) != 1
-                or type(getattr(hf_model, "lm_head", None)) is not torch.nn.Linear
-                or type(getattr(base, "embed_tokens", None)) is not torch.nn.Embedding
-                or type(getattr(base, "norm", None)).__name__ != f"{family}RMSNorm"):
+        plain_model = (type(hf_model).__name__ == f"{family}ForCausalLM"
+                       and base is not None and type(base).__name__ == f"{family}Model"
+                       and type(getattr(hf_model, "lm_head", None)) is torch.nn.Linear
+                       and type(getattr(base, "embed_tokens", None)) is torch.nn.Embedding
+                       and type(getattr(base, "norm", None)).__name__ == f"{family}RMSNorm")
+        plain_config = (getattr(config, "hidden_act", None) in ("silu", "swish")
+                        and getattr(config, "pretraining_tp", 1) == 1)
+        if not plain_model or not plain_config:
             return None
         layers = list(base.layers[:config.num_hidden_layers])
         if not layers or not all(_is_plain_layer(layer, family) for layer in layers):
@@ -133,13 +151,15 @@ class FusedDecoder:
         same = {(float(l.input_layernorm.variance_epsilon),
                  float(l.post_attention_layernorm.variance_epsilon), float(l.self_attn.scaling),
                  int(l.self_attn.head_dim), l.mlp.gate_proj.out_features) for l in layers}
-        heads, d = config.num_attention_heads, int(first.self_attn.head_dim)
+        heads = config.num_attention_heads
+        d = int(first.self_attn.head_dim)
         kv_heads = config.num_key_value_heads or heads
-        if (len(same) != 1 or first.input_layernorm.variance_epsilon
-                != first.post_attention_layernorm.variance_epsilon
-                or first.self_attn.q_proj.out_features != heads * d
-                or heads % kv_heads or d % 8 or d > native.MAX_HEAD_DIM
-                or config.hidden_size % 8 or first.mlp.gate_proj.out_features % 8):
+        eps = first.input_layernorm.variance_epsilon
+        alike = len(same) == 1 and eps == first.post_attention_layernorm.variance_epsilon
+        heads_fit = first.self_attn.q_proj.out_features == heads * d and heads % kv_heads == 0
+        widths_fit = (d % 8 == 0 and d <= native.MAX_HEAD_DIM and config.hidden_size % 8 == 0
+                      and first.mlp.gate_proj.out_features % 8 == 0)
+        if not alike or not heads_fit or not widths_fit:
             return None                   # what pl_decoder's vector loops cannot take
         return cls(hf_model, layers)
 
@@ -156,9 +176,9 @@ class FusedDecoder:
         (whether each piece is a context, temperature, scale; runtime/model/adapter.py,
         ParallelContexts). query_out: [L, heads, D], receives the last token's rotated query
         of every layer. None (nothing written) where pl_decoder does not apply."""
-        if len(pieces) >= native.MAX_SEGMENTS or not all(
-                _readable(t, self.kv_heads, self.head_dim, (torch.float32,))
-                for t in (new_keys, new_values)):
+        new_readable = all(_readable(t, self.kv_heads, self.head_dim, (torch.float32,))
+                           for t in (new_keys, new_values))
+        if len(pieces) >= native.MAX_SEGMENTS or not new_readable:
             return None
         prepared = self._prepare(input_ids, positions, pieces)
         if prepared is None:
@@ -167,7 +187,7 @@ class FusedDecoder:
         native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
                        new_values, key_positions, None if key_positions is None else positions,
                        contexts=contexts, quantized=self._quantized(),
-                       quantized_kind=self._q_kind, query_out=query_out,
+                       quantized_kind=self._blocks_kind, query_out=query_out,
                        bf16_products=self.bf16_attention)
         return self._head(self.norm(x[rows]))
 
@@ -187,8 +207,9 @@ class FusedDecoder:
             return None
         contexts = None
         if tempered:
-            flags = [f for r in requests
-                     for f in (r.contexts[0] if r.contexts is not None else [False] * len(r.pieces))]
+            flags = []
+            for r in requests:
+                flags += r.contexts[0] if r.contexts is not None else [False] * len(r.pieces)
             contexts = (flags, *tempered.pop())
         pieces = [p for r in requests for p in r.pieces]
         q = sum(int(r.input_ids.shape[0]) for r in requests)
@@ -206,19 +227,23 @@ class FusedDecoder:
                 if r.key_positions is None:     # sees every past key: position 0 each
                     known.append(torch.zeros(past, dtype=torch.int64))
                 elif r.key_positions.shape[0] != past:
-                    raise ValueError("key_positions must give every past key of the request")
+                    raise InvalidArgumentError("key_positions must give every past key of the "
+                                               "request")
                 else:
                     known.append(r.key_positions.to(torch.int64))
             kpos = torch.cat(known)
             qpos = torch.cat([r.positions.to(torch.int64) for r in requests])
-        layers, heads, d = len(self.layers), self.kv_heads, self.head_dim
+        layers = len(self.layers)
+        heads = self.kv_heads
+        d = self.head_dim
         new_keys = torch.empty(layers, heads, q, d)
         new_values = torch.empty(layers, heads, q, d)
         native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
                        new_values, kpos, qpos, requests=spans, contexts=contexts,
-                       quantized=self._quantized(), quantized_kind=self._q_kind,
+                       quantized=self._quantized(), quantized_kind=self._blocks_kind,
                        bf16_products=self.bf16_attention)
-        rows, at = [], 0
+        rows = []
+        at = 0
         for r, (n, _) in zip(requests, spans):
             r.new_keys.copy_(new_keys[:, :, at:at + n])
             r.new_values.copy_(new_values[:, :, at:at + n])
@@ -232,9 +257,12 @@ class FusedDecoder:
         or None where it does not apply (switched off, hooks, too many tokens,
         pieces it cannot read, weights or rotary tables not in its layout)."""
         q = int(input_ids.shape[0])
-        if (not _switch or not 0 < q <= MAX_TOKENS or not native.enabled() or not native.available() or self._hooked()
-                or not all(_readable(t, self.kv_heads, self.head_dim, PIECE_DTYPES)
-                           and p.keys.dtype == p.values.dtype for p in pieces for t in p)):
+        in_range = 0 < q <= MAX_TOKENS
+        if not _switch or not in_range or not self.available() or self._hooked():
+            return None
+        readable = (_readable(t, self.kv_heads, self.head_dim, PIECE_DTYPES)
+                    and p.keys.dtype == p.values.dtype for p in pieces for t in p)
+        if not all(readable):
             return None
         table = self._weights()
         if table is None:
@@ -243,7 +271,8 @@ class FusedDecoder:
         if x.dtype != torch.float32:
             return None
         cos, sin = self.rotary(x[None], positions[None])               # [1, Q, D]
-        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        cos = cos[0].float().contiguous()
+        sin = sin[0].float().contiguous()
         if cos.shape != (q, self.head_dim):
             return None                   # partial rotary: not this kernel's layout
         return table, x, cos, sin
@@ -256,9 +285,10 @@ class FusedDecoder:
         ptrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
         if self._table is not None and self._table[0] == ptrs:
             return self._table[1]
-        if not all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu"
+        fitting = (t is None or (t.dtype == torch.float32 and t.device.type == "cpu"
                                  and t.is_contiguous() and tuple(t.shape) == shape)
-                   for t, shape in zip(tensors, self._shapes)):
+                   for t, shape in zip(tensors, self._shapes))
+        if not all(fitting):
             return None
         table = (ctypes.c_void_p * len(ptrs))(*[p or None for p in ptrs])
         self._table = (ptrs, table)
@@ -272,10 +302,10 @@ class FusedDecoder:
         the float weight the layer holds now, bit for bit (native.q_dequant); one that does
         not stays float. A float weight replaced or changed in place later turns every
         quantized weight off. Returns how many weights are served quantized."""
-        self._q4, self._q4_seen, self._q4_table = {}, (), None
+        self._drop_blocks()
         if kind not in (4, 8):
-            raise ValueError(f"block kind must be 4 (Q4_1) or 8 (Q8_0), not {kind!r}")
-        self._q_kind = kind
+            raise InvalidArgumentError(f"block kind must be 4 (Q4_1) or 8 (Q8_0), not {kind!r}")
+        self._blocks_kind = kind
         width = native.Q4_BYTES if kind == 4 else native.Q8_BYTES
         k_ok = all(n % 32 == 0 and n <= native.Q4_MAX_K
                    for n in (self.hidden, self.inter, self.heads * self.head_dim))
@@ -288,22 +318,23 @@ class FusedDecoder:
             slot = layer * len(_WEIGHTS) + index[name]
             params, key = self._slots[slot]
             weight = params.get(key)
-            if (weight is None or weight.dim() != 2 or weight.dtype != torch.float32
-                    or q.dtype != torch.uint8 or weight.shape[1] % 32
-                    or tuple(q.shape) != (weight.shape[0], weight.shape[1] // 32 * width)):
+            if weight is None or weight.dim() != 2 or weight.dtype != torch.float32:
+                continue
+            expected = (weight.shape[0], weight.shape[1] // 32 * width)
+            if q.dtype != torch.uint8 or weight.shape[1] % 32 or tuple(q.shape) != expected:
                 continue
             q = q.contiguous()
             if torch.equal(native.q_dequant(q, weight.shape[1], kind=kind), weight):
-                self._q4[slot] = q
+                self._blocks[slot] = q
         return self._attached()
 
     def _attached(self) -> int:
-        if self._q4:
-            self._q4_seen = self._q4_state()
-            self._q4_table = (ctypes.c_void_p * len(self._slots))(*[
-                self._q4[i].data_ptr() if i in self._q4 else None
+        if self._blocks:
+            self._blocks_seen = self._blocks_state()
+            self._blocks_table = (ctypes.c_void_p * len(self._slots))(*[
+                self._blocks[i].data_ptr() if i in self._blocks else None
                 for i in range(len(self._slots))])
-        return len(self._q4)
+        return len(self._blocks)
 
     def attach_int8(self) -> int:
         """Serve every linear weight of the decoder layers as int8 rows (kernels.c I8_KIND:
@@ -314,17 +345,17 @@ class FusedDecoder:
         unless asked for; replaces attached blocks. Returns how many weights are served (0,
         and the blocks stay, where the CPU lacks AVX512_VNNI or a width is not a multiple
         of 64)."""
-        if (any(n % 64 or n > native.Q4_MAX_K for n in (self.hidden, self.inter,
-                                                          self.heads * self.head_dim))
-                or not native.enabled() or not native.available()
-                or not native.products_available("int8")):
+        k_ok = all(n % 64 == 0 and n <= native.Q4_MAX_K
+                   for n in (self.hidden, self.inter, self.heads * self.head_dim))
+        if not k_ok or not self.available() or not native.products_available("int8"):
             return 0
-        self._q4, self._q4_seen, self._q4_table, self._q_kind = {}, (), None, 1
+        self._drop_blocks()
+        self._blocks_kind = 1
         for slot, (params, key) in enumerate(self._slots):
             weight = params.get(key)
             if (key == "weight" and weight is not None and weight.dim() == 2
                     and weight.dtype == torch.float32):
-                self._q4[slot] = int8_rows(weight.detach())
+                self._blocks[slot] = int8_rows(weight.detach())
         return self._attached()
 
     def attach_q8_head(self, blocks: torch.Tensor) -> bool:
@@ -335,11 +366,12 @@ class FusedDecoder:
         head by summation order only); False (float stays) otherwise."""
         self._q8_head = None
         weight = self.lm_head.weight
-        if (self.lm_head.bias is not None or weight.dtype != torch.float32
-                or self.hidden % 32 or self.hidden > native.Q4_MAX_K
-                or blocks.dtype != torch.uint8
-                or tuple(blocks.shape) != (weight.shape[0], self.hidden // 32 * native.Q8_BYTES)
-                or not native.enabled() or not native.available()):
+        head_fits = (self.lm_head.bias is None and weight.dtype == torch.float32
+                     and self.hidden % 32 == 0 and self.hidden <= native.Q4_MAX_K)
+        if not head_fits:
+            return False
+        expected = (weight.shape[0], self.hidden // 32 * native.Q8_BYTES)
+        if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected or not self.available():
             return False
         blocks = blocks.contiguous()
         same = all(torch.equal(native.q_dequant(blocks[i:i + 4096], self.hidden, kind=8),
@@ -360,54 +392,74 @@ class FusedDecoder:
             self._q8_head = None
         return self.lm_head(h)
 
-    def _q4_state(self) -> tuple:
+    def _blocks_state(self) -> tuple:
         return tuple((t.data_ptr(), t._version) for t in
-                     (self._slots[i][0].get(self._slots[i][1]) for i in sorted(self._q4)))
+                     (self._slots[i][0].get(self._slots[i][1]) for i in sorted(self._blocks)))
 
     def _quantized(self) -> ctypes.Array | None:
-        """The Q4_1 table for this pass, or None (none attached, or a float weight changed
+        """The blocks' table for this pass, or None (none attached, or a float weight changed
         since: torch counts in-place writes in `_version`)."""
-        if self._q4_table is None:
+        if self._blocks_table is None:
             return None
-        if self._q4_state() != self._q4_seen:
-            self._q4, self._q4_seen, self._q4_table = {}, (), None
+        if self._blocks_state() != self._blocks_seen:
+            self._drop_blocks()
             return None
-        return self._q4_table
+        return self._blocks_table
+
+    def _drop_blocks(self) -> None:
+        """Serve every linear weight of the decoder layers from its float copy again."""
+        self._blocks = {}
+        self._blocks_seen = ()
+        self._blocks_table = None
+
+    def _serving(self) -> _Serving:
+        return _Serving(blocks=self._blocks, kind=self._blocks_kind, seen=self._blocks_seen,
+                        table=self._blocks_table, bf16_attention=self.bf16_attention)
+
+    def _serve(self, serving: _Serving) -> None:
+        self._blocks = serving.blocks
+        self._blocks_kind = serving.kind
+        self._blocks_seen = serving.seen
+        self._blocks_table = serving.table
+        self.bf16_attention = serving.bf16_attention
 
     @contextlib.contextmanager
     def quantized_off(self):
         """Inside: every pass reads the float weights (A/B measurements, checks)."""
-        saved = self._q4_table, self._q8_head
-        self._q4_table, self._q8_head = None, None
+        table = self._blocks_table
+        head = self._q8_head
+        self._blocks_table = None
+        self._q8_head = None
         try:
             yield
         finally:
-            self._q4_table, self._q8_head = saved
+            self._blocks_table = table
+            self._q8_head = head
 
     @contextlib.contextmanager
     def approximated(self, int8_linears: bool = True, bf16_attention: bool = True):
         """Inside: the opt-in approximations on (where the CPU has them), then the weights
         and switches as before (side-by-side measurements: bench peers). KV computed inside
         is not the model's: keep it out of every store that outlives the block."""
-        saved = self._q4, self._q_kind, self._q4_seen, self._q4_table, self.bf16_attention
+        saved = self._serving()
         try:
             if int8_linears:
                 self.attach_int8()
             self.bf16_attention = self.bf16_attention or bf16_attention
             yield self
         finally:
-            self._q4, self._q_kind, self._q4_seen, self._q4_table, self.bf16_attention = saved
+            self._serve(saved)
 
     @property
     def numerics(self) -> tuple:
         """(int8 linears on, bfloat16 attention products on): the switches that change a
         pass's numbers (Q4_1/Q8_0 blocks give the float weights' values: not among them)."""
-        return bool(self._q4) and self._q_kind == 1, bool(self.bf16_attention)
+        return bool(self._blocks) and self._blocks_kind == 1, bool(self.bf16_attention)
 
     @property
     def quantized_weights(self) -> int:
         """How many linear weights are served from blocks (or int8 rows) now."""
-        return len(self._q4) if self._quantized() is not None else 0
+        return len(self._blocks) if self._quantized() is not None else 0
 
     def available(self) -> bool:
         """Whether the kernels can run now (the switches on, the library loaded)."""
@@ -445,7 +497,8 @@ def int8_values(buffer: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, tor
 
 
 def _is_plain_layer(layer: torch.nn.Module, family: str) -> bool:
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    attn = getattr(layer, "self_attn", None)
+    mlp = getattr(layer, "mlp", None)
     names = {"": layer, "self_attn": attn, "mlp": mlp,
              "input_layernorm": getattr(layer, "input_layernorm", None),
              "post_attention_layernorm": getattr(layer, "post_attention_layernorm", None)}

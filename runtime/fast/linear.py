@@ -41,10 +41,13 @@ class NativeLinear:
     __slots__ = ("module", "state", "checked")
 
     def __init__(self, module: torch.nn.Linear, state):
-        self.module, self.state, self.checked = module, state, None
+        self.module = module
+        self.state = state
+        self.checked = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.module.weight, self.module.bias
+        weight = self.module.weight
+        bias = self.module.bias
         if self.state.in_runtime_pass and native.enabled():
             if self.checked is None or self.checked[0] is not weight:   # once per weight
                 self.checked = (weight, native.weight_fits(weight, bias) and native.available())

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from promptlang.errors import PromptLangError
+from promptlang.errors import InternalError, InvalidArgumentError, PromptLangError
 from promptlang.home import native_dir, private_dir, untrusted_reason, write_private
 
 _SOURCE = Path(__file__).with_name("kernels.c")
@@ -49,7 +49,10 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: "NativeKernelsError | None" = None     # why required kernels are missing
 _tried = False
-_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+_P = ctypes.c_void_p
+_L = ctypes.c_long
+_I = ctypes.c_int
+_F = ctypes.c_float
 
 
 class NativeKernelsError(PromptLangError):
@@ -234,7 +237,8 @@ def _bind(library: Path) -> ctypes.CDLL:
     try:
         for name, (arguments, result) in signatures.items():
             kernel = getattr(lib, name)
-            kernel.argtypes, kernel.restype = arguments, result
+            kernel.argtypes = arguments
+            kernel.restype = result
     except AttributeError as exc:                 # "...: undefined symbol: pl_attend"
         raise _Unavailable(f"{library} lacks a kernel ({exc})") from None
     lib.pl_wide(int(os.environ.get(WIDE_ENV, "1").strip().lower() not in ("0", "false", "no",
@@ -291,11 +295,11 @@ def q_dequant(blocks: torch.Tensor, k: int, kind: int = 4) -> torch.Tensor:
     """The float32 weights [rows, k] of `blocks` ([rows, k / 32 * bytes] uint8; kind 4: Q4_1,
     8: Q8_0) as the kernels compute them: gguf's dequantized values exactly (Q4_1: d * q + m,
     multiply then add; Q8_0: d * q)."""
-    if (kind not in _KINDS or blocks.dtype != torch.uint8 or blocks.dim() != 2 or k % 32
-            or k > Q4_MAX_K or blocks.shape[1] != k // 32 * _KINDS[kind]
-            or not blocks.is_contiguous()):
-        raise ValueError("q_dequant takes contiguous [rows, k / 32 * block bytes] uint8 "
-                         f"blocks, k a multiple of 32 up to {Q4_MAX_K}")
+    shape_fits = (kind in _KINDS and blocks.dim() == 2 and k % 32 == 0 and k <= Q4_MAX_K
+                  and blocks.shape[1] == k // 32 * _KINDS[kind])
+    if not shape_fits or blocks.dtype != torch.uint8 or not blocks.is_contiguous():
+        raise InvalidArgumentError("q_dequant takes contiguous [rows, k / 32 * block bytes] uint8 "
+                                   f"blocks, k a multiple of 32 up to {Q4_MAX_K}")
     out = torch.empty(blocks.shape[0], k)
     (_lib or _load()).pl_q_dequant(blocks.data_ptr(), blocks.shape[0], k, kind, out.data_ptr())
     return out
@@ -305,9 +309,12 @@ def linear_q8(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """x [m, k] float32 . W^T for W given as Q8_0 `blocks` ([n, k / 32 * 34] uint8): the same
     values as W's float copy, the same tiles as pl_linear, ~3.8x fewer weight bytes."""
     m, k = x.shape
-    if (x.dtype != torch.float32 or k % 32 or k > Q4_MAX_K or blocks.dtype != torch.uint8
-            or blocks.shape[1] != k // 32 * Q8_BYTES or not blocks.is_contiguous()):
-        raise ValueError("linear_q8 takes float32 rows and contiguous Q8_0 blocks of their width")
+    rows_fit = x.dtype == torch.float32 and k % 32 == 0 and k <= Q4_MAX_K
+    blocks_fit = (blocks.dtype == torch.uint8 and blocks.shape[1] == k // 32 * Q8_BYTES
+                  and blocks.is_contiguous())
+    if not rows_fit or not blocks_fit:
+        raise InvalidArgumentError("linear_q8 takes float32 rows and contiguous Q8_0 blocks of "
+                                   "their width")
     x = x.contiguous()
     y = torch.empty(m, blocks.shape[0])
     (_lib or _load()).pl_linear_q8(x.data_ptr(), m, k, blocks.data_ptr(), blocks.shape[0],
@@ -318,10 +325,13 @@ def linear_q8(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 def linear_i8(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
     """x [m, k] . W^T, W as fused.py's int8 `rows` (n of them): the int8 linear layer alone."""
     m, k = x.shape
-    x, y = x.contiguous().float(), torch.empty(m, n)
-    if rows.numel() != n * (k + 4) or (_lib or _load()).pl_linear_i8(
-            x.data_ptr(), m, k, rows.data_ptr(), n, y.data_ptr()) != 0:
-        raise ValueError("linear_i8 takes k % 64 == 0 rows of n weights, on a CPU with VNNI")
+    x = x.contiguous().float()
+    y = torch.empty(m, n)
+    fits = rows.numel() == n * (k + 4)
+    if not fits or (_lib or _load()).pl_linear_i8(x.data_ptr(), m, k, rows.data_ptr(), n,
+                                                    y.data_ptr()) != 0:
+        raise InvalidArgumentError("linear_i8 takes k % 64 == 0 rows of n weights, on a CPU "
+                                   "with VNNI")
     return y
 
 
@@ -360,20 +370,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return y.view(*x.shape[:-1], n)
 
 
-# --- attention --------------------------------------------------------------------------------------
+# --- attention ------------------------------------------------------------------------------------
 
 def attend_fits(rows: torch.Tensor, pieces) -> bool:
     """Whether `attend` serves these rows [H_kv, R, D] and pieces ((keys, values, causal), ...)
     with keys/values [H_kv, n, D] whose rows are contiguous."""
     d = rows.shape[-1]
-    if (rows.dtype != torch.float32 or rows.device.type != "cpu" or d % 8 or d > MAX_HEAD_DIM
-            or not 0 < len(pieces) <= MAX_SEGMENTS):
+    rows_fit = (rows.dtype == torch.float32 and rows.device.type == "cpu" and d % 8 == 0
+                and d <= MAX_HEAD_DIM)
+    if not rows_fit or not 0 < len(pieces) <= MAX_SEGMENTS:
         return False
     for keys, values, _ in pieces:
         for t in (keys, values):
-            if (t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 3
-                    or t.shape[0] != rows.shape[0] or t.shape[2] != d
-                    or (t.shape[1] > 1 and t.stride(1) != d) or t.stride(2) != 1):
+            if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 3:
+                return False
+            strides_fit = (t.shape[1] <= 1 or t.stride(1) == d) and t.stride(2) == 1
+            if t.shape[0] != rows.shape[0] or t.shape[2] != d or not strides_fit:
                 return False
     return True
 
@@ -404,7 +416,7 @@ def attend(rows: torch.Tensor, pieces, new_tokens: int, scale: float,
                            vstride, lens, causal, new_tokens, out.data_ptr(),
                            None if lse is None else lse.data_ptr(), torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"pl_attend failed ({status})")
+        raise InternalError(f"pl_attend failed ({status})")
     return out, lse
 
 
@@ -443,12 +455,15 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     of every layer (before the softmax scale); None: not wanted.
     bf16_products: the attention's Q.K and P.V from bf16 inputs, float32 sums (kernels.c `bf`).
     """
-    layers, nseg = shape[5], len(pieces)
+    layers = shape[5]
+    nseg = len(pieces)
     spans = requests if requests is not None else [(int(x.shape[0]), nseg)]
-    if (any(n < 1 or p < 0 or p + 1 > MAX_SEGMENTS for n, p in spans)
-            or sum(n for n, _ in spans) != x.shape[0] or sum(p for _, p in spans) != nseg):
-        raise ValueError(f"pl_decoder takes requests of 1+ tokens and at most "
-                         f"{MAX_SEGMENTS - 1} past pieces each, covering every token and piece")
+    spans_fit = all(n >= 1 and p >= 0 and p + 1 <= MAX_SEGMENTS for n, p in spans)
+    covered = sum(n for n, _ in spans) == x.shape[0] and sum(p for _, p in spans) == nseg
+    if not spans_fit or not covered:
+        raise InvalidArgumentError(f"pl_decoder takes requests of 1+ tokens and at most "
+                                   f"{MAX_SEGMENTS - 1} past pieces each, covering every "
+                                   "token and piece")
 
     def per_layer(tensors):                       # [layer][tensor] pointers
         at = [(t.data_ptr(), t.stride(0) * t.element_size()) for t in tensors]
@@ -461,34 +476,45 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     vstride = (ctypes.c_long * max(nseg, 1))(*[p[1].stride(1) for p in pieces])
     lens = (ctypes.c_long * max(nseg, 1))(*[p[0].shape[2] for p in pieces])
     half = (ctypes.c_int * max(nseg, 1))(*[_HALF_KINDS.get(p[0].dtype, 0) for p in pieces])
-    newk, newv = per_layer([new_keys]), per_layer([new_values])
+    newk = per_layer([new_keys])
+    newv = per_layer([new_values])
     kpos = qpos = None
     if key_positions is not None:
-        if (key_positions.dtype != torch.int64 or query_positions is None
-                or query_positions.dtype != torch.int64
-                or key_positions.shape[0] != sum(p[0].shape[2] for p in pieces)
-                or query_positions.shape[0] != x.shape[0]):
-            raise ValueError("pl_decoder needs int64 positions of every past key and new token")
-        key_positions, query_positions = key_positions.contiguous(), query_positions.contiguous()
-        kpos, qpos = key_positions.data_ptr(), query_positions.data_ptr()
-    tok, seg = [0], [0]
+        past = sum(p[0].shape[2] for p in pieces)
+        keys_fit = key_positions.dtype == torch.int64 and key_positions.shape[0] == past
+        queries_fit = (query_positions is not None and query_positions.dtype == torch.int64
+                       and query_positions.shape[0] == x.shape[0])
+        if not keys_fit or not queries_fit:
+            raise InvalidArgumentError("pl_decoder needs int64 positions of every past key "
+                                       "and new token")
+        key_positions = key_positions.contiguous()
+        query_positions = query_positions.contiguous()
+        kpos = key_positions.data_ptr()
+        qpos = query_positions.data_ptr()
+    tok = [0]
+    seg = [0]
     for n, p in spans:
         tok.append(tok[-1] + n)
         seg.append(seg[-1] + p)
     nreq = len(spans)
-    ctx, invt, mixc = None, 1.0, 1.0
+    ctx = None
+    invt = 1.0
+    mixc = 1.0
     if contexts is not None:
         flags, temperature, mix = contexts        # (`scale` is the softmax's)
         if len(flags) != nseg or not temperature > 0:
-            raise ValueError("pl_decoder's contexts need a flag per piece and a temperature > 0")
+            raise InvalidArgumentError("pl_decoder's contexts need a flag per piece and a "
+                                       "temperature > 0")
         ctx = (ctypes.c_int * max(nseg, 1))(*[int(bool(f)) for f in flags])
-        invt, mixc = 1.0 / temperature, mix * temperature
+        invt = 1.0 / temperature
+        mixc = mix * temperature
     qout = None
     if query_out is not None:
-        if (query_out.dtype != torch.float32 or not query_out.is_contiguous()
-                or tuple(query_out.shape) != (layers, shape[1], shape[3])):
-            raise ValueError("pl_decoder's query_out must be [layers, heads, head_dim] float32, "
-                             "contiguous")
+        expected = (layers, shape[1], shape[3])
+        fits = query_out.dtype == torch.float32 and tuple(query_out.shape) == expected
+        if not fits or not query_out.is_contiguous():
+            raise InvalidArgumentError("pl_decoder's query_out must be [layers, heads, "
+                                       "head_dim] float32, contiguous")
         qout = query_out.data_ptr()
     status = (_lib or _load()).pl_decoder(
         x.data_ptr(), x.shape[0], shape, eps, scale, weights, cos.data_ptr(), sin.data_ptr(),
@@ -497,4 +523,4 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
         (ctypes.c_long * (nreq + 1))(*seg), ctx, invt, mixc, quantized, quantized_kind, qout,
         int(bool(bf16_products)), torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"pl_decoder failed ({status})")
+        raise InternalError(f"pl_decoder failed ({status})")

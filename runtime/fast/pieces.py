@@ -22,7 +22,8 @@ class Piece(NamedTuple):
 def slot_runs(shared, end: int):
     """Slots [0, end) as (start, stop, run) in slot order: `run` is the SharedKV (start,
     end, keys, values) whose tensors hold those slots, or None for the buffer's own."""
-    runs, at = [], 0
+    runs = []
+    at = 0
     for seg in sorted(shared or ()):
         if seg.start > at:
             runs.append((at, seg.start, None))
@@ -58,7 +59,8 @@ def flagged_pieces(keys: torch.Tensor, values: torch.Tensor, shared, end: int,
     if flags.shape[0] < end:
         flags = torch.cat([flags, torch.zeros(end - flags.shape[0], dtype=torch.bool)])
     cuts = set((torch.nonzero(flags[1:] != flags[:-1])[:, 0] + 1).tolist())
-    pieces, marks = [], []
+    pieces = []
+    marks = []
     for a, b, run in slot_runs(shared, end):
         bounds = [a, *sorted(c for c in cuts if a < c < b), b]
         for x, y in zip(bounds, bounds[1:]):

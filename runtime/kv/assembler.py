@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from promptlang.errors import PromptLangError
+from promptlang.errors import ConfigError, InvalidArgumentError
 from promptlang.runtime.kv.unit import UnitKV
 from promptlang.runtime.model import ModelAdapter, ParallelContexts, Past, SharedKV
 from promptlang.runtime.kv.plan import NO_RECOMPUTE, RecomputePlan
@@ -56,16 +56,18 @@ def pool_budget(environ=os.environ) -> int:
     text = environ.get(POOL_BUDGET_ENV, "").strip()
     if not text:
         return DEFAULT_POOL_BUDGET
-    number, unit = text.upper().rstrip("IB"), ""
+    number = text.upper().rstrip("IB")
+    unit = ""
     if number and number[-1] in _UNITS:
-        number, unit = number[:-1], number[-1]
+        unit = number[-1]
+        number = number[:-1]
     try:
         value = int(float(number) * _UNITS[unit])
     except ValueError:
         value = -1
     if value < 0:
-        raise PromptLangError(f"{POOL_BUDGET_ENV} must be a number of bytes (0 or more, "
-                              f"optionally with K, M or G), not {text!r}")
+        raise ConfigError(f"{POOL_BUDGET_ENV} must be a number of bytes (0 or more, "
+                          f"optionally with K, M or G), not {text!r}")
     return value
 
 
@@ -126,7 +128,8 @@ class KVBuffer:
                 end = seg.end
                 if key is not None:               # the unit's last run: the whole unit is in
                     self.held.append((key, end))
-        self.shared, self.shared_keys = [], []
+        self.shared = []
+        self.shared_keys = []
 
     def reserve(self, capacity: int) -> None:
         """Make room for `capacity` tokens, keeping the content (a decode that outgrew it)."""
@@ -151,7 +154,8 @@ class KVBuffer:
                 self.slot_keys[:, :, seg.start:index] = seg.keys[:, :, :index - seg.start]
                 self.slot_values[:, :, seg.start:index] = seg.values[:, :, :index - seg.start]
         kept = [(seg, key) for seg, key in zip(self.shared, self.shared_keys) if seg.end <= index]
-        self.shared, self.shared_keys = [seg for seg, _ in kept], [key for _, key in kept]
+        self.shared = [seg for seg, _ in kept]
+        self.shared_keys = [key for _, key in kept]
 
     def append(self, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Record ids/positions of tokens whose KV the adapter just wrote after `length`."""
@@ -185,7 +189,7 @@ class Assembler:
         if self.budget_bytes is None:
             self.budget_bytes = pool_budget()
         if self.budget_bytes < 0 or self.keep_idle < 0:
-            raise PromptLangError("the buffer pool's budget_bytes and keep_idle must be >= 0")
+            raise InvalidArgumentError("the buffer pool's budget_bytes and keep_idle must be >= 0")
 
     @property
     def idle_bytes(self) -> int:
@@ -227,7 +231,9 @@ class Assembler:
     def release(self, buffer: KVBuffer) -> None:
         """Take a buffer back: kept for the next request, unless the pool is over its budget
         or already keeps `keep_idle` idle buffers (then the least recently used go)."""
-        buffer.shared, buffer.shared_keys = [], []     # an idle buffer pins no store tensors
+        # an idle buffer pins no store tensors
+        buffer.shared = []
+        buffer.shared_keys = []
         buffer.contexts = None
         with self._lock:
             self._in_use.discard(buffer)
@@ -254,15 +260,18 @@ class Assembler:
         reuse = _common_prefix(buffer.held, [p.key for p in pieces])
         held = buffer.held[:reuse]
         at = held[-1][1] if held else 0
-        shares, budget = [], MAX_SHARED_RUNS
+        shares = []
+        budget = MAX_SHARED_RUNS
         for piece in pieces[reuse:]:               # in order, while the runs fit the budget
             shares.append(self._shares(buffer, piece) and len(piece.runs) <= budget)
             budget -= len(piece.runs) if shares[-1] else 0
         shared = [p for p, share in zip(pieces[reuse:], shares) if share]
         copied = [p for p, share in zip(pieces[reuse:], shares) if not share]
-        buffer.shared, buffer.shared_keys = [], []
+        buffer.shared = []
+        buffer.shared_keys = []
         for piece in copied:
-            kv, n = piece.kv, piece.count
+            kv = piece.kv
+            n = piece.count
             # kv.keys: [L, H_kv, S, D]
             if piece.keep is not None:
                 buffer.slot_keys[:, :, at:at + n] = kv.keys[:, :, piece.keep]
@@ -347,7 +356,8 @@ def _served_units(units: list[tuple[str, UnitKV]], recompute: RecomputePlan
 
 def _runs(keep: list[bool]) -> list[tuple[int, int]]:
     """[start, end) of each run of True in `keep`."""
-    runs, start = [], None
+    runs = []
+    start = None
     for i, flag in enumerate(keep + [False]):
         if flag and start is None:
             start = i

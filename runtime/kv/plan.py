@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from promptlang.errors import PromptLangError
+from promptlang.errors import InvalidArgumentError
 from promptlang.pml.layout import Segment
 
 
@@ -37,7 +37,8 @@ class RecomputePlan:
         cached = {p: t for t, p, origin in bound.sequence() if origin != "uncached"}
         missing = sorted(p for p in chosen if p not in cached)
         if missing:
-            raise PromptLangError(f"position {missing[0]} holds no cached token of this request")
+            raise InvalidArgumentError(f"position {missing[0]} holds no cached token of this "
+                                       "request")
         return cls(chosen, tuple(Segment((cached[p],), p, "recompute") for p in sorted(chosen)))
 
     def uncached(self, bound) -> tuple[Segment, ...]:

@@ -35,6 +35,7 @@ from typing import Sequence
 
 import torch
 
+from promptlang.errors import InvalidArgumentError
 from promptlang.runtime.kv.unit import UnitKV
 
 DEFAULT_BUDGET = 64 << 20        # bytes of tail KV kept per LLM
@@ -76,7 +77,7 @@ class TailCache:
 
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET):
         if budget_bytes < 0:
-            raise ValueError(f"tail_budget_bytes must be >= 0, not {budget_bytes!r}")
+            raise InvalidArgumentError(f"tail_budget_bytes must be >= 0, not {budget_bytes!r}")
         self.budget_bytes = budget_bytes
         self.hits = 0                   # requests served a tail prefix
         self.reused_tokens = 0          # tokens those requests did not compute
@@ -104,7 +105,8 @@ class TailCache:
         kept the logits after them (the request computes nothing), else at most all but the
         last (whose output the request needs). (None, 0) if none shares MIN_REUSE tokens."""
         whole = len(token_ids)
-        best, length = None, 0
+        best = None
+        length = 0
         with self._lock:
             for ident, tail in self._tails.items():
                 if tail.context != context:
@@ -117,7 +119,9 @@ class TailCache:
                 if n < whole or whole not in tail.logits:
                     n = min(n, whole - 1)
                 if n > length:
-                    best, length, key = tail, n, ident
+                    best = tail
+                    length = n
+                    key = ident
             if best is None or length < MIN_REUSE:
                 return None, 0
             self._tails.move_to_end(key)
@@ -140,9 +144,10 @@ class TailCache:
                     keys, values, dict(logits or {}))
         with self._lock:
             for ident, old in list(self._tails.items()):
-                if old.context == context and len(old.token_ids) <= n and \
-                        old.token_ids == tail.token_ids[:len(old.token_ids)] and \
-                        old.positions == tail.positions[:len(old.positions)]:
+                is_prefix = (len(old.token_ids) <= n
+                             and old.token_ids == tail.token_ids[:len(old.token_ids)]
+                             and old.positions == tail.positions[:len(old.positions)])
+                if old.context == context and is_prefix:
                     for k, row in old.logits.items():
                         tail.logits.setdefault(k, row)
                     self._bytes -= old.nbytes
@@ -193,7 +198,8 @@ class TailUse:
         n = self.length
         if self.reused is None or not n:
             return ids, positions
-        at, tail = buffer.length, self.reused
+        at = buffer.length
+        tail = self.reused
         buffer.slot_keys[:, :, at:at + n] = tail.keys[:, :, :n]
         buffer.slot_values[:, :, at:at + n] = tail.values[:, :, :n]
         buffer.positions[at:at + n] = torch.tensor(tail.positions[:n])
@@ -214,7 +220,8 @@ class TailUse:
             self._remember(cache, buffer)
 
     def _remember(self, cache: TailCache, buffer, logits=None) -> None:
-        start, end = self.start, buffer.length
+        start = self.start
+        end = buffer.length
         row = buffer.slot_keys[:, :, :1]                  # one token's keys
         if not cache.fits(row.numel() * row.element_size() * 2 * (end - start)):
             return                                        # not copied only to be dropped

@@ -32,8 +32,10 @@ class UnitKV:
                    (self.keys, self.values, self.positions, self.token_ids, self.placeholder))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "UnitKV":
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
         return UnitKV(move(self.keys), move(self.values), move(self.positions),
-                        move(self.token_ids), move(self.placeholder))
+                      move(self.token_ids), move(self.placeholder))
 
 

@@ -28,5 +28,5 @@ from promptlang.runtime.model.schemes import (AlibiAdapter, LearnedPositionAdapt
                                               adapt)
 
 __all__ = ["ATTENTION", "AlibiAdapter", "FAMILIES", "Family", "KVShape", "LearnedPositionAdapter",
-           "ModelAdapter", "ParallelContexts", "Past", "RopeAdapter", "SCHEMES", "SharedKV", "Step", "adapt",
-           "causal_allowed", "float_mask", "model_fingerprint"]
+           "ModelAdapter", "ParallelContexts", "Past", "RopeAdapter", "SCHEMES", "SharedKV", "Step",
+           "adapt", "causal_allowed", "float_mask", "model_fingerprint"]

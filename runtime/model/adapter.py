@@ -24,7 +24,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from promptlang.errors import ModelError
+from promptlang.errors import InternalError, ModelError, UnsupportedModelError
 from promptlang.runtime.fast import FastPaths, accelerate
 from promptlang.runtime.fast.fused import MAX_TOKENS, BatchRequest
 from promptlang.runtime.fast.native import MAX_SEGMENTS
@@ -189,11 +189,15 @@ class ModelAdapter:
         decoder = self.fast.decoder
         if decoder is None or self.sliding_window is not None:
             return None
-        requests, slots = [], []
+        requests = []
+        slots = []
         for input_ids, positions, past, by_position in items:
-            s, q = int(past.positions.shape[0]), int(input_ids.shape[0])
-            if s + q > past.keys.shape[2] or (past.shared and not self.reads_shared) \
-                    or (past.contexts is not None and not self.attends_in_parallel):
+            s = int(past.positions.shape[0])
+            q = int(input_ids.shape[0])
+            room = s + q <= past.keys.shape[2]
+            readable = ((not past.shared or self.reads_shared)
+                        and (past.contexts is None or self.attends_in_parallel))
+            if not room or not readable:
                 return None
             pieces, contexts = _pieces(past, s)
             requests.append(BatchRequest(
@@ -203,7 +207,8 @@ class ModelAdapter:
             slots.append((past, s, q))
         with self.lock:
             state = self.state
-            before, state.in_runtime_pass = state.in_runtime_pass, True
+            before = state.in_runtime_pass
+            state.in_runtime_pass = True
             try:
                 out = decoder.forward_batch(requests)
             finally:
@@ -226,7 +231,8 @@ class ModelAdapter:
         sink = torch.zeros(self.kv_shape.layers, heads, self.kv_shape.key_dim,
                            dtype=torch.float32, device=self.device)
         state = self.state
-        before, state.query_sink = state.query_sink, sink
+        before = state.query_sink
+        state.query_sink = sink
         try:
             yield sink
         finally:
@@ -251,13 +257,13 @@ class ModelAdapter:
         if past is None:
             past = Past(*self.empty_kv(q), positions.new_empty(0))
         if past.shared and not self.reads_shared:
-            raise ValueError(f"{type(self).__name__} cannot read shared KV slots")
+            raise UnsupportedModelError(f"{type(self).__name__} cannot read shared KV slots")
         if past.contexts is not None and not self.attends_in_parallel:
-            raise ValueError(f"{type(self).__name__} cannot attend to parallel contexts")
+            raise UnsupportedModelError(f"{type(self).__name__} cannot attend to parallel contexts")
         s = int(past.positions.shape[0])
         unmasked = allowed is None and self.sliding_window is None and self.unmasked_in_one_pass(s)
-        if q > self.chunk_size and s + q <= past.keys.shape[2] and not unmasked and \
-                (allowed is None or not bool(allowed[:, s:].triu(1).any())):
+        chunkable = q > self.chunk_size and s + q <= past.keys.shape[2] and not unmasked
+        if chunkable and (allowed is None or not bool(allowed[:, s:].triu(1).any())):
             # chunks are never fused: 16-bit shared runs are widened once, not per chunk
             return self._forward_chunked(input_ids, positions, _widened(past), allowed,
                                          logits_rows)
@@ -274,7 +280,8 @@ class ModelAdapter:
         in_place = s + q <= past.keys.shape[2]
         with self.lock:
             state = self.state
-            before, state.in_runtime_pass = state.in_runtime_pass, True   # kernels: this thread
+            before = state.in_runtime_pass
+            state.in_runtime_pass = True   # kernels: this thread
             try:
                 decoder = self.fast.decoder
                 if mask is None and in_place and decoder is not None:
@@ -285,8 +292,9 @@ class ModelAdapter:
                         query_out=state.query_sink)
                     if logits is not None:
                         return Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
-                if (by_position and in_place and decoder is not None
-                        and self.sliding_window is None and q <= FUSED_BY_POSITION_MAX):
+                fits_by_position = (by_position and self.sliding_window is None
+                                    and q <= FUSED_BY_POSITION_MAX)
+                if fits_by_position and in_place and decoder is not None:
                     logits = _fused_by_position(decoder, input_ids, positions, past, rows,
                                                 state.query_sink)
                     if logits is not None:
@@ -299,7 +307,8 @@ class ModelAdapter:
             finally:
                 state.in_runtime_pass = before
         if in_place:
-            keys, values = past.keys[:, :, s:s + q], past.values[:, :, s:s + q]
+            keys = past.keys[:, :, s:s + q]
+            values = past.values[:, :, s:s + q]
         else:
             keys = torch.stack([layer.new_keys[0] for layer in layers])
             values = torch.stack([layer.new_values[0] for layer in layers])
@@ -309,7 +318,9 @@ class ModelAdapter:
         """A long input as consecutive chunks, each attending to the past and the chunks
         before it (exact when no token attends to a later one): with a mask, attention
         then costs the causal half of Q x K instead of all of it, and masks stay small."""
-        q, s, c = int(input_ids.shape[0]), int(past.positions.shape[0]), self.chunk_size
+        q = int(input_ids.shape[0])
+        s = int(past.positions.shape[0])
+        c = self.chunk_size
         rows = logits_rows if logits_rows is not None else positions.new_empty(0)
         key_positions = torch.cat([past.positions, positions])
         order = torch.argsort(rows)                 # rows are served in input order
@@ -360,7 +371,8 @@ def _fused_by_position(decoder, input_ids, positions, past: Past, rows,
     runs before it (exact: positions increase). None, with nothing written, where the fused
     layers do not serve the first run."""
     # input_ids, positions: [Q]; past.keys: [L, H_kv, C, D] with room for the Q new tokens
-    q, s = int(input_ids.shape[0]), int(past.positions.shape[0])
+    q = int(input_ids.shape[0])
+    s = int(past.positions.shape[0])
     size = MAX_TOKENS
     first = _pieces(past, s)
     if len(first[0]) + 2 >= MAX_SEGMENTS:          # a later run may add one piece
@@ -369,7 +381,8 @@ def _fused_by_position(decoder, input_ids, positions, past: Past, rows,
     rows_sorted = rows[order]
     logits = []
     for start in range(0, q, size):
-        end, at = min(q, start + size), s + start
+        end = min(q, start + size)
+        at = s + start
         mine = rows_sorted[(rows_sorted >= start) & (rows_sorted < end)] - start
         pieces, contexts = first if start == 0 else _pieces(past, at)
         out = decoder.forward(input_ids[start:end], positions[start:end], pieces,
@@ -379,7 +392,7 @@ def _fused_by_position(decoder, input_ids, positions, past: Past, rows,
         if out is None:
             if start == 0:
                 return None
-            raise RuntimeError("the fused layers stopped serving a recompute pass half-way")
+            raise InternalError("the fused layers stopped serving a recompute pass half-way")
         logits.append(out)
     return torch.cat(logits)[torch.argsort(order)]
 

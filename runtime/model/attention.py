@@ -45,8 +45,9 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if sink is not None:                # the last token's rotated query (capture_query)
         sink[module.layer_idx] = query[-1, :, -1].float()
     shared = kwargs.get("promptlang_shared")
-    if not shared and (kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-                       or kwargs.get("output_attentions")):
+    needs_sdpa = (kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+                  or kwargs.get("output_attentions"))
+    if not shared and needs_sdpa:
         if attention_mask is None and query.shape[2] != key.shape[2]:
             attention_mask = _memo(kwargs, ("causal", 1, query.shape[2], key.shape[2]),
                                    lambda: _causal_mask(1, query.shape[2], key.shape[2],
@@ -54,7 +55,8 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=True, **kwargs)
     b, heads, q, d = query.shape
-    kv_heads, k = key.shape[1], key.shape[2]
+    kv_heads = key.shape[1]
+    k = key.shape[2]
     groups = heads // kv_heads
     out = None
     native = kwargs.get("promptlang_attend")
@@ -87,9 +89,10 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                    allow_is_causal_skip=True, **kwargs):
     """transformers' mask hook for `attention`: None where `attention` reads None right
     (plain causal, the new tokens last, no padding), else SDPA's boolean mask."""
-    if (allow_is_causal_skip and mask_function is causal_mask_function and local_size is None
-            and kv_offset == 0 and int(q_offset) == kv_length - q_length
-            and (attention_mask is None or bool(attention_mask.all()))):
+    plain_causal = (allow_is_causal_skip and mask_function is causal_mask_function
+                    and local_size is None)
+    new_last = kv_offset == 0 and int(q_offset) == kv_length - q_length
+    if plain_causal and new_last and (attention_mask is None or bool(attention_mask.all())):
         return None
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                      attention_mask, local_size=local_size, allow_is_causal_skip=False, **kwargs)
@@ -101,7 +104,8 @@ def _outside_attention(module, query, key, value, attention_mask, dropout, scali
     answers None for every causal pass with the new tokens last; SDPA's own causal flag
     aligns to the first key, so a None mask over a past is written out here."""
     # query: [B, H, Q, D]; key, value: [B, H_kv, K, D]
-    q, k = query.shape[2], key.shape[2]
+    q = query.shape[2]
+    k = key.shape[2]
     if attention_mask is None and 1 < q != k:
         attention_mask = _causal_mask(1, q, k, query.dtype, query.device)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -111,7 +115,8 @@ def _outside_attention(module, query, key, value, attention_mask, dropout, scali
 def _masked(query, key, value, mask, dropout, scaling, kwargs) -> torch.Tensor:
     """SDPA with the mask (None: causal over the last Q keys) as one [Q, K] block."""
     # query: [B, H, Q, D]; key, value: [B, H_kv, K, D]
-    q, k = query.shape[2], key.shape[2]
+    q = query.shape[2]
+    k = key.shape[2]
     groups = query.shape[1] // key.shape[1]
     block = _memo(kwargs, ("mask", id(mask), 1, q, k),
                   lambda: _additive(mask, 1, q, k, query.dtype, query.device))
@@ -122,7 +127,8 @@ def _masked(query, key, value, mask, dropout, scaling, kwargs) -> torch.Tensor:
 def _packed(query, key, value, mask, dropout, scaling, kwargs) -> torch.Tensor:
     """SDPA over the G query heads of each KV head packed as its rows; [B, H_kv, G*Q, D]."""
     # query: [B, H, Q, D]; key, value: [B, H_kv, K, D]
-    q, k = query.shape[2], key.shape[2]
+    q = query.shape[2]
+    k = key.shape[2]
     groups = query.shape[1] // key.shape[1]
     block = None
     if mask is not None or q > 1:
@@ -151,7 +157,8 @@ def _with_shared(layer: int, shared, query, key, value, mask, scaling, kwargs) -
     than from `key`/`value`: each piece of keys attended apart, the results merged by
     log-sum-exp; [B, H_kv, G*Q, D]. `mask` None or [B|1, 1, Q, K] as in `attention`."""
     # query: [B, H, Q, D]; key, value: [B, H_kv, K, D] over every slot, shared ones stale
-    q, k = query.shape[2], key.shape[2]
+    q = query.shape[2]
+    k = key.shape[2]
     groups = query.shape[1] // key.shape[1]
     rows = _rows(query, key.shape[1])
     if mask is None:                             # every past key visible, the new ones causal
@@ -178,7 +185,8 @@ def _parallel(layer: int, shared, query, key, value, mask, scaling, contexts,
     parts mixed by softmax(scale * temperature * L_C, L_O); [B, H_kv, G*Q, D]. `mask` as
     in `attention`; `contexts.context`: [K] bool over every key slot."""
     # query: [B, H, Q, D]; key, value: [B, H_kv, K, D], shared slots stale there
-    q, k = query.shape[2], key.shape[2]
+    q = query.shape[2]
+    k = key.shape[2]
     groups = query.shape[1] // key.shape[1]
     rows = _rows(query, key.shape[1]).float()
     pieces = layer_pieces(layer, shared, key, value, k)

@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import (AttentionMaskInterface, causal_mask_function,
-                                         sdpa_mask)
+                                        sdpa_mask)
 
 __all__ = ["BufferLayer", "FLASH_WITH_LSE", "attention_implementation", "buffer_cache",
            "causal_mask_function", "sdpa_attention_forward", "sdpa_mask", "use_attention"]
@@ -34,7 +34,9 @@ class BufferLayer(DynamicLayer):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
         # keys, values: [1, H_kv, C, D]
         super().__init__()
-        self._kbuf, self._vbuf, self._length = keys, values, length
+        self._kbuf = keys
+        self._vbuf = values
+        self._length = length
         self.device = keys.device
         self.keys = keys[:, :, :length]
         self.values = values[:, :, :length]
@@ -45,7 +47,8 @@ class BufferLayer(DynamicLayer):
         if end <= self._kbuf.shape[-2]:
             self._kbuf[:, :, self._length:end] = key_states
             self._vbuf[:, :, self._length:end] = value_states
-            self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
+            self.keys = self._kbuf[:, :, :end]
+            self.values = self._vbuf[:, :, :end]
         else:
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)

@@ -88,13 +88,14 @@ def quantized_blocks(gguf: Path, config) -> tuple[dict[tuple[int, str], torch.Te
 
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    linears, heads_by_name = {}, {}
+    linears = {}
+    heads_by_name = {}
     for tensor in GGUFReader(str(gguf)).tensors:
         if tensor.name in ("output.weight", "token_embd.weight"):
             heads_by_name[tensor.name] = tensor
         parts = tensor.name.split(".")
-        if (len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LINEARS
-                or tensor.tensor_type != GGMLQuantizationType.Q4_1):
+        linear = len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS
+        if not linear or tensor.tensor_type != GGMLQuantizationType.Q4_1:
             continue
         rows = torch.from_numpy(tensor.data.copy())          # [n, k / 32 * 20] uint8
         if parts[2] in ("attn_q", "attn_k"):

@@ -108,7 +108,8 @@ class AlibiAdapter(ModelAdapter):
              contexts=None):
         # softmax is shift-invariant per row, so slope * key_position equals -slope * distance
         bias = self._slopes[:, None, None] * key_positions.to(torch.float32)   # [H, 1, K]
-        self.state.alibi, self.state.mask = bias.to(self.dtype), mask
+        self.state.alibi = bias.to(self.dtype)
+        self.state.mask = mask
         try:
             return self.model(input_ids=input_ids, attention_mask=None, cache=cache,
                               use_cache=True, logits_to_keep=rows)

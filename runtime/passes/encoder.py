@@ -113,7 +113,9 @@ class UnitEncoder:
         return plan
 
     def _make_plan(self, layout: SchemaLayout, unit: Unit, primed: frozenset[str]) -> UnitPlan:
-        ids, pos, hold = [], [], []
+        ids = []
+        pos = []
+        hold = []
         for seg in unit.segments:
             ids += seg.token_ids
             pos += seg.positions
@@ -147,7 +149,9 @@ class UnitEncoder:
             h.update(b"lead\0" + array("q", lead).tobytes() + b"\0")
         for context_id in self.context_of(unit):
             context = layout.units[context_id]
-            c_ids, c_pos, c_hold = [], [], []
+            c_ids = []
+            c_pos = []
+            c_hold = []
             for seg in context.segments:
                 c_ids += seg.token_ids
                 c_pos += seg.positions
@@ -178,7 +182,8 @@ class UnitEncoder:
             with self.adapter.lock:      # one encoder of a key at a time; others then hit
                 kv, tier = self._lookup(plan.key)
                 if kv is None:
-                    kv, tier = self._encode_stored(layout, plan, stats, primed), "encoded"
+                    kv = self._encode_stored(layout, plan, stats, primed)
+                    tier = "encoded"
         if tally is not None:
             tally.served(tier)
         return kv
@@ -250,7 +255,10 @@ class UnitEncoder:
         self.calls += 1
         self.encoded.append(plan.key)
         skip = 0 if plan.lead is None else 1
-        own = lambda t: t[:, :, skip:].clone(memory_format=torch.contiguous_format)  # noqa: E731
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            return t[:, :, skip:].clone(memory_format=torch.contiguous_format)
+
         return UnitKV(own(step.keys), own(step.values), pos[skip:].clone(), ids[skip:].clone(),
                       plan.placeholder.to(device))
 

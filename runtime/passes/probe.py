@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from promptlang.errors import PromptLangError
+from promptlang.errors import InternalError, UnsupportedModelError
 from promptlang.runtime.kv.assembler import request_keys
 from promptlang.runtime.fast.pieces import past_pieces
 from promptlang.runtime.model import Past
@@ -56,9 +56,9 @@ def probe_choice(adapter, assembler, bound, units, found: dict[str, list[int]],
     as stored. `units`: the (key, UnitKV) pairs the request serves (engine.py), assembled
     into a buffer of the assembler's for the probe and released after it."""
     if not adapter.attends_in_parallel:
-        raise PromptLangError(f"recompute policy 'query:{k}' needs a RoPE model (Llama "
-                              f"family) with promptlang's attention; this one is "
-                              f"{adapter.model_type!r}")
+        raise UnsupportedModelError(f"recompute policy 'query:{k}' needs a RoPE model (Llama "
+                                    f"family) with promptlang's attention; this one is "
+                                    f"{adapter.model_type!r}")
     wanted = [p for positions in found.values() for p in positions]
     if k <= 0 or not wanted:
         return []
@@ -71,7 +71,7 @@ def probe_choice(adapter, assembler, bound, units, found: dict[str, list[int]],
         with adapter.capture_query() as query:
             prefill(adapter, buffer, ids, positions, all_logits=False)
         if not bool(query.any()):                        # a path that does not capture it
-            raise RuntimeError("the probe pass did not capture the last token's query")
+            raise InternalError("the probe pass did not capture the last token's query")
         mass = attention_mass(query, buffer.past(), buffer.length, attention_scaling(adapter))
         return top_candidates(mass, buffer.positions[:buffer.length], wanted, k)
     finally:

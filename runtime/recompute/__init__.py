@@ -24,16 +24,18 @@ request made exact (exact.made_exact).
 
 from __future__ import annotations
 
-__all__ = ["Recompute", "DEFAULT_POLICY", "RecomputeSpecError", "schema_policy", "choose_positions",
-           "first_tokens", "parallel_contexts", "candidates", "deviations", "layer_kv", "DEVIATION_LAYER",
-           "RecomputePlan", "NO_RECOMPUTE", "exact"]
+__all__ = ["Recompute", "DEFAULT_POLICY", "RecomputeSpecError", "schema_policy",
+           "choose_positions", "first_tokens", "parallel_contexts", "candidates", "deviations",
+           "layer_kv", "DEVIATION_LAYER", "RecomputePlan", "NO_RECOMPUTE", "exact"]
 
 # imported on first use: the policy's text parsing (CLI arguments) needs no torch
-_HOME = {"Recompute": "policy", "DEFAULT_POLICY": "policy", "RecomputeSpecError": "policy", "schema_policy": "policy",
+_HOME = {"Recompute": "policy", "DEFAULT_POLICY": "policy", "RecomputeSpecError": "policy",
+         "schema_policy": "policy",
          "choose_positions": "choose", "first_tokens": "choose",
          "parallel_contexts": "choose", "candidates": "deviation",
          "deviations": "deviation", "layer_kv": "deviation", "DEVIATION_LAYER": "deviation",
-         "RecomputePlan": "promptlang.runtime.kv.plan", "NO_RECOMPUTE": "promptlang.runtime.kv.plan"}
+         "RecomputePlan": "promptlang.runtime.kv.plan",
+         "NO_RECOMPUTE": "promptlang.runtime.kv.plan"}
 
 
 def __getattr__(name: str):

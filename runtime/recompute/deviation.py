@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from promptlang.errors import InternalError
 from promptlang.pml.binding import BoundPrompt
 from promptlang.runtime.kv.unit import UnitKV
 from promptlang.runtime.model import ModelAdapter, Past
@@ -63,7 +64,11 @@ def deviations(adapter: ModelAdapter, bound: BoundPrompt, units: dict[str, UnitK
     positions = torch.tensor([p for _, p, _ in sequence], device=adapter.device)
     layer = min(DEVIATION_LAYER, adapter.kv_shape.layers - 1)
     full_keys, full_values = layer_kv(adapter, [t for t, _, _ in sequence], positions, layer)
-    dk, dv, nk, nv, where = [], [], [], [], []
+    dk = []
+    dv = []
+    nk = []
+    nv = []
+    where = []
     for unit, wanted in chosen.items():
         kv = units[unit]
         wanted_t = torch.tensor(wanted, device=kv.positions.device)
@@ -72,13 +77,15 @@ def deviations(adapter: ModelAdapter, bound: BoundPrompt, units: dict[str, UnitK
         # [H_kv, n, D] each
         stored_k = kv.keys[layer][:, index].to(full_keys.dtype)
         stored_v = kv.values[layer][:, index].to(full_values.dtype)
-        fresh_k, fresh_v = full_keys[:, at], full_values[:, at]
+        fresh_k = full_keys[:, at]
+        fresh_v = full_values[:, at]
         dk.append((fresh_k - stored_k).pow(2).sum((0, 2)))
         dv.append((fresh_v - stored_v).pow(2).sum((0, 2)))
         nk.append(stored_k.pow(2).sum((0, 2)))
         nv.append(stored_v.pow(2).sum((0, 2)))
         where += kv.positions[index].tolist()
-    dk, dv = torch.cat(dk), torch.cat(dv)
+    dk = torch.cat(dk)
+    dv = torch.cat(dv)
     scale_k = float(torch.cat(nk).mean()) or 1.0
     scale_v = float(torch.cat(nv).mean()) or 1.0
     score = dk / scale_k + dv / scale_v
@@ -103,14 +110,15 @@ def layer_kv(adapter: ModelAdapter, token_ids: Sequence[int], positions: torch.T
         raise _Stop
 
     hook = _attention_module(adapter, layer).register_forward_hook(stop)
-    chunk_size, adapter.chunk_size = adapter.chunk_size, 1 << 30     # one pass: stop once
+    chunk_size = adapter.chunk_size
+    adapter.chunk_size = 1 << 30     # one pass: stop once
     try:
         adapter.forward(torch.tensor(list(token_ids), device=adapter.device), positions,
                         past, None, None)
     except _Stop:
         pass
     else:
-        raise RuntimeError("the forward pass never reached the layer's attention")
+        raise InternalError("the forward pass never reached the layer's attention")
     finally:
         hook.remove()
         adapter.chunk_size = chunk_size
@@ -123,7 +131,7 @@ def _attention_module(adapter: ModelAdapter, layer: int) -> torch.nn.Module:
     blocks = next((m for m in adapter.model.modules()
                    if isinstance(m, torch.nn.ModuleList) and len(m) == count), None)
     if blocks is None:
-        raise RuntimeError(f"cannot find the decoder layers of {adapter.model_type}")
+        raise InternalError(f"cannot find the decoder layers of {adapter.model_type}")
     block = blocks[layer]
     for name in ("self_attn", "self_attention", "attn", "attention"):
         child = getattr(block, name, None)

@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from promptlang.errors import InternalError
 from promptlang.pml.binding import BoundPrompt
 from promptlang.pml.layout import Segment
 from promptlang.runtime.kv.unit import UnitKV
@@ -108,11 +109,14 @@ def remember(store, bound: BoundPrompt, buffer, keys: dict[str, str], units: Seq
     request's `buffer` after its prefill; returns how many entries were written."""
     if not units:
         return 0
-    segments, sequence = bound.segments(), bound.sequence()
+    segments = bound.segments()
+    sequence = bound.sequence()
     n = buffer.length
     slots_by_position = torch.argsort(buffer.positions[:n])
     sorted_positions = buffer.positions[:n][slots_by_position]
-    keys_all, values_all = buffer.keys, buffer.values        # shared runs copied in first
+    # shared runs copied in first
+    keys_all = buffer.keys
+    values_all = buffer.values
     written = 0
     for unit_id in units:
         key = exact_key(keys[unit_id], segments, unit_id)
@@ -123,7 +127,7 @@ def remember(store, bound: BoundPrompt, buffer, keys: dict[str, str], units: Seq
         at = torch.searchsorted(sorted_positions, positions)
         slots = slots_by_position[at]
         if not torch.equal(buffer.positions[slots], positions):
-            raise RuntimeError(f"unit {unit_id!r} is not in the request's buffer")
+            raise InternalError(f"unit {unit_id!r} is not in the request's buffer")
         # keys_all: [L, H_kv, C, D]
         kv = UnitKV(keys_all[:, :, slots].clone(), values_all[:, :, slots].clone(), positions,
                     buffer.token_ids[slots].clone(), torch.zeros_like(positions, dtype=torch.bool))

@@ -105,7 +105,8 @@ class Recompute:
             return cls("seams", 1)
         if spec.startswith("query:") and "+" in spec:       # query:K+ape[:T[:S]]
             head, _, tail = spec.partition("+")
-            base, ape = cls._read(head, fail), cls._read(tail, fail)
+            base = cls._read(head, fail)
+            ape = cls._read(tail, fail)
             if base.primed or ape.primed:
                 raise fail("+primed comes last: query:K+ape[:T[:S]]+primed")
             if base.kind != "query" or ape.kind != "ape":

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from promptlang.errors import InvalidArgumentError
+
 SUFFIX = ".safetensors"
 
 KEY_RE = re.compile(r"[0-9A-Za-z_-]{1,128}\Z")
@@ -19,7 +21,8 @@ KEY_RE = re.compile(r"[0-9A-Za-z_-]{1,128}\Z")
 def check_key(key: str) -> None:
     """ValueError unless `key` is 1-128 characters of [0-9A-Za-z_-]."""
     if not isinstance(key, str) or not KEY_RE.match(key):
-        raise ValueError(f"store key must be 1-128 characters of [0-9A-Za-z_-], got {key!r}")
+        raise InvalidArgumentError(f"store key must be 1-128 characters of [0-9A-Za-z_-], "
+                                   f"got {key!r}")
 
 
 def file_name(key: str, stored: str) -> str:

@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from promptlang.errors import CacheError
+from promptlang.errors import CacheError, InvalidArgumentError
 from promptlang.home import kv_dir
 from promptlang.runtime.kv.unit import UnitKV
 from promptlang.runtime.store.disk import DiskCounters, DiskTier
@@ -100,10 +100,12 @@ class ModuleStore:
                             ("host_budget_bytes", host_budget_bytes),
                             ("disk_budget_bytes", disk_budget_bytes)):
             if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"ModuleStore: {name} must be None or a byte count >= 0, got {value!r}")
+                raise InvalidArgumentError(f"ModuleStore: {name} must be None or a byte count "
+                                           f">= 0, got {value!r}")
         for name, value in (("dtype", dtype), ("compute_dtype", compute_dtype)):
             if value is not None and value not in FLOAT_DTYPES:
-                raise ValueError(f"ModuleStore: {name} must be a float dtype, got {value!r}")
+                raise InvalidArgumentError(f"ModuleStore: {name} must be a float dtype, "
+                                           f"got {value!r}")
         self.dtype = dtype
         self.compute_dtype = compute_dtype
         self._cuda = self.device.type == "cuda"
@@ -123,7 +125,8 @@ class ModuleStore:
         self._misses = self._puts = self._prefetches = 0
 
     def __repr__(self) -> str:
-        return (f"ModuleStore(device={str(self.device)!r}, device_budget_bytes={self._device.budget}, "
+        return (f"ModuleStore(device={str(self.device)!r}, "
+                f"device_budget_bytes={self._device.budget}, "
                 f"host_budget_bytes={self._host.budget}, disk_dir={self.disk_dir}, "
                 f"disk_budget_bytes={self._disk_budget}, dtype={self.dtype})")
 
@@ -267,15 +270,20 @@ class ModuleStore:
         disk = self._disk.listing() if self._disk is not None else {}
         result = []
         for key in sorted(memory.keys() | disk.keys()):
-            tiers, nbytes, meta, file_bytes = [], 0, {}, None
+            tiers = []
+            nbytes = 0
+            meta = {}
+            file_bytes = None
             if key in memory:
                 tiers.append(memory[key][0])
-                nbytes, meta = memory[key][1].nbytes, memory[key][1].meta
+                nbytes = memory[key][1].nbytes
+                meta = memory[key][1].meta
             if key in disk:
                 tiers.append("disk")
                 file_bytes = disk[key].file_bytes
                 if key not in memory:
-                    nbytes, meta = disk[key].nbytes, disk[key].meta
+                    nbytes = disk[key].nbytes
+                    meta = disk[key].meta
             result.append(StoreEntry(key, tuple(tiers), nbytes, meta, file_bytes))
         return result
 
@@ -348,16 +356,19 @@ def _check_tiers(tiers: Iterable[str] | None) -> set[str]:
     tiers = {tiers} if isinstance(tiers, str) else set(tiers)
     unknown = tiers - set(TIERS)
     if unknown:
-        raise ValueError(f"unknown tier(s) {sorted(unknown)}; tiers are {TIERS}")
+        raise InvalidArgumentError(f"unknown tier(s) {sorted(unknown)}; tiers are {TIERS}")
     return tiers
 
 
 def _convert(kv: UnitKV, dtype: torch.dtype | None, device: torch.device) -> UnitKV:
     """`kv` with keys/values at `dtype` on `device`; the same tensors where nothing changes."""
-    keys, values = kv.keys.detach(), kv.values.detach()
+    keys = kv.keys.detach()
+    values = kv.values.detach()
     if dtype is not None and keys.dtype != dtype:
-        keys, values = keys.to(dtype), values.to(dtype)
-    out = UnitKV(keys, values, kv.positions.detach(), kv.token_ids.detach(), kv.placeholder.detach())
+        keys = keys.to(dtype)
+        values = values.to(dtype)
+    out = UnitKV(keys, values, kv.positions.detach(), kv.token_ids.detach(),
+                 kv.placeholder.detach())
     if any(t.device != device for t in tensors(out)):
         out = out.to(device)
     return out

@@ -9,6 +9,7 @@ import pytest
 
 from promptlang.cli import main
 from promptlang.runtime.kv.assembler import SHARE_MIN_TOKENS
+from tests.extras import needs_plots
 
 GOAL_LINE = re.compile(r"^(PASS|FAIL|N/A)  (.+?): ", re.M)
 LATENCY_GOALS = {"cached TTFT <= 2x floor", "cached >= 100x faster than baseline",
@@ -20,11 +21,10 @@ ACCURACY_GOAL = "recompute recovers >= half the cached-vs-baseline gap at >= 10x
 QUICK_SETTINGS = ("baseline", "cached", "cached+exact", "cached+first:2", "cached+deviation:0.2",
                   "cached-bf16", "isolate", "isolate+exact", "isolate+first:2",
                   "isolate+deviation:0.2", "scaffold")
-SEAM_GOALS = {"cached as right as the full prefill at >= 30x (issue 16)",
-              "cached+exact (the default policy) as right as the full prefill at >= 30x "
-              "(issue 16)",
-              "cached+first:2 as right as the full prefill at >= 30x (issue 16)",
-              "cached+deviation:0.2 as right as the full prefill at >= 30x (issue 16)"}
+SEAM_GOALS = {"cached as right as the full prefill at >= 30x",
+              "cached+exact (the default policy) as right as the full prefill at >= 30x",
+              "cached+first:2 as right as the full prefill at >= 30x",
+              "cached+deviation:0.2 as right as the full prefill at >= 30x"}
 
 
 def bench(capsys, *argv):
@@ -45,6 +45,8 @@ def goals(out):
     return {name: verdict for verdict, name in GOAL_LINE.findall(out)}
 
 
+@pytest.mark.slow
+@needs_plots
 def test_latency_quick_writes_every_tier_and_prints_the_goals(tmp_path, capsys):
     out = bench(capsys, "latency", "--out", str(tmp_path))
     rows = read_csv(tmp_path / "latency.csv")
@@ -107,6 +109,8 @@ def test_memory_quick_measures_both_stores_and_the_table(tmp_path, capsys):
     assert goals(out) == {MEMORY_GOAL: "PASS"}
 
 
+@pytest.mark.slow
+@needs_plots
 def test_accuracy_quick_scores_every_setting_and_kind(tmp_path, capsys):
     out = bench(capsys, "accuracy", "--out", str(tmp_path))
     rows = read_csv(tmp_path / "accuracy.csv")
@@ -137,6 +141,8 @@ def test_accuracy_quick_scores_every_setting_and_kind(tmp_path, capsys):
     assert data["goals"][0]["name"] == ACCURACY_GOAL
 
 
+@pytest.mark.slow
+@needs_plots
 def test_all_quick_writes_one_folder_with_a_report_and_every_goal(tmp_path, capsys):
     out = bench(capsys, "all", "--out", str(tmp_path / "run"), "--kinds", "single",
                 "--lengths", "64,128")

@@ -21,6 +21,7 @@ def test_affinity_keeps_more_in_memory_than_random_choice_when_memory_is_short()
     assert simulate("random", 2, 50, 100, 3, 0.9, 500)["hit_rate"] == 1.0
 
 
+@pytest.mark.slow
 def test_cluster_quick_compares_the_routers_and_scaling_projects_from_its_costs(
         tmp_path, capsys):
     pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install -e "

@@ -9,7 +9,8 @@ import math
 import pytest
 
 from promptlang.bench.report import (Progress, Spread, fit_exponent, format_table,
-                                             plot_ttft, ratios, write_csv, write_json)
+                                     plot_ttft, ratios, write_csv, write_json)
+from tests.extras import needs_plots
 
 
 def test_fit_exponent_recovers_power_laws():
@@ -61,6 +62,7 @@ def test_csv_and_json_hold_the_raw_numbers(tmp_path):
     assert json.loads(path.read_text()) == {"rows": rows, "seconds": math.pi}
 
 
+@needs_plots
 def test_plot_ttft_writes_a_png(tmp_path):
     path = plot_ttft(tmp_path / "plots" / "ttft.png",
                      {"baseline": ([512, 1024, 2048], [1.0, 2.5, 7.0]),

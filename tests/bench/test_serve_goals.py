@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from promptlang.bench.serve import Level, Sample, ServeOptions, ServeReport, goals, \
-    request_flops
+from promptlang.bench.serve import (Level, Sample, ServeOptions, ServeReport, goals,
+                                    request_flops)
 from promptlang.bench.shapes import ModelShape
 
 

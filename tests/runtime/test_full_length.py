@@ -58,6 +58,8 @@ from .oracle import (PARALLEL_ATTENTION, OracleResult, oracle_over_stored, oracl
                      reference_model, reference_pass)
 from .test_parallel_contexts import module_positions
 
+pytestmark = pytest.mark.slow      # a ~6,000-token prompt through every path: minutes
+
 THREADS = 2
 BLOCK = 128                    # keys per block in pl_attend / pl_decoder
 LOGITS_TOL = 5e-4

@@ -1,6 +1,6 @@
 """Several requests in one fused pass (fused.py `forward_batch`, pl_decoder's requests): each
 request's logits and new keys/values equal those of its own pass, so the linear layers can
-read every weight once per step for a whole batch (issue 18's batching).
+read every weight once per step for a whole batch (batched serving).
 
 The requests differ in past length and positions, one has several new tokens, two read
 the same unit's tensors, and the shorter pasts sit in key blocks next to the longer ones."""

@@ -79,7 +79,8 @@ def write_tiny_gguf(path, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def test_a_gguf_file_loads_converted_once_and_computes_its_weights(tmp_path, monkeypatch):
-    from promptlang.runtime import engine, loading
+    from promptlang.runtime import engine
+    from promptlang.runtime.model import loading
 
     monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
     path = tmp_path / "tiny.gguf"

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from promptlang.errors import PromptLangError
-from promptlang.runtime.decoding.sampling import (Decoding, IncrementalDetokenizer, SamplingParams,
-                                         StopChecker, sequence_logprob)
+from promptlang.runtime.decoding.sampling import (Decoding, IncrementalDetokenizer,
+                                                  SamplingParams, StopChecker, sequence_logprob)
 from promptlang.tokenizer import Tokenizer, WordTokenizer
 
 tokenizers = pytest.importorskip("tokenizers")

@@ -6,7 +6,7 @@ attention on and off (`native.few`), from a float32, bfloat16 and float16 store.
 The `bench peers` document (~6.4k tokens) is stored as a module in each store; every round
 times greedy decoding after its question (ms per token, 24 new tokens) in every store with
 the path on and off, in turns (the machine drifts over minutes), and checks that the two
-give the same text. docs/BENCHMARKS.md (session 18) has a run.
+give the same text. docs/BENCHMARKS.md has a run.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Texts of the `bench accuracy` kinds (quantize_cost.texts, up to 1,200 tokens eac
 default model encodes each text but its last 64 tokens, the past's keys and values are
 rounded to float16 or bfloat16 (what a 16-bit store holds), and the last 64 tokens are
 computed over that past; the next-token distributions' KL divergence from the float32
-past's, and how often the top token is the same. docs/BENCHMARKS.md (session 17) has a run.
+past's, and how often the top token is the same. docs/BENCHMARKS.md has a run.
 """
 
 from __future__ import annotations
