@@ -30,6 +30,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping, Sequence
 
+from promptlang.errors import InvalidArgumentError
+
 DEFAULT_IMBALANCED_THRESHOLD = 4        # queued requests between busiest and idlest replica
 DEFAULT_REPLICA_BYTES = 8 << 30         # unit bytes remembered per replica, at most
 DEFAULT_MIN_MATCH = 0.1                 # share of a request's bytes a replica must hold
@@ -49,7 +51,7 @@ class AffinityTable:
 
     def __post_init__(self):
         if self.max_bytes <= 0:
-            raise ValueError("an affinity table needs max_bytes > 0")
+            raise InvalidArgumentError("an affinity table needs max_bytes > 0")
 
     def observe(self, replica: Hashable, held: Mapping[str, int], grace: float = 0.0,
                 capacity: float | None = None) -> None:

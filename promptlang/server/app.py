@@ -12,7 +12,9 @@ A request becomes a prompt in prompts.py (chat messages, completion text, or PML
 Concurrent requests decode together (continuous batching: worker.py). Every failure is an
 OpenAI error object: 400 for a bad request (a PML error keeps its located
 message, `<request>:1:20: ...`), 401 for a missing or wrong `--api-key`, 404 for another
-model's name, 429 when the queue is full, 500 for a fault of the server's own.
+model's name, 408 for a body that took too long, 429 when the queue is full, 500 for a
+fault of the server's own. Every field is checked before a request is queued (`_parse`);
+once queued, any way out but its answer cancels the job.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,9 +32,11 @@ from typing import Any, AsyncIterator, Callable, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from promptlang.errors import PromptLangError
-from promptlang.server.prompts import (ChatSchemas, RequestError, completion_prompt,
+from promptlang.errors import InternalError, PromptLangError
+from promptlang.server.prompts import (ChatSchemas, RequestError, check_extension,
+                                       check_messages, completion_prompt, completion_text,
                                        extension_prompt, parse_messages)
 from promptlang.server.worker import EngineWorker, Job, QueueFull
 
@@ -41,18 +46,26 @@ MAX_BODY_BYTES = 8 << 20            # a request body larger than this is refused
 DEFAULT_CHAT_TOKENS = 256           # max_tokens when a chat request gives none
 DEFAULT_COMPLETION_TOKENS = 16      # the OpenAI API's default for completions
 DISCONNECT_POLL_S = 0.25            # how often a non-streamed request checks its client
+BODY_TIMEOUT_S = 30.0               # a request body must arrive within this (else 408, closed)
+MAX_JSON_DEPTH = 64                 # arrays and objects nested deeper are refused (400)
+_SURROGATE = re.compile("[\ud800-\udfff]")   # JSON's "\ud800" escapes: not Unicode text
 
 
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None):
+                 param: str | None = None, close: bool = False):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.param = param
+        self.close = close              # end the connection (the body was not read to its end)
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.kind,
                                        "param": self.param, "code": None}},
-                            status_code=self.status)
+                            status_code=self.status,
+                            headers={"Connection": "close"} if self.close else None)
 
 
 @dataclass
@@ -78,6 +91,7 @@ class ServerState:
     model_name: str
     api_key: str | None
     on_open: Callable[[Any, Mapping], None] | None = None
+    body_timeout: float = BODY_TIMEOUT_S
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -85,16 +99,18 @@ class ServerState:
 def create_app(llm, *, functions: Mapping[str, Any] | None = None,
                model_name: str = "promptlang", api_key: str | None = None,
                max_queue: int = 64, max_batch: int = 16,
-               on_open: Callable[[Any, Mapping], None] | None = None) -> FastAPI:
+               on_open: Callable[[Any, Mapping], None] | None = None,
+               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     """The ASGI app serving `llm` (a runtime LLM, schemas registered); `functions`: @prompt
     functions by name. The engine thread starts now (decoding up to `max_batch` requests
     together) and stops at the app's shutdown, after the requests already queued.
     `on_open(generation, extensions)`: called on the engine thread with each request it
-    opens (a runtime Generation) and the ASGI scope's `extensions` (a cluster replica learns which units it now holds:
-    cluster.py)."""
+    opens (a runtime Generation) and the ASGI scope's `extensions` (a cluster replica learns
+    which units it now holds: cluster.py). `body_timeout`: seconds a request's body may
+    take to arrive (then 408, and the connection is closed)."""
     worker = EngineWorker(max_queue=max_queue, max_batch=max_batch)
     state = ServerState(llm, worker, ChatSchemas(llm), dict(functions or {}), model_name,
-                        api_key, on_open)
+                        api_key, on_open, body_timeout)
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -107,6 +123,19 @@ def create_app(llm, *, functions: Mapping[str, Any] | None = None,
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, error: HTTPError):
         return error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_error(request: Request, error: StarletteHTTPException):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        response = HTTPError(error.status_code, str(error.detail), kind).response()
+        response.headers.update(error.headers or {})          # e.g. 405's Allow
+        return response
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, error: Exception):
+        log.error("request failed", exc_info=error)
+        return HTTPError(500, f"internal error: {type(error).__name__}",
+                         "server_error").response()
 
     @app.get("/health")
     async def health():
@@ -154,51 +183,188 @@ def _authorize(state: ServerState, request: Request) -> None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                             state.api_key.encode()):
+    key_matches = hmac.compare_digest(token.strip().encode(), state.api_key.encode())
+    if scheme.lower() != "bearer" or not key_matches:
         raise HTTPError(401, "missing or wrong API key (Authorization: Bearer KEY)",
                         "authentication_error")
 
 
-async def _body(request: Request) -> dict:
+async def _body(request: Request, timeout: float) -> dict:
+    """The request's JSON object: at most MAX_BODY_BYTES, arrived within `timeout` seconds,
+    nested at most MAX_JSON_DEPTH deep, every string valid Unicode; else an HTTPError."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise HTTPError(413, f"the request body is {int(length):,} bytes; at most "
-                             f"{MAX_BODY_BYTES:,} are read")
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise HTTPError(413, f"the request body is over {MAX_BODY_BYTES:,} bytes")
+                             f"{MAX_BODY_BYTES:,} are read", close=True)
+    _check_content_type(request.headers.get("content-type"))
+
+    async def read() -> bytearray:
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise HTTPError(413, f"the request body is over {MAX_BODY_BYTES:,} bytes",
+                                close=True)
+        return raw
     try:
-        body = json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raw = await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise HTTPError(408, f"the request body did not arrive within {timeout:g} s",
+                        close=True) from None
+    try:
+        body = json.loads(bytes(raw).decode("utf-8"), parse_constant=_not_json)
+    except ValueError as error:        # UnicodeDecodeError, JSONDecodeError, NaN/Infinity
         raise HTTPError(400, f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise HTTPError(400, "the request body is nested too deeply (at most "
+                             f"{MAX_JSON_DEPTH} levels of arrays and objects)") from None
     if not isinstance(body, dict):
         raise HTTPError(400, "the request body must be a JSON object")
+    _check_json(body)
     return body
 
 
-def _sampling(body: dict, chat: bool) -> dict:
-    """The request's sampling fields -> LLM.generate options (validated there too)."""
-    if body.get("n", 1) != 1:
+def _check_content_type(value: str | None) -> None:
+    """A body is JSON: no Content-Type (read as JSON), application/json or a +json type,
+    in UTF-8; anything else is a 400."""
+    if value is None:
+        return
+    media, _, params = value.partition(";")
+    media = media.strip().lower()
+    charset = next((v.strip().strip('"').lower() for k, _, v in
+                    (p.strip().partition("=") for p in params.split(";"))
+                    if k.strip().lower() == "charset"), "utf-8")
+    is_json = media == "application/json" or (media.startswith("application/")
+                                              and media.endswith("+json"))
+    if is_json and charset in ("utf-8", "utf8"):
+        return
+    raise HTTPError(400, f"the request body must be JSON in UTF-8 (Content-Type: "
+                         f"application/json), not {value[:100]!r}")
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_json(body: dict) -> None:
+    """400 for a body nested deeper than MAX_JSON_DEPTH or holding a string (or key) that
+    is not Unicode text (a lone surrogate, "\\ud800"): no tokenizer or schema sees it."""
+    stack: list[tuple[Any, int, str | None]] = [(body, 1, None)]
+    while stack:
+        value, depth, field_ = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise HTTPError(400, f"{field_ or 'the request body'} holds a lone surrogate "
+                                     "(e.g. \"\\ud800\"): text must be valid Unicode",
+                                param=field_)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise HTTPError(400, f"{field_ or 'the request body'} is nested too deeply (at "
+                                 f"most {MAX_JSON_DEPTH} levels of arrays and objects)",
+                            param=field_)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                name = field_
+                if name is None:               # a top-level field names what it holds
+                    name = "a field name" if _SURROGATE.search(key) else key
+                stack += [(key, depth + 1, name), (item, depth + 1, name)]
+        else:
+            stack += [(item, depth + 1, field_) for item in value]
+
+
+@dataclass
+class Parsed:
+    """A request, every field checked (`_parse`) before anything is queued."""
+
+    options: dict                    # LLM.start's sampling options (SamplingParams' fields)
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None           # as the client gave it (None: the default)
+    recompute: str | None = None     # the extension field's policy
+    extension: Mapping | None = None
+    messages: list | None = None     # parse_messages' Messages
+    text: str | None = None          # a completion's prompt
+
+
+_SAMPLING_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature",
+                    "top_p": "top_p", "seed": "seed", "stop": "stop", "regex": "promptlang",
+                    "grammar": "promptlang", "json_schema": "response_format",
+                    "give at most one": "response_format"}
+
+
+def _parse(state: ServerState, body: dict, chat: bool) -> Parsed:
+    """Every field the request gives, checked: types, ranges, the prompt's shape (a PML
+    text is parsed, and its names bound, on the engine thread). An HTTPError (400, 404)
+    before any work is queued."""
+    from promptlang.runtime.decoding.sampling import SamplingParams
+
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise HTTPError(400, "model must be a string", param="model")
+    if model not in (None, state.model_name):
+        raise HTTPError(404, f"the model {model!r} is not served here (this server serves "
+                             f"{state.model_name!r})", "not_found_error", "model")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
         raise HTTPError(400, "n must be 1: one choice per request is served", param="n")
-    default = DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS
-    max_tokens = body.get("max_completion_tokens") if chat else None
-    if max_tokens is None:
-        max_tokens = body.get("max_tokens")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise HTTPError(400, f"stream must be true or false, not {stream!r}", param="stream")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise HTTPError(400, "stream_options must be an object ({\"include_usage\": true})",
+                        param="stream_options")
+    include_usage = (stream_options or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise HTTPError(400, "stream_options.include_usage must be true or false",
+                        param="stream_options")
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = body.get(name)
+    if max_tokens is not None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise HTTPError(400, f"{name} must be a positive integer", param=name)
+        limit = state.llm.max_positions
+        if limit is not None and max_tokens > limit:
+            raise HTTPError(400, f"{name} is {max_tokens:,}, more than this model's context of "
+                                 f"{limit:,} tokens", param=name)
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise HTTPError(400, "stop must be a string or a list of strings", param="stop")
-    given = lambda name, default: default if body.get(name) is None else body[name]  # noqa: E731
+
+    def given(key: str, default: Any) -> Any:
+        return default if body.get(key) is None else body[key]
+
+    default = DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS
     options = {"max_new_tokens": default if max_tokens is None else max_tokens,
                "temperature": given("temperature", 1.0),      # the OpenAI API's defaults
                "top_p": given("top_p", 1.0), "seed": body.get("seed"),
                "stop": () if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop))}
-    if not isinstance(options["max_new_tokens"], int) or options["max_new_tokens"] < 1:
-        raise HTTPError(400, "max_tokens must be a positive integer", param="max_tokens")
     options.update(_response_format(body.get("response_format")))
-    return options
+    parsed = Parsed(options, bool(stream), bool(include_usage), max_tokens)
+    try:
+        if "promptlang" in body:
+            ext = body["promptlang"]
+            check_extension(ext, state.functions)
+            parsed.extension = ext
+            parsed.recompute = ext.get("recompute")
+            options.update({key: ext[key] for key in ("regex", "grammar")
+                            if ext.get(key) is not None})
+        elif chat:
+            parsed.messages = parse_messages(body.get("messages"))
+            check_messages(parsed.messages)
+        else:
+            parsed.text = completion_text(body.get("prompt"))
+        SamplingParams(**options)                   # its checks, before anything is queued
+    except PromptLangError as error:
+        message = str(error)
+        param = next((p for key, p in _SAMPLING_PARAMS.items() if message.startswith(key)),
+                     "promptlang" if parsed.extension is not None or "promptlang" in body
+                     else "messages" if chat else "prompt")
+        raise HTTPError(400, message.replace("max_new_tokens", name), param=param) from None
+    return parsed
 
 
 def _response_format(fmt: Any) -> dict:
@@ -221,18 +387,32 @@ def _response_format(fmt: Any) -> dict:
                     param="response_format")
 
 
+class _JobStream(StreamingResponse):
+    """A streamed answer whose job is cancelled however the response ends (sent, failed, or
+    never started because the client went away)."""
+
+    def __init__(self, job: Job, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
 async def _complete(state: ServerState, request: Request, chat: bool):
+    """One completion request. Every field is checked before its job is queued; from then
+    on, any way out but a finished answer cancels the job (the engine drops it at its next
+    step and its slot and buffer are free)."""
     endpoint = "chat" if chat else "completions"
+    job = None
     try:
         _authorize(state, request)
-        body = await _body(request)
-        if body.get("model") not in (None, state.model_name):
-            raise HTTPError(404, f"the model {body.get('model')!r} is not served here (this "
-                                 f"server serves {state.model_name!r})", "not_found_error",
-                            "model")
-        options = _sampling(body, chat)
-        stream = bool(body.get("stream", False))
-        job = Job(_opener(state, body, chat, options, request.scope.get("extensions") or {}),
+        body = await _body(request, state.body_timeout)
+        parsed = _parse(state, body, chat)
+        job = Job(_opener(state, parsed, request.scope.get("extensions") or {}),
                   asyncio.get_running_loop())
         try:
             state.worker.submit(job)
@@ -241,17 +421,36 @@ async def _complete(state: ServerState, request: Request, chat: bool):
         kind, value = await _first_event(job, request)
         if kind == "error":
             raise _as_http(value)
+        ids = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if parsed.stream:
+            response = _JobStream(job, _sse(state, job, ids, chat, parsed.include_usage),
+                                  media_type="text/event-stream",
+                                  headers={"Cache-Control": "no-cache"})
+            state.metrics.count(endpoint, 200)
+            job = None                          # the response cancels it when it ends
+            return response
+        answer = await _answer(state, job, request, chat, ids)
+        state.metrics.count(endpoint, answer.status_code if isinstance(answer, JSONResponse)
+                            else 200)
+        return answer
     except HTTPError as error:
         state.metrics.count(endpoint, error.status)
         return error.response()
-    state.metrics.count(endpoint, 200)
-    ids = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    if stream:
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_sse(state, job, ids, chat, include_usage),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    text, result = [], None
+    except Exception as error:                  # a fault of ours: logged, the type told
+        log.error("request failed", exc_info=error)
+        state.metrics.count(endpoint, 500)
+        return HTTPError(500, f"internal error: {type(error).__name__}",
+                         "server_error").response()
+    finally:
+        if job is not None:
+            job.cancel()                        # a no-op once the job has finished
+
+
+async def _answer(state: ServerState, job: Job, request: Request, chat: bool, ids: str):
+    """A non-streamed answer: the job's deltas gathered, then the response body (a dict),
+    or an error response."""
+    text = []
+    result = None
     while True:
         kind, value = await _next_event(job, request)
         if kind == "delta":
@@ -280,30 +479,39 @@ def _extension(result) -> dict:
     return {"units": dict(result.units)}
 
 
-def _opener(state: ServerState, body: dict, chat: bool, options: dict,
-            extensions: Mapping):
+def _opener(state: ServerState, parsed: Parsed, extensions: Mapping):
     """The job's thunk (run on the engine thread): the request's prompt, then LLM.start --
     bind, retrieve, assemble, prefill (a short one is left to the next decode step) -- or
     an error."""
     def open_request():
-        recompute = None
-        if "promptlang" in body:
-            ext = body["promptlang"]
-            prompt = extension_prompt(ext, state.functions)
-            recompute = ext.get("recompute") if isinstance(ext, Mapping) else None
-            for name in ("regex", "grammar"):
-                if isinstance(ext, Mapping) and ext.get(name) is not None:
-                    options[name] = ext[name]
-        elif chat:
-            prompt = state.chats.prompt(parse_messages(body.get("messages")))
+        if parsed.extension is not None:
+            prompt = extension_prompt(parsed.extension, state.functions)
+        elif parsed.messages is not None:
+            prompt = state.chats.prompt(parsed.messages)
         else:
-            prompt = completion_prompt(state.llm, body.get("prompt"))
-        opened = state.llm.start(prompt, recompute=recompute,
-                                 defer=state.worker.prefill_in_step, **options)
+            prompt = completion_prompt(state.llm, parsed.text)
+        if parsed.max_tokens is not None:
+            _check_room(state.llm, prompt, parsed.max_tokens)
+        opened = state.llm.start(prompt, recompute=parsed.recompute,
+                                 defer=state.worker.prefill_in_step, **parsed.options)
         if state.on_open is not None:
             state.on_open(opened, extensions)
         return opened
     return open_request
+
+
+def _check_room(llm, prompt, max_tokens: int) -> None:
+    """A 400, as vLLM answers, when the prompt and `max_tokens` together pass the model's
+    context (a request that gives no max_tokens gets what room is left, up to its default)."""
+    limit = llm.max_positions
+    if limit is None:
+        return
+    end = llm.bind(prompt).end            # a prompt that alone passes it: ContextLengthError
+    if end + max_tokens > limit:
+        raise HTTPError(400, f"this model's context is {limit:,} tokens, but the request asks "
+                             f"for {end + max_tokens:,} ({end:,} for the prompt, {max_tokens:,} "
+                             "for the completion): lower max_tokens or shorten the prompt",
+                        param="max_tokens")
 
 
 async def _first_event(job: Job, request: Request) -> tuple[str, Any]:
@@ -392,7 +600,8 @@ def _usage(state: ServerState, result) -> dict:
 def _as_http(error: BaseException) -> HTTPError:
     if isinstance(error, HTTPError):
         return error
-    if isinstance(error, (PromptLangError, RequestError)):
+    if isinstance(error, (PromptLangError, RequestError)) and \
+            not isinstance(error, InternalError):      # a bug: the server's fault
         return HTTPError(400, str(error))
     log.error("request failed", exc_info=error)
     return HTTPError(500, f"internal error: {type(error).__name__}", "server_error")
@@ -400,7 +609,8 @@ def _as_http(error: BaseException) -> HTTPError:
 
 def _prometheus(state: ServerState) -> str:
     """The counters in the Prometheus text exposition format."""
-    m, w = state.metrics, state.worker
+    m = state.metrics
+    w = state.worker
     lines = ["# HELP promptlang_requests_total HTTP requests by endpoint and status.",
              "# TYPE promptlang_requests_total counter"]
     for (endpoint, status), count in sorted(m.requests.items()):

@@ -75,16 +75,16 @@ class ClusterConfig:
         parsed, `schemas` may be comma-separated); unknown names are an error."""
         import dataclasses
 
-        from promptlang.errors import PromptLangError
+        from promptlang.errors import ConfigError
 
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(args) - set(known))
         if unknown:
-            raise PromptLangError(f"unknown cluster setting(s) {unknown}; known: "
-                                  f"{', '.join(known)}")
+            raise ConfigError(f"unknown cluster setting(s) {unknown}; known: "
+                              f"{', '.join(known)}")
         if "store" not in args:
-            raise PromptLangError("a cluster needs store=FOLDER: the disk tier its replicas "
-                                  "share")
+            raise ConfigError("a cluster needs store=FOLDER: the disk tier its replicas "
+                              "share")
         values = {}
         for name, value in args.items():
             kind = str(known[name].type)
@@ -96,7 +96,7 @@ class ClusterConfig:
                 elif isinstance(value, str) and kind.startswith("float"):
                     value = float(value)
             except ValueError:
-                raise PromptLangError(f"cluster setting {name}={value!r} is not a number") \
+                raise ConfigError(f"cluster setting {name}={value!r} is not a number") \
                     from None
             values[name] = value
         config = cls(**values)
@@ -104,15 +104,15 @@ class ClusterConfig:
         return config
 
     def check(self) -> None:
-        from promptlang.errors import PromptLangError
+        from promptlang.errors import ConfigError
 
         if self.router not in ROUTERS:
-            raise PromptLangError(f"router must be one of {', '.join(ROUTERS)}, "
-                                  f"not {self.router!r}")
+            raise ConfigError(f"router must be one of {', '.join(ROUTERS)}, "
+                              f"not {self.router!r}")
         if self.replicas < 1 or self.max_batch < 1 or self.max_queue < 1:
-            raise PromptLangError("replicas, max_batch and max_queue must be at least 1")
+            raise ConfigError("replicas, max_batch and max_queue must be at least 1")
         if self.threads is not None and self.threads < 1:
-            raise PromptLangError("threads must be at least 1")
+            raise ConfigError("threads must be at least 1")
 
 
 @dataclass
@@ -173,12 +173,15 @@ class EngineReplica:
         with self._lock:
             entries = list(self._held.items())
         store = self.llm.store
-        held, weights, nbytes = {}, 0, 0
+        held = {}
+        weights = 0
+        nbytes = 0
         for key, (stored, weight) in entries:
             sizes = [store.memory_bytes(k) for k in stored]
             if sizes and all(sizes):
                 held[key] = weight
-                weights, nbytes = weights + weight, nbytes + sum(sizes)
+                weights = weights + weight
+                nbytes = nbytes + sum(sizes)
         budget = store.memory_budget_bytes
         capacity = None if budget is None or not nbytes else budget * weights / nbytes
         return {"held": held, "capacity": capacity}
@@ -287,7 +290,8 @@ class Ingress:
                     list(request.headers.items()), body, {}, "")
         if request.method == "POST" and path.endswith("completions"):
             found = _route(body, path.endswith("chat/completions"), self.book)
-            call.modules, call.prompt = found.modules, found.prompt
+            call.modules = found.modules
+            call.prompt = found.prompt
         return await self._forward(call)
 
     async def _forward(self, call: Call) -> Response:

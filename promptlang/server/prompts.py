@@ -55,15 +55,11 @@ class ChatSchemas:
     def prompt(self, messages: Sequence[Message]) -> nodes.PromptDoc:
         """The prompt for `messages`: every message before the last imported as a module of
         the conversation's schema, the last one as new text, then the assistant's opening."""
-        if not messages:
-            raise RequestError("messages is empty: a chat request needs at least one message")
+        check_messages(messages)
         system = [m for m in messages if m.role == "system"]
         turns = [m for m in messages if m.role != "system"]
-        if system and messages[0].role != "system" or len(system) > 1:
-            raise RequestError("a system message may only come first, once")
-        if not turns:
-            raise RequestError("the messages hold no user or assistant turn")
-        earlier, last = turns[:-1], turns[-1]
+        earlier = turns[:-1]
+        last = turns[-1]
         head: list[nodes.SchemaChild] = []
         if system:
             head = [nodes.RoleOpen("system"), nodes.Text(system[0].content),
@@ -94,6 +90,18 @@ class ChatSchemas:
             self.llm.remove_schema(old)
 
 
+def check_messages(messages: Sequence[Message]) -> None:
+    """RequestError unless `messages` make a conversation ChatSchemas can serve (no model
+    needed: the server checks this before it queues the request)."""
+    if not messages:
+        raise RequestError("messages is empty: a chat request needs at least one message")
+    system = [m for m in messages if m.role == "system"]
+    if system and messages[0].role != "system" or len(system) > 1:
+        raise RequestError("a system message may only come first, once")
+    if len(system) == len(messages):
+        raise RequestError("the messages hold no user or assistant turn")
+
+
 def parse_messages(raw: Any) -> list[Message]:
     """OpenAI chat messages -> Messages (text content only)."""
     if not isinstance(raw, list):
@@ -102,7 +110,8 @@ def parse_messages(raw: Any) -> list[Message]:
     for i, message in enumerate(raw):
         if not isinstance(message, Mapping):
             raise RequestError(f"messages[{i}] must be an object with role and content")
-        role, content = message.get("role"), message.get("content")
+        role = message.get("role")
+        content = message.get("content")
         if role == "developer":                  # the newer name of the system role
             role = "system"
         if role not in ROLES:
@@ -118,8 +127,9 @@ def _text_content(content: Any, where: str) -> str:
     if isinstance(content, list):                # [{"type": "text", "text": ...}, ...]
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str):
+            is_text = (isinstance(part, Mapping) and part.get("type") == "text"
+                       and isinstance(part.get("text"), str))
+            if not is_text:
                 raise RequestError(f"{where}[{j}] must be a text part "
                                    "({'type': 'text', 'text': ...}); nothing else is served")
             parts.append(part["text"])
@@ -127,23 +137,28 @@ def _text_content(content: Any, where: str) -> str:
     raise RequestError(f"{where} must be a string or a list of text parts")
 
 
-def completion_prompt(llm, text: Any) -> nodes.PromptDoc:
-    """A completions request's `prompt`: new text against an empty schema."""
+def completion_text(text: Any) -> str:
+    """A completions request's `prompt` as one string; RequestError if it is none."""
     if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
         text = text[0]
     if not isinstance(text, str):
         raise RequestError("prompt must be a string (one prompt per request: n=1)")
     if not text:
         raise RequestError("prompt is empty: nothing to complete")
+    return text
+
+
+def completion_prompt(llm, text: Any) -> nodes.PromptDoc:
+    """A completions request's `prompt`: new text against an empty schema."""
+    text = completion_text(text)
     llm.add_schema(nodes.Schema(COMPLETION_SCHEMA, ()))
     return nodes.PromptDoc(COMPLETION_SCHEMA, (nodes.Text(text),))
 
 
-def extension_prompt(ext: Any, functions: Mapping[str, Any]):
-    """The prompt the `promptlang` extension field names: a PromptDoc (from `pml`) or a
-    compiled Prompt (from `function` and `args`)."""
-    from promptlang.pml.parser import parse_prompt
-
+def check_extension(ext: Any, functions: Mapping[str, Any]) -> None:
+    """RequestError unless the `promptlang` field is well formed: its fields and their types,
+    a known function that is not a program, a recompute policy that parses (no model needed:
+    the server checks this before it queues the request; the PML itself is parsed then)."""
     if not isinstance(ext, Mapping):
         raise RequestError("the promptlang field must be an object with pml, or function "
                            "and args")
@@ -153,20 +168,43 @@ def extension_prompt(ext: Any, functions: Mapping[str, Any]):
                            "or function and args, and optionally recompute, regex or grammar")
     if ("pml" in ext) == ("function" in ext):
         raise RequestError("the promptlang field needs exactly one of pml or function")
+    for name in ("regex", "grammar"):
+        if ext.get(name) is not None and (not isinstance(ext[name], str) or not ext[name]):
+            raise RequestError(f"promptlang.{name} must be a non-empty string")
+    recompute = ext.get("recompute")
+    if recompute is not None:
+        from promptlang.runtime.recompute.policy import Recompute
+
+        if not isinstance(recompute, str):
+            raise RequestError("promptlang.recompute must be a string naming a policy")
+        Recompute.parse(recompute)               # RecomputeSpecError: a PromptLangError
     if "pml" in ext:
         if not isinstance(ext["pml"], str):
             raise RequestError("promptlang.pml must be a string holding a <prompt>")
-        return parse_prompt(ext["pml"], file=REQUEST_FILE)
-    name, args = ext["function"], ext.get("args", {})
+        return
+    name = ext["function"]
     fn = functions.get(name) if isinstance(name, str) else None
     if fn is None:
         known = ", ".join(sorted(functions)) or "none are registered (serve --schemas app.py)"
         raise RequestError(f"unknown @prompt function {name!r} (known: {known})")
-    if not isinstance(args, Mapping):
+    if not isinstance(ext.get("args") or {}, Mapping):
         raise RequestError("promptlang.args must be an object of keyword arguments")
     if fn.generates:
         raise RequestError(f"{name} calls gen() or select(): programs are run with fn.run() "
                            "in Python, not served yet")
+
+
+def extension_prompt(ext: Any, functions: Mapping[str, Any]):
+    """The prompt the `promptlang` extension field names: a PromptDoc (from `pml`) or a
+    compiled Prompt (from `function` and `args`)."""
+    from promptlang.pml.parser import parse_prompt
+
+    check_extension(ext, functions)
+    if "pml" in ext:
+        return parse_prompt(ext["pml"], file=REQUEST_FILE)
+    name = ext["function"]
+    args = ext.get("args") or {}
+    fn = functions[name]
     try:
         return fn(**args)
     except TypeError as error:                   # missing or unexpected arguments

@@ -89,9 +89,11 @@ def _chat_route(raw: Any) -> RequestRoute:
 def _extension_route(ext: Any, book: SchemaBook) -> RequestRoute:
     prompt = extension_prompt(ext, book.functions)
     if isinstance(prompt, nodes.PromptDoc):           # PML: its schema is named
-        doc, schema = prompt, book.schemas.get(prompt.schema)
+        doc = prompt
+        schema = book.schemas.get(prompt.schema)
     else:                                             # a @prompt function's call
-        doc, schema = prompt.doc, prompt.schema
+        doc = prompt.doc
+        schema = prompt.schema
     if schema is None or doc.schema == COMPLETION_SCHEMA:
         return RequestRoute()
     modules = _module_table(schema)

@@ -29,11 +29,16 @@ request buffer goes back to the pool then. A full queue refuses new jobs at once
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from promptlang.errors import InvalidArgumentError
+
+log = logging.getLogger("promptlang.server")
 
 
 class QueueFull(Exception):
@@ -76,10 +81,12 @@ class EngineWorker:
     def __init__(self, max_queue: int = 64, max_batch: int = 16, prefill_in_step: int = 48,
                  prefill_first_below: int = 8):
         if max_queue < 1 or max_batch < 1 or prefill_in_step < 0 or prefill_first_below < 0:
-            raise ValueError("max_queue and max_batch must be at least 1, prefill_in_step "
-                             "and prefill_first_below at least 0")
-        self.max_queue, self.max_batch = max_queue, max_batch
-        self.prefill_in_step, self.prefill_first_below = prefill_in_step, prefill_first_below
+            raise InvalidArgumentError("max_queue and max_batch must be at least 1, "
+                                       "prefill_in_step and prefill_first_below at least 0")
+        self.max_queue = max_queue
+        self.max_batch = max_batch
+        self.prefill_in_step = prefill_in_step
+        self.prefill_first_below = prefill_first_below
         self.stats = WorkerStats()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._waiting = 0
@@ -145,11 +152,14 @@ class EngineWorker:
                                            prefill_first_below=self.prefill_first_below)
                 self._active[job] = generation
                 pending = generation.opened.pending
-                if pending is not None:                   # its prefill runs in the next step
-                    stepper.join(job, generation.decoder, pending)
-                else:
-                    self._handle(stepper, job, *stepper.add(job, generation.decoder,
-                                                            generation.opened.logits))
+                try:
+                    if pending is not None:               # its prefill runs in the next step
+                        stepper.join(job, generation.decoder, pending)
+                    else:
+                        self._handle(stepper, job, *stepper.add(job, generation.decoder,
+                                                                generation.opened.logits))
+                except Exception as error:                # this request's fault: fail it alone
+                    self._fail(stepper, job, error)
             for job in [j for j in self._active if j.cancelled.is_set()]:
                 stepper.remove(job)
                 self._active.pop(job).release()       # the buffer goes back now
@@ -175,7 +185,10 @@ class EngineWorker:
             finally:
                 self.stats.busy_seconds += time.perf_counter() - began
             for job, token, delta, finished in events:
-                self._handle(stepper, job, token, delta, finished)
+                try:
+                    self._handle(stepper, job, token, delta, finished)
+                except Exception as error:
+                    self._fail(stepper, job, error)
 
     def _open(self, job: Job):
         began = time.perf_counter()
@@ -191,6 +204,19 @@ class EngineWorker:
             self.stats.busy_seconds += time.perf_counter() - began
         job.emit("opened")
         return generation
+
+    def _fail(self, stepper, job: Job, error: Exception) -> None:
+        """Take `job` out of the batch (its buffer back to the pool) and hand it `error`:
+        a fault in one request neither stops the thread nor stays counted as running."""
+        generation = self._active.pop(job, None)
+        stepper.remove(job)
+        if generation is not None:
+            try:
+                generation.release()
+            except Exception:           # noqa: BLE001 - `error` is what the client gets
+                log.exception("releasing a failed request's buffer failed")
+        self.stats.failed += 1
+        job.emit("error", error)
 
     def _handle(self, stepper, job: Job, token, delta: str, finished: bool) -> None:
         generation = self._active[job]

@@ -10,10 +10,11 @@ after it.
 Where it applies (`heal_point`): the request's last token is text computed per request (the
 prompt's own text, not a role marker and not a cached module's token), so taking it off
 changes nothing in the cache layout; its text decodes cleanly; and some longer token starts
-with it (else nothing could merge with it). Not under a regex/JSON/grammar constraint (that
-constraint then says what the output starts with). Sessions (and so programs) heal the same
-way at `generate`: the last token of the text appended since the last computed token
-(`healable` on it; runtime/conversation/session.py).
+with it (else nothing could merge with it); and it is not the request's only token (a
+one-token prompt, "hi", would leave nothing to compute). Not under a regex/JSON/grammar
+constraint (that constraint then says what the output starts with). Sessions (and so
+programs) heal the same way at `generate`: the last token of the text appended since the
+last computed token (`healable` on it; runtime/conversation/session.py).
 
     point = heal_point(bound, tokenizer)       # None: nothing to heal
     bound = point.bound                        # the request without its last token
@@ -70,6 +71,8 @@ def heal_point(bound: BoundPrompt, tokenizer) -> HealPoint | None:
     if last.kind != "prompt" or last.role is not None or not last.token_ids \
             or last.end != bound.end or last.end <= cached_end:     # role markers: never
         return None
+    if sum(len(seg.token_ids) for seg, _ in bound.segments()) < 2:
+        return None              # the prompt's only token: taking it off leaves nothing to run
     text = healable(tokenizer, last.token_ids[-1])
     if text is None:
         return None

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from promptlang.errors import EmptyPromptError
 from promptlang.pml.layout import Segment
 from promptlang.runtime.kv.assembler import KVBuffer
 from promptlang.runtime.model import ModelAdapter
@@ -37,8 +38,8 @@ def visibility(past: torch.Tensor, positions: torch.Tensor,
     None when that is plain causal order after the whole past: the adapter's fast path.
     """
     # past: [S] int64 positions; positions: [Q] int64; groups: [Q]
-    if groups is None and bool((positions[1:] > positions[:-1]).all()) and \
-            not (past.numel() and int(past.max()) >= int(positions.min())):
+    in_order = groups is None and bool((positions[1:] > positions[:-1]).all())
+    if in_order and not (past.numel() and int(past.max()) >= int(positions.min())):
         return None
     new = positions[None, :] <= positions[:, None]
     if groups is not None:
@@ -93,7 +94,8 @@ def baseline_prefill(adapter: ModelAdapter, buffer: KVBuffer, token_ids: Sequenc
 
 def uncached_tokens(segments: Sequence[Segment]) -> tuple[list[int], list[int]]:
     """(token ids, positions) of the uncached segments, position order."""
-    ids, positions = [], []
+    ids = []
+    positions = []
     for seg in sorted(segments, key=lambda s: s.start):
         ids += seg.token_ids
         positions += seg.positions
@@ -110,18 +112,24 @@ def with_last(buffer: KVBuffer, ids: list[int], positions: list[int]
                    int(buffer.positions[:buffer.length].max()) > positions[-1]):
         token, position = take_last(buffer)
         at = sum(p < position for p in positions)
-        ids, positions = ids[:at] + [token], positions[:at] + [position]
+        ids = ids[:at] + [token]
+        positions = positions[:at] + [position]
     return ids, positions
 
 
 def take_last(buffer: KVBuffer) -> tuple[int, int]:
     """Remove the highest-positioned token from the buffer (it will be recomputed);
-    returns its (token id, position). Its slot is filled by the buffer's last token."""
+    returns its (token id, position). Its slot is filled by the buffer's last token.
+    An empty buffer (a request with no token at all) is an EmptyPromptError.
+    """
     n = buffer.length
+    if n == 0:
+        raise EmptyPromptError("the prompt is empty: no token to compute the next one from")
     buffer.materialize()           # slot n - 1 may be a shared one: its KV moves below
     last = int(torch.argmax(buffer.positions[:n]))
     buffer.forget_from(last)
-    token, position = int(buffer.token_ids[last]), int(buffer.positions[last])
+    token = int(buffer.token_ids[last])
+    position = int(buffer.positions[last])
     if last != n - 1:
         for t in (buffer.keys, buffer.values):      # [L, H_kv, C, D]
             t[:, :, last] = t[:, :, n - 1]

@@ -6,7 +6,11 @@ miss in memory -> `read` (verified) -> the store places it in memory -> `note_lo
 The file format and its checks are in kvfile.py, the folder rules in folder.py. A file of
 ours that fails a check is reported with `CacheWarning`, counted in `corrupt_files`, deleted
 and treated as a miss, so the caller re-encodes; a file at one of our names without our tag
-is counted and missed the same way but kept and never overwritten. A file that
+is counted and missed the same way but kept and never overwritten -- unless it is what a
+crash left of ours (empty, zero-filled, or cut short inside its header:
+`kvfile.crash_leftover`), which is deleted and replaced like a corrupt file. Writes are
+durable (kvfile.write_durable: fsync, rename, fsync the folder); temporary files a dead
+writer left over an hour ago are deleted when a store opens the folder. A file that
 `promptlang.home.untrusted_reason` refuses (another user's, or writable by others) is never
 loaded: it is a miss, counted in `untrusted_files`, and the put that follows replaces it.
 Warnings about untrusted and foreign files come once per reason per process.
@@ -32,7 +36,8 @@ import torch
 from promptlang.runtime.kv.unit import UnitKV
 from promptlang.runtime.store.eviction import oldest_first, trim_to_budget
 from promptlang.runtime.store.folder import (clear_disk, is_regular, list_disk_entries,
-                                             listdir, open_dir, regular_stat, touch, unlink_ours,
+                                             listdir, open_dir, regular_stat,
+                                             remove_stale_temporaries, touch, unlink_ours,
                                              unlink_same)
 from promptlang.runtime.store.key import SUFFIX, file_name, key_of_file
 from promptlang.runtime.store.kvfile import (CorruptFileError, UntrustedFileError,
@@ -72,6 +77,7 @@ class DiskTier(BackingTier):
         self.budget = budget
         self.stored = stored
         open_dir(directory)
+        remove_stale_temporaries(directory)
         self._lock = lock
         self._key_locks = [threading.Lock() for _ in range(64)]
         self.counts = DiskCounters()
@@ -242,7 +248,9 @@ class DiskTier(BackingTier):
     def _scan(self) -> dict[str, os.stat_result]:
         """File name -> lstat of every KV file of ours in the folder now. A file's header is
         read once per (inode, size, mtime), not on every scan."""
-        known, seen, ours = self._scanned, {}, {}
+        known = self._scanned
+        seen = {}
+        ours = {}
         for entry in listdir(self.directory):
             if entry.name.startswith(".") or not entry.name.endswith(SUFFIX):
                 continue

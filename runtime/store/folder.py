@@ -7,8 +7,11 @@ home as a store would).
 
 Files: only regular files (lstat first, never followed) whose header carries the
 promptlang-kv tag (`kvfile.peek_header`) are listed, counted, evicted or deleted; anything
-else is left alone. `list_disk_entries` and `clear_disk` are what `promptlang cache ls` and
-`cache clear` run.
+else is left alone -- except what a crash left of ours (`kvfile.crash_leftover`: a file of
+the user's, at one of our KV or temporary names, empty, zero-filled or cut short inside its
+header), which `cache clear` deletes, a store replaces, and a store deletes at start when it
+is a temporary file over an hour old (`remove_stale_temporaries`). `list_disk_entries` and
+`clear_disk` are what `promptlang cache ls` and `cache clear` run.
 """
 
 from __future__ import annotations
@@ -16,19 +19,24 @@ from __future__ import annotations
 import os
 import re
 import stat
+import time
 from pathlib import Path
 
 from promptlang.errors import CacheError
-from promptlang.home import kv_dir, private_dir, untrusted_reason, write_private
+from promptlang.home import kv_dir, private_dir, untrusted_reason
 from promptlang.inputs import read_bytes
 from promptlang.runtime.store.key import SUFFIX, file_name
-from promptlang.runtime.store.kvfile import (CorruptFileError, check_header, dtype_name,
-                                             peek_header)
+from promptlang.runtime.store.kvfile import (CorruptFileError, check_header, crash_leftover,
+                                             dtype_name, peek_header, write_durable)
 
 MARKER = ".promptlang-kv-store"
 
 _MARKER_TEXT = b"promptlang-kv-store 1\n"
 _TMP_RE = re.compile(r"\.[0-9A-Za-z_.-]+\.tmp\Z")  # write_private's temporary names (and v1's)
+_KV_NAME = r"[0-9A-Za-z_-]{1,128}\.[0-9A-Za-z_]+" + re.escape(SUFFIX)   # <key>.<stored><SUFFIX>
+_KV_NAME_RE = re.compile(_KV_NAME + r"\Z")
+_KV_TMP_RE = re.compile(r"\." + _KV_NAME + r"\.[0-9A-Za-z_]+\.tmp\Z")    # write_durable's
+STALE_TMP_S = 3600       # a temporary KV file this old is a dead writer's (deleted at start)
 
 
 # ---- listing and clearing (`promptlang cache ls` / `cache clear`) ----------------------------
@@ -48,7 +56,8 @@ def list_disk_entries(disk_dir: str | os.PathLike | None = None) -> list[dict]:
     result = []
     for path, info, header, data_start in _our_files(directory):
         md = header["__metadata__"]
-        key, stored = str(md.get("key", "")), str(md.get("stored", ""))
+        key = str(md.get("key", ""))
+        stored = str(md.get("stored", ""))
         item = {"key": key, "path": str(path), "stored": stored, "file_bytes": info.st_size,
                 "nbytes": 0, "modified": info.st_mtime, "meta": {}, "put_dtype": "",
                 "length": 0, "error": None}
@@ -76,6 +85,25 @@ def clear_disk(disk_dir: str | os.PathLike | None = None) -> int:
     removed = sum(unlink_same(path, info) for path, info, _, _ in _our_files(directory))
     for path, info, _, _ in _our_files(directory, temporary=True):
         unlink_same(path, info)
+    for path, info in _leftovers(directory):
+        unlink_same(path, info)
+    return removed
+
+
+def remove_stale_temporaries(directory: Path, older_than_s: float = STALE_TMP_S) -> int:
+    """Delete the temporary KV files of ours (tagged, or crash leftovers) in `directory`
+    last written over `older_than_s` ago: a writer that died. Returns how many."""
+    cutoff = time.time() - older_than_s
+    removed = 0
+    for entry in listdir(directory):
+        if not _KV_TMP_RE.match(entry.name):
+            continue
+        info = regular_stat(entry)
+        if info is None or info.st_mtime > cutoff or info.st_uid != os.getuid():
+            continue
+        path = Path(entry.path)
+        if peek_header(path, info) is not None or crash_leftover(path, info) is not None:
+            removed += unlink_same(path, info)
     return removed
 
 
@@ -106,6 +134,7 @@ def open_dir(directory: Path) -> None:
         raise CacheError(f"KV cache directory {directory} cannot be used: {problem}")
     ours = {path.name for path, _, _, _ in _our_files(directory)}
     ours |= {path.name for path, _, _, _ in _our_files(directory, temporary=True)}
+    ours |= {path.name for path, _ in _leftovers(directory)}
     others = sorted(entry.name for entry in listdir(directory)
                     if entry.name not in ours and not entry.name.startswith(f".{MARKER}."))
     if others:
@@ -114,7 +143,7 @@ def open_dir(directory: Path) -> None:
                          f"no {MARKER} marker and holds other files ({shown}); pass disk_dir= "
                          "an empty or new folder")
     try:
-        write_private(directory / MARKER, _MARKER_TEXT)
+        write_durable(directory / MARKER, _MARKER_TEXT)
     except OSError as err:
         raise CacheError(f"KV cache directory {directory} cannot be marked: {err}") from None
 
@@ -179,6 +208,17 @@ def _our_files(directory: Path, temporary: bool = False):
         peeked = peek_header(Path(entry.path), info)
         if peeked is not None:
             yield Path(entry.path), info, *peeked
+
+
+def _leftovers(directory: Path):
+    """(path, lstat) of each file at one of our KV or temporary names that a crash left of
+    ours (`kvfile.crash_leftover`; a file with our tag is not one: `_our_files` has it)."""
+    for entry in sorted(listdir(directory), key=lambda e: e.name):
+        if not (_KV_NAME_RE.match(entry.name) or _KV_TMP_RE.match(entry.name)):
+            continue
+        info = regular_stat(entry)
+        if info is not None and crash_leftover(Path(entry.path), info) is not None:
+            yield Path(entry.path), info
 
 
 def regular_stat(entry: os.DirEntry) -> os.stat_result | None:

@@ -12,7 +12,13 @@ checksums it and views the tensors in place, with no further copy however long t
     caller's meta), tensors (JSON: dtype and shape of each), put_dtype, sha256 (of the whole
     data section)
 
-Files are written 0600 by `promptlang.home.write_private` (temporary name, then rename).
+Files are written 0600 and durably by `write_durable`: a temporary name in the same folder
+(`.<name>.<random>.tmp`), the data fsynced, renamed into place, the folder fsynced -- so a
+crash leaves the old file, the new one, or a temporary leftover, never a name with nothing
+behind it. What a crash could leave anyway (an older writer's empty or zero-filled file, a
+write cut short) is recognised as ours by `crash_leftover`: a regular file of the user's that
+is empty, all zero bytes, or a prefix of a file this code writes (its header cut short); such
+a file at one of our names is replaced, not kept as a foreign file forever.
 `read_file` opens only regular files (O_NONBLOCK | O_NOFOLLOW, so a FIFO never blocks) and
 raises UntrustedFileError for what `promptlang.home.untrusted_reason` refuses (another
 user's file, or one others can write), CorruptFileError for a file that fails a check; its
@@ -27,18 +33,21 @@ import json
 import os
 import stat
 import struct
+import tempfile
 from pathlib import Path
 
 import torch
 
-from promptlang.home import MISSING, untrusted_reason, write_private
+from promptlang.errors import InvalidArgumentError
+from promptlang.home import MISSING, private_dir, untrusted_reason
 from promptlang.runtime.kv.unit import UnitKV
 
 FORMAT = "promptlang-kv"
 FORMAT_VERSION = "2"
 
 _MAX_HEADER = 16 << 20  # our headers are a few hundred bytes; anything huge is foreign
-_TENSOR_ORDER = ("positions", "token_ids", "keys", "values", "placeholder")  # 8-byte ints first keeps data aligned
+# 8-byte ints first keeps data aligned
+_TENSOR_ORDER = ("positions", "token_ids", "keys", "values", "placeholder")
 _DTYPE_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -71,7 +80,8 @@ def write_file(path: Path, key: str, kv: UnitKV, meta: dict[str, str],
     digest = hashlib.sha256()
     for chunk in chunks:
         digest.update(chunk)
-    header, offset = {}, 0
+    header = {}
+    offset = 0
     for name, chunk in zip(_TENSOR_ORDER, chunks):
         t = tensors[name]
         header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape),
@@ -90,8 +100,47 @@ def write_file(path: Path, key: str, kv: UnitKV, meta: dict[str, str],
     }
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # safetensors pads the header so data starts 8-aligned
-    write_private(path, [struct.pack("<Q", len(text)), text, *chunks])
+    write_durable(path, [struct.pack("<Q", len(text)), text, *chunks])
     return 8 + len(text) + offset
+
+
+def write_durable(path: Path, data: bytes | list) -> None:
+    """Write `data` (bytes, or byte chunks in order) to `path` as a 0600 file: under a
+    temporary name in the same folder, fsynced, renamed into place, then the folder fsynced
+    (the rename itself survives a crash). The temporary file is removed on any error."""
+    path = Path(path)
+    private_dir(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:          # mkstemp creates it 0600
+            for chunk in ((data,) if isinstance(data, (bytes, bytearray, memoryview)) else data):
+                handle.write(chunk)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """fsync a folder, so the names just created or renamed in it survive a crash (a no-op
+    where folders cannot be opened, e.g. Windows)."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(directory, flags)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:           # a file system that cannot sync folders: nothing more to do
+        pass
+    finally:
+        os.close(fd)
 
 
 def read_file(path: Path, key: str,
@@ -113,6 +162,11 @@ def read_file(path: Path, key: str,
             kv, info, size = _read_verified(f, st.st_size, key, stored)
         except CorruptFileError as err:
             err.identity = (st.st_ino, st.st_mtime_ns)
+            if not err.ours:                  # no tag: but maybe what a crash left of ours
+                leftover = _leftover_reason(f, st.st_size)
+                if leftover is not None:
+                    err.ours = True
+                    err.args = (leftover,)
             raise
     return kv, info["meta"], info["put_dtype"], size
 
@@ -128,7 +182,8 @@ def _read_verified(f, size: int, key: str, stored: str) -> tuple[UnitKV, dict, i
     parts = {}
     for name in _TENSOR_ORDER:
         spec = header[name]
-        dtype, (begin, end) = _CODE_DTYPES[spec["dtype"]], spec["data_offsets"]
+        dtype = _CODE_DTYPES[spec["dtype"]]
+        begin, end = spec["data_offsets"]
         numel = (end - begin) // _itemsize(dtype)
         if numel == 0:
             t = torch.empty(0, dtype=dtype)
@@ -204,7 +259,8 @@ def check_header(header: dict, key: str, stored: str, data_bytes: int) -> dict:
         for name in _TENSOR_ORDER:
             spec = header[name]
             dtype = _CODE_DTYPES[spec["dtype"]]
-            shape, (begin, end) = spec["shape"], spec["data_offsets"]
+            shape = spec["shape"]
+            begin, end = spec["data_offsets"]
             numel = 1
             for dim in shape:
                 numel *= int(dim)
@@ -251,15 +307,16 @@ def peek_header(path: Path, info: os.stat_result) -> tuple[dict, int] | None:
 
 def existing_file(path: Path, key: str, stored: str) -> str:
     """What is at `path` before a write: "absent"; "current" (a trusted file of ours for this
-    key and store dtype); "replace" (ours, but outdated or refused by untrusted_reason); or
-    "foreign" (anything without our tag, which is left alone)."""
+    key and store dtype); "replace" (ours, but outdated or refused by untrusted_reason, or
+    what a crash left of ours: `crash_leftover`); or "foreign" (anything else without our
+    tag, which is left alone)."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
         return "absent"
     peeked = peek_header(path, info) if stat.S_ISREG(info.st_mode) else None
     if peeked is None:
-        return "foreign"
+        return "replace" if crash_leftover(path, info) is not None else "foreign"
     md = peeked[0]["__metadata__"]
     current = (md.get("format_version"), md.get("key"), md.get("stored"))
     if current == (FORMAT_VERSION, key, stored) and untrusted_reason(path) is None:
@@ -267,21 +324,76 @@ def existing_file(path: Path, key: str, stored: str) -> str:
     return "replace"
 
 
+# ---- what a crash leaves ----------------------------------------------------------------------
+
+_HEADER_START = b'{"positions":{"dtype":"I64","shape":['   # how write_file's header begins
+_ZERO_CHECK_BYTES = 64 << 20          # a zero-filled leftover is checked up to this size
+
+
+def crash_leftover(path: Path, info: os.stat_result) -> str | None:
+    """Why the file at `path` (its lstat `info`) is what a crash left of a file of ours --
+    a regular file of the current user's that is empty, all zero bytes, or a prefix of a
+    file write_file writes with its header cut short -- or None (then it is not ours,
+    unless its header carries our tag). Never blocks on a FIFO; never follows a link."""
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        return None
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        opened = os.fstat(f.fileno())
+        if not stat.S_ISREG(opened.st_mode) or opened.st_ino != info.st_ino:
+            return None
+        try:
+            return _leftover_reason(f, opened.st_size)
+        except OSError:
+            return None
+
+
+def _leftover_reason(f, size: int) -> str | None:
+    """`crash_leftover`'s test on open file `f` of `size` bytes."""
+    if size == 0:
+        return "an empty file (a write cut short)"
+    f.seek(0)
+    head = f.read(8 + len(_HEADER_START))
+    if len(head) >= 8:
+        (length,) = struct.unpack("<Q", head[:8])
+        shape_ok = 2 <= length <= _MAX_HEADER and 8 + length > size
+    else:                              # the length itself cut short: its high bytes are 0
+        shape_ok = not any(head[3:])
+    start = head[8:]
+    if shape_ok and _HEADER_START.startswith(start) and (start or head[:3] != bytes(3)):
+        return f"a write cut short ({size} bytes, inside its header)"
+    if not any(head) and size <= _ZERO_CHECK_BYTES:
+        while True:
+            block = f.read(1 << 20)
+            if not block:
+                return "only zero bytes (a write cut short)"
+            if any(block):
+                return None
+    return None
+
+
 # ---- small helpers ---------------------------------------------------------------------------
 
 def check_kv(kv: UnitKV) -> None:
     """ValueError unless `kv` has UnitKV's shapes and dtypes."""
-    k, v = kv.keys, kv.values
+    k = kv.keys
+    v = kv.values
     if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"keys {tuple(k.shape)} / values {tuple(v.shape)} are not [L, H_kv, S, D]")
+        raise InvalidArgumentError(f"keys {tuple(k.shape)} / values {tuple(v.shape)} are not "
+                                   "[L, H_kv, S, D]")
     if k.dtype not in FLOAT_DTYPES or v.dtype != k.dtype:
-        raise ValueError(f"keys/values must share one float dtype, got {k.dtype} / {v.dtype}")
+        raise InvalidArgumentError(f"keys/values must share one float dtype, got {k.dtype} / "
+                                   f"{v.dtype}")
     s = k.shape[2]
     for name, dtype in (("positions", torch.int64), ("token_ids", torch.int64),
                         ("placeholder", torch.bool)):
         t = getattr(kv, name)
         if t.shape != (s,) or t.dtype != dtype:
-            raise ValueError(f"{name} must be [{s}] {dtype}, got {tuple(t.shape)} {t.dtype}")
+            raise InvalidArgumentError(f"{name} must be [{s}] {dtype}, got {tuple(t.shape)} "
+                                       f"{t.dtype}")
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:

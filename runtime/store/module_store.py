@@ -93,7 +93,8 @@ class ModuleStore:
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
-                raise CacheError(f"ModuleStore: device {self.device} requested but CUDA is not available")
+                raise CacheError(f"ModuleStore: device {self.device} requested but CUDA is not "
+                                 f"available")
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
         for name, value in (("device_budget_bytes", device_budget_bytes),

@@ -274,3 +274,117 @@ def test_evict_and_clear_by_tier(tmp_path):
     assert store.entries() == [] and not store.contains(key_of(2))
     with pytest.raises(ValueError, match="tier"):
         store.clear(tiers=["gpu"])
+
+
+# ---- durable writes, and what a crash leaves ---------------------------------------------
+
+def test_a_write_is_fsynced_renamed_then_its_folder_fsynced(tmp_path, monkeypatch):
+    import stat
+
+    from promptlang.runtime.store import kvfile
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", "folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"))
+        return real_fsync(fd)
+
+    def replace(source, target):
+        events.append(("rename", os.path.basename(target)))
+        return real_replace(source, target)
+
+    monkeypatch.setattr(kvfile.os, "fsync", fsync)
+    monkeypatch.setattr(kvfile.os, "replace", replace)
+    store = ModuleStore(disk_dir=tmp_path)                          # writes its marker
+    assert events == [("fsync", "file"), ("rename", MARKER), ("fsync", "folder")]
+    events.clear()
+    store.put(key_of(1), make_kv(1))
+    name = file_of(tmp_path, key_of(1)).name
+    assert events == [("fsync", "file"), ("rename", name), ("fsync", "folder")]
+    assert_same(ModuleStore(disk_dir=tmp_path).get(key_of(1)), make_kv(1))
+
+
+def _empty(path):
+    path.write_bytes(b"")
+
+
+def _zero_filled(path):                      # what a crash can leave of a file not yet synced
+    path.write_bytes(bytes(path.stat().st_size))
+
+
+def _cut_in_header(path):
+    path.write_bytes(path.read_bytes()[:40])
+
+
+def _cut_in_length(path):
+    path.write_bytes(path.read_bytes()[:5])
+
+
+LEFTOVERS = [(_empty, "empty"), (_zero_filled, "zero bytes"), (_cut_in_header, "cut short"),
+             (_cut_in_length, "cut short")]
+
+
+@pytest.mark.parametrize("leftover, reason", LEFTOVERS,
+                         ids=[d.__name__.strip("_") for d, _ in LEFTOVERS])
+def test_what_a_crash_left_at_our_name_is_replaced_by_the_next_put(tmp_path, leftover, reason):
+    key = key_of(5)
+    ModuleStore(disk_dir=tmp_path).put(key, make_kv(5))
+    path = file_of(tmp_path, key)
+    leftover(path)
+    store = ModuleStore(disk_dir=tmp_path)
+    store.put(key, make_kv(5))                         # not "a file in the way"
+    assert store.stats.disk_write_errors == 0
+    assert_same(ModuleStore(disk_dir=tmp_path).get(key), make_kv(5))
+
+
+@pytest.mark.parametrize("leftover, reason", LEFTOVERS,
+                         ids=[d.__name__.strip("_") for d, _ in LEFTOVERS])
+def test_what_a_crash_left_at_our_name_is_discarded_when_read(tmp_path, leftover, reason):
+    key = key_of(5)
+    ModuleStore(disk_dir=tmp_path).put(key, make_kv(5))
+    path = file_of(tmp_path, key)
+    leftover(path)
+    store = ModuleStore(disk_dir=tmp_path)
+    with pytest.warns(CacheWarning, match="discarded corrupt .*" + reason):
+        assert store.get(key) is None
+    assert not path.exists() and store.stats.corrupt_files == 1
+    store.put(key, make_kv(5))
+    assert_same(ModuleStore(disk_dir=tmp_path).get(key), make_kv(5))
+
+
+def test_cache_clear_and_a_new_store_treat_crash_leftovers_as_ours(tmp_path):
+    store = ModuleStore(disk_dir=tmp_path)
+    store.put(key_of(1), make_kv(1))
+    data = file_of(tmp_path, key_of(1)).read_bytes()
+    empty = file_of(tmp_path, key_of(2))
+    empty.write_bytes(b"")
+    partial = tmp_path / f".{file_of(tmp_path, key_of(3)).name}.k2j3h4.tmp"
+    partial.write_bytes(data[:30])
+    (tmp_path / MARKER).unlink()              # a folder from before the marker: adopted, as
+    ModuleStore(disk_dir=tmp_path)            # it holds nothing but ours and crash leftovers
+    assert (tmp_path / MARKER).is_file()
+    foreign = tmp_path / f".{file_of(tmp_path, key_of(4)).name}.abcdef.tmp"
+    foreign.write_bytes(b"someone's partial")
+    assert clear_disk(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([MARKER, foreign.name])
+
+
+def test_a_new_store_deletes_a_dead_writers_temporary_files_only(tmp_path):
+    import time
+
+    ModuleStore(disk_dir=tmp_path).put(key_of(1), make_kv(1))
+    data = file_of(tmp_path, key_of(1)).read_bytes()
+    hour_ago = time.time() - 2 * 3600
+    names = {"old_partial": (data[:100], hour_ago), "old_whole": (data, hour_ago),
+             "old_empty": (b"", hour_ago), "new_partial": (data[:100], time.time()),
+             "old_foreign": (b"someone's partial", hour_ago)}
+    paths = {}
+    for i, (label, (content, mtime)) in enumerate(names.items()):
+        path = tmp_path / f".{file_of(tmp_path, key_of(10 + i)).name}.x{i}y.tmp"
+        path.write_bytes(content)
+        os.utime(path, (mtime, mtime))
+        paths[label] = path
+    ModuleStore(disk_dir=tmp_path)
+    assert {label for label, path in paths.items() if path.exists()} == {"new_partial",
+                                                                          "old_foreign"}

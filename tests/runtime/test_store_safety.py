@@ -334,3 +334,27 @@ def test_hostile_headers_in_the_store_folder_are_listed_or_skipped_never_a_crash
     assert all(item["error"] for item in listed.values())       # listed as unreadable
     assert clear_disk(tmp_path) == 2
     assert deep.exists()                                       # not ours: left alone
+
+
+def test_an_empty_file_at_our_name_that_is_a_link_or_another_users_is_left_alone(
+        tmp_path, monkeypatch):
+    """Crash leftovers are replaced only when they are the user's own regular files: a link
+    to an empty file, or an empty file of another user's, stays foreign."""
+    folder = tmp_path / "kv"
+    store = ModuleStore(disk_dir=folder)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"")
+    link = file_of(folder, key_of(1))
+    link.symlink_to(outside)
+    with pytest.warns(CacheWarning, match="did not write is in the way"):
+        store.put(key_of(1), make_kv(1))
+    assert link.is_symlink() and outside.read_bytes() == b""
+    theirs = file_of(folder, key_of(2))
+    theirs.write_bytes(b"")
+    real_getuid = os.getuid
+    monkeypatch.setattr(os, "getuid", lambda: real_getuid() + 4242)   # now it is not ours
+    store.put(key_of(2), make_kv(2))
+    assert theirs.read_bytes() == b"" and store.stats.disk_write_errors == 2
+    monkeypatch.setattr(os, "getuid", real_getuid)
+    assert clear_disk(folder) == 0 and link.is_symlink()
+    assert not theirs.exists()                      # the user's own empty leftover: cleared

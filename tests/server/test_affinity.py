@@ -1,4 +1,4 @@
-"""Module affinity (promptlang/server/affinity.py): the routing rule of issue 21, without Ray."""
+"""Module affinity (promptlang/server/affinity.py): the routing rule, without Ray."""
 
 from __future__ import annotations
 

@@ -206,7 +206,7 @@ def test_load_imbalance_outweighs_affinity(cluster):
     the imbalance threshold (4 queued) some go to the other replica. The router reads
     Serve's cached queue lengths, which lag the requests just sent, so the requests are
     spaced for the cache to see the pile-up; sent all at the same instant (as this test did
-    until session 11) all 12 went to the holder in 3 of 4 runs of the suite once the engine
+    before the shared pool) all 12 went to the holder in 3 of 4 runs of the suite once the engine
     got faster."""
     holder, _ = cluster.ask([0, 1])
 

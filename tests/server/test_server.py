@@ -5,6 +5,7 @@ timeout and every loop a bound; the server only ever listens on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -38,9 +39,9 @@ PML = '<prompt schema="docs"><intro/><guide topic="parsing"/>Explain it.</user><
 class Server:
     """A uvicorn server for `app` on 127.0.0.1, on a thread; stopped by `stop()`."""
 
-    def __init__(self, app):
+    def __init__(self, app, **options):
         self.config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                     lifespan="on")
+                                     lifespan="on", **options)
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -83,6 +84,7 @@ def served(model):
 
 
 def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    """POST `body` as JSON (or with `headers`); (status, the JSON answer)."""
     request = urllib.request.Request(url, data=body, method="POST",
                                      headers={"Content-Type": "application/json",
                                               **(headers or {})})
@@ -463,4 +465,258 @@ def test_concurrent_requests_decode_together_and_answer_as_alone(model):
         assert answers == alone
     finally:
         gate.release.set()
+        server.stop()
+
+
+# --- every client error is a 4xx error object, checked before any work is queued ------------
+
+def engine_counts(server) -> tuple:
+    stats = server.server.config.app.state.promptlang.worker.stats
+    return stats.served, stats.failed, stats.cancelled, stats.steps
+
+
+def assert_error(status: int, body: dict, expected: int, param: str | None = None) -> None:
+    assert status == expected, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["type"] == ("server_error" if expected >= 500 else
+                                     "invalid_request_error"), body
+    if param is not None:
+        assert body["error"]["param"] == param, body
+
+
+BAD_FIELDS = [   # (endpoint, body, param): each a 400 that reaches no engine
+    ("completions", {"prompt": "one two", "max_tokens": 400, "stream": True,
+                     "stream_options": "x"}, "stream_options"),
+    ("completions", {"prompt": "one two", "stream": True,
+                     "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ("completions", {"prompt": "one two", "stream": "false"}, "stream"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stream": 1}, "stream"),
+    ("completions", {"prompt": "one two", "n": True}, "n"),
+    ("completions", {"prompt": "one two", "max_tokens": True}, "max_tokens"),
+    ("completions", {"prompt": "one two", "max_tokens": 2.5}, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}],
+              "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("completions", {"prompt": "one two", "temperature": "hot"}, "temperature"),
+    ("completions", {"prompt": "one two", "top_p": 0}, "top_p"),
+    ("completions", {"prompt": "one two", "seed": 1.5}, "seed"),
+    ("completions", {"prompt": "one two", "stop": [1]}, "stop"),
+    ("completions", {"prompt": "one two", "model": ["tiny"]}, "model"),
+    ("completions", {"prompt": 7}, "prompt"),
+    ("chat", {"messages": [{"role": "system", "content": "only a system turn"}]}, "messages"),
+    ("chat", {"messages": [], "promptlang": {"pml": 3}}, "promptlang"),
+    ("chat", {"messages": [], "promptlang": {"pml": PML, "recompute": "bogus"}}, "promptlang"),
+    ("chat", {"messages": [], "promptlang": {"pml": PML, "regex": ""}}, "promptlang"),
+    ("chat", {"messages": [], "promptlang": {"pml": PML, "regex": "a+"},
+              "response_format": {"type": "json_object"}}, "response_format"),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, param", BAD_FIELDS,
+                         ids=[f"{i}-{p}" for i, (_, _, p) in enumerate(BAD_FIELDS)])
+def test_a_bad_field_is_a_400_before_anything_is_queued(served, endpoint, body, param):
+    server, _ = served
+    before = engine_counts(server)
+    status, answer = post(f"{server.url}/v1/{'chat/' if endpoint == 'chat' else ''}completions",
+                          json.dumps(body).encode())
+    assert_error(status, answer, 400, param)
+    assert engine_counts(server) == before                    # no job reached the engine
+    assert server.server.config.app.state.promptlang.worker.running == 0
+
+
+def test_a_failure_after_the_job_is_queued_cancels_it(served, monkeypatch):
+    """A fault between queueing and answering is a 500 error object, and the job is
+    cancelled: it does not decode on to max_tokens for nobody."""
+    from promptlang.server import app as app_module
+
+    server, _ = served
+    worker = server.server.config.app.state.promptlang.worker
+    served_before, _, cancelled_before, _ = engine_counts(server)
+
+    def broken():
+        raise RuntimeError("a fault after the job was queued")
+    monkeypatch.setattr(app_module.uuid, "uuid4", broken)
+    for stream in (False, True):
+        status, answer = post(server.url + "/v1/completions", json.dumps(
+            {"prompt": "go on and on", "max_tokens": 400, "temperature": 0,
+             "stream": stream}).encode())
+        assert_error(status, answer, 500)
+        assert answer["error"]["message"] == "internal error: RuntimeError"
+    deadline = time.monotonic() + TIMEOUT
+    while worker.stats.cancelled < cancelled_before + 2 or worker.running:
+        assert time.monotonic() < deadline, "the jobs went on decoding"
+        time.sleep(0.02)
+    assert worker.stats.served == served_before
+
+
+def test_a_fault_in_one_request_fails_it_alone_and_the_engine_goes_on(model, monkeypatch):
+    """A request whose decoding raises gets a 500 error object; the engine thread lives on
+    and counts nothing as running."""
+    from promptlang.runtime.decoding.open_decode import Generation
+
+    server = Server(create_app(make_llm(model), model_name="tiny"))
+    worker = server.server.config.app.state.promptlang.worker
+    try:
+        real = Generation.delta
+
+        def broken(self, text):
+            raise RuntimeError("a fault while decoding")
+        monkeypatch.setattr(Generation, "delta", broken)
+        body = json.dumps({"prompt": "one two", "max_tokens": 3}).encode()
+        status, answer = post(server.url + "/v1/completions", body)
+        assert_error(status, answer, 500)
+        assert worker._thread.is_alive() and worker.running == 0 and worker.stats.failed == 1
+        monkeypatch.setattr(Generation, "delta", real)
+        assert post(server.url + "/v1/completions", body)[0] == 200
+    finally:
+        server.stop()
+
+
+def test_malformed_bodies_are_400s_not_500s(served):
+    server, _ = served
+    url = server.url + "/v1/chat/completions"
+    hi = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded",
+                         "multipart/form-data; boundary=x", "application/json; charset=latin-1"):
+        status, answer = post(url, hi, {"Content-Type": content_type})
+        assert_error(status, answer, 400)
+        assert "Content-Type" in answer["error"]["message"]
+    assert post(url, hi, {"Content-Type": "application/json; charset=utf-8"})[0] == 200
+    deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    shallow_but_too_deep = b'{"messages": ' + b"[" * 100 + b"]" * 100 + b"}"
+    for body in (deep, shallow_but_too_deep, b"[" * 100_000 + b"]" * 100_000):
+        status, answer = post(url, body)
+        assert_error(status, answer, 400)
+        assert "nested too deeply" in answer["error"]["message"]
+    for body, param in [
+            (b'{"messages": [{"role": "user", "content": "a \\ud800 b"}]}', "messages"),
+            (b'{"messages": [{"role": "user", "content": [{"type": "text", '
+             b'"text": "\\udfff"}]}]}', "messages"),
+            (b'{"messages": [], "promptlang": {"pml": "<prompt schema=\\"docs\\">'
+             b'<guide topic=\\"\\ud800\\"/></prompt>"}}', "promptlang"),
+            (b'{"messages": [], "promptlang": {"function": "f", "args": {"x": "\\ud800"}}}',
+             "promptlang"),
+            (b'{"\\ud800": 1, "messages": []}', None)]:
+        status, answer = post(url, body)
+        assert_error(status, answer, 400, param)
+        assert "surrogate" in answer["error"]["message"]
+    status, answer = post(url, b'{"messages": [], "temperature": NaN}')
+    assert_error(status, answer, 400)
+
+
+def test_unknown_routes_and_methods_are_error_objects(served):
+    server, _ = served
+    status, answer = post(server.url + "/v1/nothing", b"{}")
+    assert status == 404 and answer["error"]["type"] == "not_found_error"
+    request = urllib.request.Request(server.url + "/v1/completions", method="GET")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=TIMEOUT)
+    assert caught.value.code == 405 and "Allow" in caught.value.headers
+    assert set(json.loads(caught.value.read())["error"]) == {"message", "type", "param", "code"}
+
+
+def test_max_tokens_past_the_context_is_a_400(served):
+    """As vLLM: prompt + max_tokens past the model's context is refused, not cut short."""
+    server, llm = served
+    limit = llm.max_positions
+    url = server.url + "/v1/completions"
+    before = engine_counts(server)
+    status, answer = post(url, json.dumps({"prompt": "one two", "max_tokens": limit + 1}).encode())
+    assert_error(status, answer, 400, "max_tokens")
+    assert engine_counts(server) == before                      # refused before queueing
+    status, answer = post(url, json.dumps({"prompt": "one two three",
+                                           "max_tokens": limit - 2}).encode())
+    assert_error(status, answer, 400, "max_tokens")
+    assert f"context is {limit:,} tokens" in answer["error"]["message"]
+    assert server.server.config.app.state.promptlang.worker.running == 0
+    status, answer = post(url, json.dumps({"prompt": "one two", "max_tokens": 2}).encode())
+    assert status == 200
+
+
+def test_one_token_prompts_and_bad_text_with_the_default_tokenizer(tiny_model_dir):
+    """The real default tokenizer: a one-token completion prompt ("hi") is served (token
+    healing leaves a prompt's only token alone), and a lone surrogate, which its tokenizer
+    cannot take, is a 400."""
+    from promptlang.runtime import engine
+
+    llm = engine.load(str(tiny_model_dir), store=ModuleStore(disk_budget_bytes=0))
+    llm.add_schema('<schema name="s"><system>Notes.</system>'
+                   '<module name="m"><param name="x" len="4"/></module></schema>')
+    server = Server(create_app(llm, model_name="tiny"))
+    try:
+        client = server.client()
+        for prompt in ("hi", "The", "a"):
+            assert len(llm.tokenizer.encode(prompt)) == 1
+            reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                              temperature=0)
+            assert reply.usage.completion_tokens >= 1
+            streamed = list(client.completions.create(model="tiny", prompt=prompt,
+                                                      max_tokens=2, temperature=0,
+                                                      stream=True))
+            assert "".join(c.choices[0].text for c in streamed) == reply.choices[0].text
+        url = server.url + "/v1/completions"
+        for body in (b'{"prompt": "\\ud800"}',
+                     b'{"prompt": "x", "promptlang": {"pml": "<prompt schema=\\"s\\">'
+                     b'<m x=\\"\\ud800\\"/></prompt>"}}'):
+            status, answer = post(url, body)
+            assert_error(status, answer, 400)
+        status, answer = post(server.url + "/v1/chat/completions",
+                              b'{"messages": [{"role": "user", "content": "\\ud800"}]}')
+        assert_error(status, answer, 400)
+        assert server.server.config.app.state.promptlang.worker.stats.failed == 0
+    finally:
+        server.stop()
+
+
+# --- connections ---------------------------------------------------------------------------
+
+def test_a_connection_that_sends_half_a_body_is_answered_408_and_closed(model):
+    llm = make_llm(model)
+    server = Server(create_app(llm, model_name="tiny", body_timeout=1.0))
+    try:
+        body = json.dumps({"prompt": "one two", "max_tokens": 1}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        began = time.monotonic()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as sock:
+            sock.sendall(head.encode() + body[:len(body) // 2])
+            received = b""
+            for _ in range(1000):                 # until the server closes the connection
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                received += chunk
+                assert time.monotonic() - began < TIMEOUT
+        assert time.monotonic() - began < 20
+        status_line, _, rest = received.partition(b"\r\n")
+        assert status_line.startswith(b"HTTP/1.1 408"), received[:200]
+        assert b"connection: close" in rest.lower()
+        answer = json.loads(rest.partition(b"\r\n\r\n")[2])
+        assert "did not arrive within 1 s" in answer["error"]["message"]
+        assert server.server.config.app.state.promptlang.worker.stats.served == 0
+    finally:
+        server.stop()
+
+
+def test_the_servers_connection_limits_are_uvicorns(model):
+    from promptlang.server.load import LIMIT_CONCURRENCY, uvicorn_limits
+
+    limits = uvicorn_limits()
+    config = uvicorn.Config(create_app(make_llm(model)), **limits)
+    assert config.limit_concurrency == LIMIT_CONCURRENCY and config.timeout_keep_alive == 5
+    assert config.h11_max_incomplete_event_size == 16 << 10
+    server = Server(create_app(make_llm(model), model_name="tiny"),
+                    **uvicorn_limits(limit_concurrency=2, timeout_keep_alive=1))
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as idle:
+            began = time.monotonic()
+            idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert idle.recv(65536).startswith(b"HTTP/1.1 200")
+            with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as more:
+                more.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert more.recv(65536).startswith(b"HTTP/1.1 503")   # 2 connections held
+            for _ in range(1000):             # the idle keep-alive connection is closed
+                if not idle.recv(65536):
+                    break
+            assert time.monotonic() - began < 20
+    finally:
         server.stop()
