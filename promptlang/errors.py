@@ -99,7 +99,8 @@ class ArgumentTooLongError(PromptLangError):
         self.parameter, self.bound, self.count = parameter, bound, count
 
     def __reduce__(self):
-        return (_rebuild_too_long, (self.message, self.span, self.parameter, self.bound, self.count))
+        state = (self.message, self.span, self.parameter, self.bound, self.count)
+        return (_rebuild_too_long, state)
 
 
 def _rebuild_too_long(message, span, parameter, bound, count):

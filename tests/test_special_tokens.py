@@ -1,6 +1,6 @@
 """Untrusted text never becomes control tokens.
 
-The rule (DESIGN.md, "Tokenization rule"): only the role affixes derived from the chat
+The rule (docs/DESIGN.md, "Tokenization rule"): only the role affixes derived from the chat
 template and the tokenizer's own BOS may produce special-token ids. Every other text --
 PML prompt text, `src=` documents, arguments of a PML prompt and of a `@prompt` call,
 session turns, generated text fed back, agent questions, tool inputs and observations --

@@ -40,7 +40,7 @@ Break-even: with encode cost E, baseline TTFT b and cached (device) TTFT c, n re
 cost E + n*c with the cache and n*b without, so the cache pays for itself from
 n = ceil(E / (b - c)) requests on, the request that pays E included; never if c >= b.
 
-The floor is DESIGN.md's: max(FLOPs of the uncached tokens / matmul rate, (weights +
+The floor is docs/DESIGN.md's: max(FLOPs of the uncached tokens / matmul rate, (weights +
 cached KV bytes) / copy bandwidth), per round (floor.py says how the rates are taken).
 At the goal length the decode speed is compared with transformers' own `generate()` on a
 stock copy of the model (its default attention), the two sides' runs interleaved.

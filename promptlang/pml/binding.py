@@ -7,7 +7,7 @@ arguments in their parameter slots (a shorter argument leaves a gap), the own
 tokens of imported `cache="false"` modules, and the prompt's text after the
 schema's end.
 
-Visibility (DESIGN.md): a cached token attends to its own unit and its context
+Visibility (docs/DESIGN.md): a cached token attends to its own unit and its context
 units at positions <= its own; an uncached token attends to every request token
 (cached tokens of `units` except parameter placeholders, and uncached tokens)
 whose position is <= its own.

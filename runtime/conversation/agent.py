@@ -216,7 +216,8 @@ class Agent:
         offered = list(self.tools) if tools is None else list(tools)
         unknown = [t for t in offered if t not in self.tools]
         if unknown:
-            raise InvalidArgumentError(f"unknown tool {unknown[0]!r} (tools: {', '.join(self.tools)})")
+            known = ", ".join(self.tools)
+            raise InvalidArgumentError(f"unknown tool {unknown[0]!r} (tools: {known})")
         refs = tuple(nodes.ModuleRef(f"tool-{t}") for t in self.tools if t in offered)
         doc = nodes.PromptDoc(self.schema.name, (
             nodes.ModuleRef("agent", children=refs), nodes.RoleOpen("user"),

@@ -415,9 +415,11 @@ class Session:
         options = tuple(options)
         if not options or len(set(options)) != len(options) or \
                 any(not isinstance(o, str) or not o for o in options):
-            raise InvalidArgumentError(f"select needs distinct non-empty option strings: {options!r}")
+            raise InvalidArgumentError(
+                f"select needs distinct non-empty option strings: {options!r}")
         if normalise not in ("sum", "mean", "grammar"):
-            raise InvalidArgumentError(f"normalise is 'sum', 'mean' or 'grammar', not {normalise!r}")
+            raise InvalidArgumentError(
+                f"normalise is 'sum', 'mean' or 'grammar', not {normalise!r}")
         if normalise == "grammar":
             return self._select_by_grammar(options, name)
         encoded = [self.llm.tokenizer.encode(o) for o in options]

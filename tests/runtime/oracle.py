@@ -1,4 +1,4 @@
-"""The DESIGN.md oracle: what a cached prefill must equal, computed in ONE forward pass of
+"""The docs/DESIGN.md oracle: what a cached prefill must equal, computed in ONE forward pass of
 an unmodified transformers model.
 
 The reference model (`reference_model`) is a fresh instance of the model's class, built

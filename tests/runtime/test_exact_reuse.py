@@ -3,7 +3,7 @@ exactly to every later request with the same tokens before it, and to no other.
 
 The property: a request whose units are all served from exact entries (or exact anyway)
 equals one causal pass of the model over its tokens at their positions; a request mixing
-exact entries with approximate units equals DESIGN.md's oracle in which the exact units'
+exact entries with approximate units equals docs/DESIGN.md's oracle in which the exact units'
 tokens attend to every request token before them.
 """
 

@@ -18,7 +18,7 @@ again over it (`oracle_over_stored`).
 
 Tolerances, measured on this machine (2 threads) and set with a 2-4x margin:
 
-- float32, logits: DESIGN.md's 1e-4 holds for PyTorch's path (4.7e-5), not for the
+- float32, logits: docs/DESIGN.md's 1e-4 holds for PyTorch's path (4.7e-5), not for the
   kernels (1.7e-4): pl_attend/pl_decoder sum 6,100 keys block by block with an exp2
   polynomial, a float32 rounding difference of 5e-6 relative to logits of magnitude ~35.
   Bound: 5e-4 (1.4e-5 relative).

@@ -3,7 +3,7 @@
 Every case runs the same pass twice through the adapter -- fused, and with the fused path
 off (transformers' layers on PyTorch's kernels) -- and compares the logits and the keys and
 values the pass wrote into the buffer. The oracle tests (test_oracle.py, the `kernels`
-fixture) hold the fused path to DESIGN.md's oracle as well.
+fixture) hold the fused path to docs/DESIGN.md's oracle as well.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ request tokens at positions <= its own. That rule is positional, so pl_decoder s
 the positions of the past keys instead of a [Q, S + Q] mask (runtime/model/adapter.py
 `_fused_by_position`, in runs of fused.MAX_TOKENS). Every case here compares the fused pass
 with transformers' layers on PyTorch's kernels given the explicit mask; the recompute oracle
-(test_recompute.py) holds the whole request to DESIGN.md's one masked forward pass.
+(test_recompute.py) holds the whole request to docs/DESIGN.md's one masked forward pass.
 """
 
 from __future__ import annotations

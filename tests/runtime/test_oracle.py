@@ -1,4 +1,4 @@
-"""The cache must stay honest: a cached prefill equals ONE masked forward pass (DESIGN.md).
+"""The cache must stay honest: a cached prefill equals ONE masked forward pass (docs/DESIGN.md).
 
 For tiny randomly initialised float32 models of every supported position scheme
 (RoPE with GQA, learned absolute positions, ALiBi), the runtime's cached prefill --

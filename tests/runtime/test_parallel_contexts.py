@@ -5,7 +5,7 @@ as encoded, and every token the request computes -- its prefill and each decode 
 attends to the modules' tokens as APE's contexts: their scores divided by a temperature,
 their softmax mixed with the other keys' by softmax(scale * temperature * L_C, L_O). The
 reference (tests/runtime/oracle.py) writes that attention out per row over the unmodified
-weights, in one pass over the request's tokens with the DESIGN.md mask.
+weights, in one pass over the request's tokens with the docs/DESIGN.md mask.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ follows another module or per-request text is served as encoded after its lead -
 context's last token before it, repeated at the position just before it, seen by the
 module's encoding only.
 
-The contract is the DESIGN.md oracle with the lead as one more occurrence
+The contract is the docs/DESIGN.md oracle with the lead as one more occurrence
 (tests/runtime/oracle.py, `primed=True`), for every policy it combines with, on every
 position scheme, units copied and read in place; a module that comes first is served its
 plain (exact) encoding; the two encodings are two store entries.

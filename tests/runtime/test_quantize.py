@@ -1,7 +1,7 @@
 """Weight-only quantization of a float checkpoint (runtime/model/quantize.py, `load(quantize=)`):
 the model computes with its blocks' values everywhere, the fused layers read the blocks
 (Q4_1, or Q8_0: kernels.c's second block kind for decoder layers), every pass equals the
-float pass over those values, the DESIGN.md oracle holds, and bad requests are clear errors."""
+float pass over those values, the docs/DESIGN.md oracle holds, and bad requests are clear errors."""
 
 from __future__ import annotations
 

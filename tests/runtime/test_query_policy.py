@@ -2,7 +2,7 @@
 token attends to most, recomputed.
 
 Two contracts, each against the unmodified reference model:
-- the choice: in one masked pass of the request as served by `none` (the DESIGN.md
+- the choice: in one masked pass of the request as served by `none` (the docs/DESIGN.md
   oracle's pass, with an attention that records its weights), the chosen positions are the
   K candidates whose stored tokens get the most attention from the request's last token,
   summed over layers and heads;

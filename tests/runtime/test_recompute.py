@@ -1,7 +1,7 @@
 """Selective recompute (docs/RECOMPUTE.md) keeps the cache honest.
 
 Recomputed tokens are uncached tokens: with them, a cached prefill must still equal the
-DESIGN.md oracle (one masked forward pass in which they attend to every request token
+docs/DESIGN.md oracle (one masked forward pass in which they attend to every request token
 at a position <= theirs and their stored copies leave the request), for every position
 scheme, both encoding rules, units copied or read in place, and tokens taken from the
 start, the middle or the end of a unit.

@@ -2,7 +2,7 @@
 like an earlier request's, after the same units, is served that common prefix and computes
 the rest.
 
-The property: such a request equals DESIGN.md's oracle (one masked pass over the request,
+The property: such a request equals docs/DESIGN.md's oracle (one masked pass over the request,
 its uncached tokens attending to the served units and to each other), as it does without
 the reuse; what it reuses is exactly what the earlier request computed.
 """

@@ -10,7 +10,7 @@ layer-1 KV deviates most is recomputed in layer 2, of those the r2 < r1 share de
 most in layer 2 goes on to layer 3, and so on, the shares averaging r. The runtime's
 `deviation:F` selects once, from layer 1 (as LMCache's implementation, `check_layers=[1]`).
 
-Each setting is a masked pass of the unmodified model (the DESIGN.md oracle's rule,
+Each setting is a masked pass of the unmodified model (the docs/DESIGN.md oracle's rule,
 tests/studies/seam_tokens.py `occurrences`): every cached token once as stored (attending
 to its unit, as encoded: one pass per item, the past of every setting's pass) and every
 candidate once more as recomputed, with the request's own tokens; an attention
@@ -44,7 +44,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-import oracle  # noqa: E402  (the DESIGN.md oracle's reference model)
+import oracle  # noqa: E402  (the docs/DESIGN.md oracle's reference model)
 from seam_tokens import bound_item, occurrences  # noqa: E402
 
 import promptlang  # noqa: E402

@@ -4,7 +4,7 @@
 
 For each `promptlang bench accuracy` item (default model, 4 documents as modules), the gold
 answer's teacher-forced log-probability in ONE masked pass of the unmodified model (the
-DESIGN.md oracle's rule, tests/runtime/oracle.py, with the gold tokens appended as uncached
+docs/DESIGN.md oracle's rule, tests/runtime/oracle.py, with the gold tokens appended as uncached
 tokens): the full prefill (every candidate recomputed), `none`, and recompute sets chosen
 by different rules. The `none` pass records the attention weights of the request's own
 tokens (question and generation prompt), which rank the candidates:
@@ -34,7 +34,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-import oracle  # noqa: E402  (the DESIGN.md oracle's reference model)
+import oracle  # noqa: E402  (the docs/DESIGN.md oracle's reference model)
 
 import promptlang  # noqa: E402
 from promptlang.bench import qa  # noqa: E402
