@@ -103,7 +103,9 @@ def _question(generate, text: str, seed: int) -> str:
 
 
 def save_corpus(path: Path, docs: list[Document]) -> None:
-    path.write_text(json.dumps([asdict(d) for d in docs], indent=1))
+    from promptlang.home import write_private
+
+    write_private(path, json.dumps([asdict(d) for d in docs], indent=1).encode())
 
 
 def load_corpus(path: Path) -> list[Document]:

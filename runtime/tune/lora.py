@@ -83,7 +83,9 @@ class SeamLoRA(torch.nn.Module):
 
     def save(self, path: Path, meta: dict[str, str]) -> None:
         """The adapter as one safetensors file; `meta` (str -> str) is stored beside."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
+
+        from promptlang.home import write_private
 
         tensors = {}
         for layer in range(self.shape.layers):
@@ -91,7 +93,7 @@ class SeamLoRA(torch.nn.Module):
                 tensors[f"{layer}.{name}.a"] = self.a[layer][name].detach().contiguous()
                 tensors[f"{layer}.{name}.b"] = self.b[layer][name].detach().contiguous()
         header = {"format": FORMAT, "shape": json.dumps(_shape_json(self.shape)), **meta}
-        save_file(tensors, str(path), metadata=header)
+        write_private(path, save(tensors, metadata=header))
 
     @classmethod
     def load(cls, path: Path) -> tuple["SeamLoRA", dict[str, str]]:

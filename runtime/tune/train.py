@@ -142,7 +142,7 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
         rng.setstate(state["rng"])
         say(f"promptlang tune: resumed at step {step} ({spent / 60:.1f} of "
             f"{options.minutes:g} minutes spent)")
-    log = (adapter_dir / LOG_FILE).open("a")
+    log = _private_log(adapter_dir / LOG_FILE)
     losses: list[float] = []
     budget = options.minutes * 60
     started = time.perf_counter() - spent
@@ -250,6 +250,14 @@ def _reply(llm, instruction: str, max_tokens: int, seed: int) -> str:
     result = llm.generate(doc, max_new_tokens=max_tokens, temperature=0.8, top_p=0.95,
                           seed=seed, recompute="none")
     return result.text
+
+
+def _private_log(path: Path):
+    """The log, opened to append; created private (0600) like every file tune writes."""
+    import os
+
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    return os.fdopen(descriptor, "a")
 
 
 def _checkpoint(path: Path, adapter: SeamLoRA, optimizer, step: int, seconds: float,

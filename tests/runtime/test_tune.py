@@ -134,8 +134,8 @@ def test_tune_runs_end_to_end_writes_its_files_and_resumes(tmp_path):
     report = tune(llm, tmp_path / "adapter", options, say=said.append)
     assert report.steps == 3
     assert report.adapter_path.exists()
-    for name in ("corpus.json", "tune-log.jsonl", "checkpoint.pt"):
-        assert (tmp_path / "adapter" / name).exists()
+    for name in ("corpus.json", "tune-log.jsonl", "checkpoint.pt", "seam-lora.safetensors"):
+        assert (tmp_path / "adapter" / name).stat().st_mode & 0o077 == 0, name   # private
     _, meta = SeamLoRA.load(report.adapter_path)
     assert meta["model_fingerprint"] == llm.adapter.fingerprint
     assert report.evaluation.kl_before > 0
