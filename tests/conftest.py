@@ -79,7 +79,7 @@ def tiny_model_dir(tmp_path):
 def pytest_collection_modifyitems(config, items):
     """Mark the tests listed in tests/slow.txt `slow` (ids as pytest prints them; a line
     ending in `*` covers every test whose id starts with the rest). The list holds the
-    tests measured at 2 s or more on the development machine (`--durations=0`), so that
+    tests measured at 1 s or more on the development machine (`--junitxml` times), so that
     `pytest -m "not slow"` stays a quick loop; `pytest` alone runs everything."""
     from pathlib import Path
 
