@@ -81,7 +81,9 @@ def _tighten(folder: Path) -> None:
 
 
 def write_private(path: str | os.PathLike, data: bytes | Iterable[bytes | memoryview]) -> None:
-    """Write `data` to `path` as a 0600 file, atomically (temporary name, then rename).
+    """Write `data` to `path` as a 0600 file, atomically and durably: under a temporary name
+    in the same folder (`.<name>.<random>.tmp`), fsynced, renamed into place, then the folder
+    fsynced (the rename itself survives a crash). The temporary file is removed on any error.
 
     `data` may also be a sequence of byte chunks, written in order (no joined copy)."""
     path = Path(path)
@@ -91,6 +93,8 @@ def write_private(path: str | os.PathLike, data: bytes | Iterable[bytes | memory
         with os.fdopen(fd, "wb") as handle:     # mkstemp creates it 0600
             for chunk in ((data,) if isinstance(data, (bytes, bytearray, memoryview)) else data):
                 handle.write(chunk)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -98,6 +102,23 @@ def write_private(path: str | os.PathLike, data: bytes | Iterable[bytes | memory
         except OSError:
             pass
         raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """fsync a folder, so the names just created or renamed in it survive a crash (a no-op
+    where folders cannot be opened, e.g. Windows)."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(directory, flags)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:           # a file system that cannot sync folders: nothing more to do
+        pass
+    finally:
+        os.close(fd)
 
 
 MISSING = "it does not exist"      # untrusted_reason's answer for a path with no file

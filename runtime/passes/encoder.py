@@ -113,13 +113,7 @@ class UnitEncoder:
         return plan
 
     def _make_plan(self, layout: SchemaLayout, unit: Unit, primed: frozenset[str]) -> UnitPlan:
-        ids = []
-        pos = []
-        hold = []
-        for seg in unit.segments:
-            ids += seg.token_ids
-            pos += seg.positions
-            hold += [seg.kind == "param"] * len(seg.token_ids)
+        ids, pos, hold = _tokens_of(unit)
         last = max(pos, default=-1)
         key = self._digest(layout, unit, ids, pos, hold, last, primed)
         lead = self.lead(layout, unit.id) if unit.id in primed else None
@@ -149,13 +143,7 @@ class UnitEncoder:
             h.update(b"lead\0" + array("q", lead).tobytes() + b"\0")
         for context_id in self.context_of(unit):
             context = layout.units[context_id]
-            c_ids = []
-            c_pos = []
-            c_hold = []
-            for seg in context.segments:
-                c_ids += seg.token_ids
-                c_pos += seg.positions
-                c_hold += [seg.kind == "param"] * len(seg.token_ids)
+            c_ids, c_pos, c_hold = _tokens_of(context)
             h.update(self._digest(layout, context, c_ids, c_pos, c_hold, last, primed).encode()
                      + b"\0")
         return h.hexdigest()
@@ -267,3 +255,15 @@ class UnitEncoder:
         empty = torch.empty(0, dtype=torch.int64, device=self.adapter.device)
         return UnitKV(keys, values, empty, empty.clone(),
                         torch.empty(0, dtype=torch.bool, device=self.adapter.device))
+
+
+def _tokens_of(unit: Unit) -> tuple[list[int], list[int], list[bool]]:
+    """A unit's token ids, their positions, and which are parameter placeholders."""
+    ids: list[int] = []
+    pos: list[int] = []
+    hold: list[bool] = []
+    for seg in unit.segments:
+        ids += seg.token_ids
+        pos += seg.positions
+        hold += [seg.kind == "param"] * len(seg.token_ids)
+    return ids, pos, hold

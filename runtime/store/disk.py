@@ -9,7 +9,7 @@ and treated as a miss, so the caller re-encodes; a file at one of our names with
 is counted and missed the same way but kept and never overwritten -- unless it is what a
 crash left of ours (empty, zero-filled, or cut short inside its header:
 `kvfile.crash_leftover`), which is deleted and replaced like a corrupt file. Writes are
-durable (kvfile.write_durable: fsync, rename, fsync the folder); temporary files a dead
+durable (home.write_private: fsync, rename, fsync the folder); temporary files a dead
 writer left over an hour ago are deleted when a store opens the folder. A file that
 `promptlang.home.untrusted_reason` refuses (another user's, or writable by others) is never
 loaded: it is a miss, counted in `untrusted_files`, and the put that follows replaces it.

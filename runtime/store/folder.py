@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 
 from promptlang.errors import CacheError
-from promptlang.home import kv_dir, private_dir, untrusted_reason
+from promptlang.home import kv_dir, private_dir, untrusted_reason, write_private
 from promptlang.inputs import read_bytes
 from promptlang.runtime.store.key import SUFFIX, file_name
 from promptlang.runtime.store.kvfile import (CorruptFileError, check_header, crash_leftover,
-                                             dtype_name, peek_header, write_durable)
+                                             dtype_name, peek_header)
 
 MARKER = ".promptlang-kv-store"
 
@@ -35,7 +35,7 @@ _MARKER_TEXT = b"promptlang-kv-store 1\n"
 _TMP_RE = re.compile(r"\.[0-9A-Za-z_.-]+\.tmp\Z")  # write_private's temporary names (and v1's)
 _KV_NAME = r"[0-9A-Za-z_-]{1,128}\.[0-9A-Za-z_]+" + re.escape(SUFFIX)   # <key>.<stored><SUFFIX>
 _KV_NAME_RE = re.compile(_KV_NAME + r"\Z")
-_KV_TMP_RE = re.compile(r"\." + _KV_NAME + r"\.[0-9A-Za-z_]+\.tmp\Z")    # write_durable's
+_KV_TMP_RE = re.compile(r"\." + _KV_NAME + r"\.[0-9A-Za-z_]+\.tmp\Z")    # write_private's
 STALE_TMP_S = 3600       # a temporary KV file this old is a dead writer's (deleted at start)
 
 
@@ -143,7 +143,7 @@ def open_dir(directory: Path) -> None:
                          f"no {MARKER} marker and holds other files ({shown}); pass disk_dir= "
                          "an empty or new folder")
     try:
-        write_durable(directory / MARKER, _MARKER_TEXT)
+        write_private(directory / MARKER, _MARKER_TEXT)
     except OSError as err:
         raise CacheError(f"KV cache directory {directory} cannot be marked: {err}") from None
 

@@ -12,7 +12,7 @@ checksums it and views the tensors in place, with no further copy however long t
     caller's meta), tensors (JSON: dtype and shape of each), put_dtype, sha256 (of the whole
     data section)
 
-Files are written 0600 and durably by `write_durable`: a temporary name in the same folder
+Files are written 0600 and durably by `home.write_private`: a temporary name in the same folder
 (`.<name>.<random>.tmp`), the data fsynced, renamed into place, the folder fsynced -- so a
 crash leaves the old file, the new one, or a temporary leftover, never a name with nothing
 behind it. What a crash could leave anyway (an older writer's empty or zero-filled file, a
@@ -33,13 +33,12 @@ import json
 import os
 import stat
 import struct
-import tempfile
 from pathlib import Path
 
 import torch
 
 from promptlang.errors import InvalidArgumentError
-from promptlang.home import MISSING, private_dir, untrusted_reason
+from promptlang.home import MISSING, untrusted_reason, write_private
 from promptlang.runtime.kv.unit import UnitKV
 
 FORMAT = "promptlang-kv"
@@ -100,47 +99,8 @@ def write_file(path: Path, key: str, kv: UnitKV, meta: dict[str, str],
     }
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # safetensors pads the header so data starts 8-aligned
-    write_durable(path, [struct.pack("<Q", len(text)), text, *chunks])
+    write_private(path, [struct.pack("<Q", len(text)), text, *chunks])
     return 8 + len(text) + offset
-
-
-def write_durable(path: Path, data: bytes | list) -> None:
-    """Write `data` (bytes, or byte chunks in order) to `path` as a 0600 file: under a
-    temporary name in the same folder, fsynced, renamed into place, then the folder fsynced
-    (the rename itself survives a crash). The temporary file is removed on any error."""
-    path = Path(path)
-    private_dir(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:          # mkstemp creates it 0600
-            for chunk in ((data,) if isinstance(data, (bytes, bytearray, memoryview)) else data):
-                handle.write(chunk)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(directory: Path) -> None:
-    """fsync a folder, so the names just created or renamed in it survive a crash (a no-op
-    where folders cannot be opened, e.g. Windows)."""
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(directory, flags)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:           # a file system that cannot sync folders: nothing more to do
-        pass
-    finally:
-        os.close(fd)
 
 
 def read_file(path: Path, key: str,
@@ -289,16 +249,12 @@ def check_header(header: dict, key: str, stored: str, data_bytes: int) -> dict:
 def peek_header(path: Path, info: os.stat_result) -> tuple[dict, int] | None:
     """(header, data start) if the file at `path` is still the regular file `info` describes
     and its header carries the promptlang-kv tag, else None. Never blocks on a FIFO."""
-    try:
-        fd = os.open(path, _OPEN_FLAGS)
-    except OSError:
+    f = _open_as_seen(path, info)
+    if f is None:
         return None
-    with os.fdopen(fd, "rb") as f:
-        opened = os.fstat(f.fileno())
-        if not stat.S_ISREG(opened.st_mode) or opened.st_ino != info.st_ino:
-            return None
+    with f:
         try:
-            header, data_start = _read_header(f, opened.st_size)
+            header, data_start = _read_header(f, os.fstat(f.fileno()).st_size)
         except (CorruptFileError, OSError):
             return None
     md = header.get("__metadata__")
@@ -337,18 +293,29 @@ def crash_leftover(path: Path, info: os.stat_result) -> str | None:
     unless its header carries our tag). Never blocks on a FIFO; never follows a link."""
     if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
         return None
+    f = _open_as_seen(path, info)
+    if f is None:
+        return None
+    with f:
+        try:
+            return _leftover_reason(f, os.fstat(f.fileno()).st_size)
+        except OSError:
+            return None
+
+
+def _open_as_seen(path: Path, info: os.stat_result):
+    """`path` opened for reading if it is still the regular file its lstat `info` describes
+    (no link followed, no FIFO blocked on), else None."""
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        opened = os.fstat(f.fileno())
-        if not stat.S_ISREG(opened.st_mode) or opened.st_ino != info.st_ino:
-            return None
-        try:
-            return _leftover_reason(f, opened.st_size)
-        except OSError:
-            return None
+    f = os.fdopen(fd, "rb")
+    opened = os.fstat(f.fileno())
+    if not stat.S_ISREG(opened.st_mode) or opened.st_ino != info.st_ino:
+        f.close()
+        return None
+    return f
 
 
 def _leftover_reason(f, size: int) -> str | None:
