@@ -32,7 +32,7 @@ STORE16 = "cached-bf16"       # the cached setting on a bfloat16 store
 
 def normalize_specs(specs: Sequence[str | Recompute]) -> tuple[str, ...]:
     """Recompute policies as canonical text, in order, duplicates and "none" dropped
-    (raises promptlang.runtime.recompute.RecomputeSpecError on a malformed one)."""
+    (raises promptlang.errors.RecomputeSpecError on a malformed one)."""
     out: list[str] = []
     for spec in specs:
         policy = Recompute.parse(spec)

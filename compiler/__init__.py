@@ -15,9 +15,10 @@ no torch. Running a program with a model (`fn.run`) is the public face's
 """
 
 from promptlang.compiler.decorator import PromptFunction, prompt
-from promptlang.compiler.diagnostics import CODES, CompileError, Diagnostic
+from promptlang.compiler.diagnostics import CODES, Diagnostic
 from promptlang.compiler.generate_calls import gen, select
 from promptlang.compiler.markers import MaxTokens, assistant, system, user
+from promptlang.errors import CompileError
 from promptlang.pml.prompt import Prompt
 
 __all__ = ["prompt", "Prompt", "PromptFunction", "MaxTokens", "system", "user", "assistant",

@@ -33,13 +33,13 @@ from typing import Any, Callable, Mapping
 
 from promptlang.compiler.lower import plan_function, schema_of
 from promptlang.compiler.analyze import analyze_function
-from promptlang.compiler.diagnostics import CompileError, Diagnostic, errors
+from promptlang.compiler.diagnostics import Diagnostic, errors
 from promptlang.compiler.instrument import instrument
 from promptlang.compiler.plan import FunctionPlan, PlannedFunction
 from promptlang.compiler.prompt import CompiledPrompt
 from promptlang.compiler.source import caller_span, deepest_span, module_name_for_file
 from promptlang.compiler.trace import Hooks, Trace
-from promptlang.errors import InvalidArgumentTypeError
+from promptlang.errors import CompileError, InvalidArgumentTypeError
 from promptlang.pml import nodes
 from promptlang.pml.writer import write
 

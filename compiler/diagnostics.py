@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
-from promptlang.errors import InvalidArgumentError, PromptLangError, Span
+from promptlang.errors import InvalidArgumentError, Span
 
 Severity = Literal["error", "warning"]
 
@@ -140,28 +140,3 @@ class Diagnostic:
 
 def errors(diagnostics: Iterable[Diagnostic]) -> list[Diagnostic]:
     return [d for d in diagnostics if d.severity == "error"]
-
-
-def sort_key(d: Diagnostic):
-    s = d.span
-    return (s.file, s.line, s.col, d.code) if s is not None else ("", 0, 0, d.code)
-
-
-class CompileError(PromptLangError):
-    """A @prompt function the compiler cannot turn into a schema; carries every diagnostic."""
-
-    def __init__(self, diagnostics: Iterable[Diagnostic]):
-        self.diagnostics = tuple(sorted(set(diagnostics), key=sort_key))
-        first = self.diagnostics[0] if self.diagnostics else None
-        count = len(errors(self.diagnostics))
-        summary = (f"{first.message} [{first.code}]" if first is not None else "compile error")
-        if count > 1:
-            summary += f" (and {count - 1} more error{'s' if count > 2 else ''})"
-        super().__init__(summary, first.span if first is not None else None)
-        self.args = (self.diagnostics,)
-
-    def __str__(self) -> str:
-        return "\n".join(d.format() for d in self.diagnostics)
-
-    def __reduce__(self):
-        return (CompileError, (self.diagnostics,))

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import promptlang.compiler.ir as ir   # not `from promptlang.compiler`: that names the package
-from promptlang.compiler.diagnostics import CompileError, Diagnostic, errors
+from promptlang.compiler.diagnostics import Diagnostic, errors
 from promptlang.compiler.generate_calls import is_generator
 from promptlang.compiler.markers import RoleHelper
 from promptlang.compiler.names import arm_base, module_base, param_base
 from promptlang.compiler.plan import FunctionPlan, PlannedItem, merge_text, prompt_function_of
 from promptlang.compiler.resolve import bound, read_bounds, resolve, warn_unused_bounds
-from promptlang.errors import Span
+from promptlang.errors import CompileError, Span
 from promptlang.pml import nodes
 
 _KINDS = {ir.TextItem: "text", ir.ValueItem: "value", ir.FStringItem: "fstring",

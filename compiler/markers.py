@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from promptlang.compiler.diagnostics import CompileError, Diagnostic
+from promptlang.compiler.diagnostics import Diagnostic
 from promptlang.compiler.source import caller_span
-from promptlang.errors import InvalidArgumentError, Span, StateError
+from promptlang.errors import CompileError, InvalidArgumentError, Span, StateError
 from promptlang.pml.nodes import ROLES
 
 MAX_TOKENS_CAP = 1 << 20     # no length bound or max_tokens above this many tokens (1,048,576)

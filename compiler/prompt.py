@@ -8,7 +8,8 @@ hole in the Python source (the schema's Param spans point there).
 
 from __future__ import annotations
 
-from promptlang.compiler.diagnostics import CompileError, Diagnostic
+from promptlang.compiler.diagnostics import Diagnostic
+from promptlang.errors import CompileError
 from promptlang.pml import nodes
 from promptlang.pml.prompt import Prompt
 from promptlang.tokenizer import Tokenizer

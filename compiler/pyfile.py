@@ -21,9 +21,9 @@ import traceback
 from dataclasses import dataclass, field
 
 from promptlang.compiler.decorator import PromptFunction, collecting
-from promptlang.compiler.diagnostics import CompileError, Diagnostic, sort_key
+from promptlang.compiler.diagnostics import Diagnostic
 from promptlang.compiler.source import deepest_span, module_name_for_file
-from promptlang.errors import InputFileError, Span, span_in
+from promptlang.errors import CompileError, InputFileError, Span, diagnostic_order, span_in
 from promptlang.inputs import decode_utf8, read_bytes
 
 
@@ -85,7 +85,7 @@ def compile_file(path: str) -> Compiled:
     finally:
         sys.path.remove(root)
     compiled.diagnostics = sorted({_as_given(d, here, path) for d in compiled.diagnostics},
-                                  key=sort_key)
+                                  key=diagnostic_order)
     return compiled
 
 

@@ -211,3 +211,89 @@ class AdapterFileError(PromptLangError, ValueError):
 
 class TuneError(PromptLangError, ValueError):
     """`promptlang tune` cannot run with what it was given (too few documents, a bad option)."""
+
+
+class RecomputeSpecError(PromptLangError):
+    """A recompute policy's text is malformed (the message says what is expected; located
+    at a schema's attribute when it came from one)."""
+
+
+class ConstraintError(PromptLangError):
+    """A regex, JSON Schema or grammar that cannot be used (the message says why), or a
+    tokenizer llguidance cannot read."""
+
+
+class NativeKernelsError(PromptLangError):
+    """PROMPTLANG_REQUIRE_NATIVE is set and the CPU kernels cannot be built or loaded."""
+
+
+class CompileError(PromptLangError):
+    """A @prompt function the compiler cannot turn into a schema; carries every diagnostic.
+
+    A diagnostic is the compiler's `Diagnostic`: it has `span`, `code`, `message`,
+    `severity` and `format()`."""
+
+    def __init__(self, diagnostics):
+        self.diagnostics = tuple(sorted(set(diagnostics), key=diagnostic_order))
+        first = self.diagnostics[0] if self.diagnostics else None
+        count = sum(1 for d in self.diagnostics if d.severity == "error")
+        summary = (f"{first.message} [{first.code}]" if first is not None else "compile error")
+        if count > 1:
+            summary += f" (and {count - 1} more error{'s' if count > 2 else ''})"
+        super().__init__(summary, first.span if first is not None else None)
+        self.args = (self.diagnostics,)
+
+    def __str__(self) -> str:
+        return "\n".join(d.format() for d in self.diagnostics)
+
+    def __reduce__(self):
+        return (CompileError, (self.diagnostics,))
+
+
+def diagnostic_order(d):
+    """Diagnostics sort by place (file, line, column), then code; unplaced ones first."""
+    s = d.span
+    return (s.file, s.line, s.col, d.code) if s is not None else ("", 0, 0, d.code)
+
+
+# --- errors of the command line and the server ----------------------------------------------
+
+
+class UsageError(PromptLangError):
+    """A command line the command cannot run: printed as one line, exit status 2."""
+
+
+class RequestError(PromptLangError):
+    """A request that names something unknown or is malformed (HTTP 400)."""
+
+
+class QueueFullError(PromptLangError):
+    """The server's engine queue holds its limit of waiting requests (HTTP 429)."""
+
+
+class HTTPError(PromptLangError):
+    """A request the server answers with an error status: `status`, an OpenAI-style error
+    `kind` and `param`; `close` ends the connection (the body was not read to its end)."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, close: bool = False):
+        super().__init__(message)
+        self.args = (status, message, kind, param, close)
+        self.status = status
+        self.kind = kind
+        self.param = param
+        self.close = close
+
+
+# --- the store's checks of its own files (caught inside the store, never shown to users) ----
+
+
+class UntrustedFileError(CacheError):
+    """A disk file that must not be read (a link, not the user's, not private...)."""
+
+
+class CorruptFileError(CacheError):
+    """A disk file that failed a check; the store drops it and computes the module again."""
+
+    identity: tuple[int, int] | None = None  # (inode, mtime ns) of the file that failed
+    ours = True                               # False: no promptlang-kv tag, so not deleted

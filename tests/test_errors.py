@@ -73,10 +73,37 @@ def test_no_other_class_takes_a_builtin_base():
                 assert ALSO_BUILTIN.get(cls.__name__) is builtin, cls.__name__
 
 
-@pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.__name__)
+# the classes with a constructor of their own: tested below
+OWN_CONSTRUCTOR = {errors.CompileError, errors.HTTPError}
+
+
+@pytest.mark.parametrize("cls", [c for c in ERROR_CLASSES if c not in OWN_CONSTRUCTOR],
+                         ids=lambda c: c.__name__)
 def test_every_error_pickles_and_prints_with_its_location(cls):
     error = cls("went wrong", Span("f.pml", 2, 3, "abcdef"))
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is cls and str(back) == str(error)
     assert str(back).startswith("f.pml:2:3: went wrong")
     assert str(cls("no place")) == "no place"
+
+
+def test_a_compile_error_pickles_with_its_diagnostics_sorted_by_place():
+    from promptlang.compiler.diagnostics import CODES, Diagnostic
+
+    code = next(c for c, entry in CODES.items() if entry.severity == "error")
+    late = Diagnostic(code, "second", Span("app.py", 9, 1, "x = 1"))
+    early = Diagnostic(code, "first", Span("app.py", 2, 5, "def f(): ..."))
+    error = errors.CompileError([late, early])
+    assert [d.message for d in error.diagnostics] == ["first", "second"]
+    assert error.span == early.span and error.message == f"first [{code}] (and 1 more error)"
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is errors.CompileError and back.diagnostics == error.diagnostics
+    assert str(back) == str(error) and str(back).startswith(f"app.py:2:5: error: first [{code}]")
+
+
+def test_an_http_error_pickles_with_its_status_kind_and_parameter():
+    error = errors.HTTPError(413, "too big", "invalid_request_error", param="prompt", close=True)
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is errors.HTTPError and str(back) == "too big"
+    assert (back.status, back.kind, back.param, back.close) == (413, "invalid_request_error",
+                                                                "prompt", True)

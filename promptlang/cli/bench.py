@@ -265,7 +265,7 @@ def _recompute_list(text: str) -> tuple[str, ...]:
     """Comma-separated recompute policies, canonical and without duplicates; "none"
     alone: no recompute settings."""
     from promptlang.bench.settings import normalize_specs
-    from promptlang.runtime.recompute import RecomputeSpecError
+    from promptlang.errors import RecomputeSpecError
 
     parts = [part.strip() for part in text.split(",") if part.strip()]
     if not parts:

@@ -21,6 +21,9 @@ import re
 import sys
 from typing import Any
 
+from promptlang.errors import UsageError
+
+
 def register(subparsers: Any) -> None:
     """Add `compile` to the `promptlang` command's subparsers (check.py adds `check`)."""
     compile_ = subparsers.add_parser(
@@ -114,10 +117,6 @@ def _write_outputs(folder: str, outputs: list[tuple[str, str]]) -> int:
         print(f"promptlang compile: cannot write {where}: {err.strerror or err}", file=sys.stderr)
         return 2
     return 0
-
-
-class UsageError(Exception):
-    """A command line the command cannot run: printed as one line, exit status 2."""
 
 
 def _compile(path: str):

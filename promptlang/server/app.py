@@ -34,11 +34,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from promptlang.errors import InternalError, PromptLangError
-from promptlang.server.prompts import (ChatSchemas, RequestError, check_extension,
+from promptlang.errors import (HTTPError, InternalError, PromptLangError, QueueFullError,
+                               RequestError)
+from promptlang.server.prompts import (ChatSchemas, check_extension,
                                        check_messages, completion_prompt, completion_text,
                                        extension_prompt, parse_messages)
-from promptlang.server.worker import EngineWorker, Job, QueueFull
+from promptlang.server.worker import EngineWorker, Job
 
 log = logging.getLogger("promptlang.server")
 
@@ -51,21 +52,12 @@ MAX_JSON_DEPTH = 64                 # arrays and objects nested deeper are refus
 _SURROGATE = re.compile("[\ud800-\udfff]")   # JSON's "\ud800" escapes: not Unicode text
 
 
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, close: bool = False):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-        self.param = param
-        self.close = close              # end the connection (the body was not read to its end)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind,
-                                       "param": self.param, "code": None}},
-                            status_code=self.status,
-                            headers={"Connection": "close"} if self.close else None)
+def _error_response(error: HTTPError) -> JSONResponse:
+    """The OpenAI-style error object of `error`, with its status."""
+    return JSONResponse({"error": {"message": error.message, "type": error.kind,
+                                   "param": error.param, "code": None}},
+                        status_code=error.status,
+                        headers={"Connection": "close"} if error.close else None)
 
 
 @dataclass
@@ -122,20 +114,20 @@ def create_app(llm, *, functions: Mapping[str, Any] | None = None,
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, error: HTTPError):
-        return error.response()
+        return _error_response(error)
 
     @app.exception_handler(StarletteHTTPException)
     async def _starlette_error(request: Request, error: StarletteHTTPException):
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        response = HTTPError(error.status_code, str(error.detail), kind).response()
+        response = _error_response(HTTPError(error.status_code, str(error.detail), kind))
         response.headers.update(error.headers or {})          # e.g. 405's Allow
         return response
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, error: Exception):
         log.error("request failed", exc_info=error)
-        return HTTPError(500, f"internal error: {type(error).__name__}",
-                         "server_error").response()
+        return _error_response(HTTPError(500, f"internal error: {type(error).__name__}",
+                                         "server_error"))
 
     @app.get("/health")
     async def health():
@@ -416,7 +408,7 @@ async def _complete(state: ServerState, request: Request, chat: bool):
                   asyncio.get_running_loop())
         try:
             state.worker.submit(job)
-        except QueueFull as full:
+        except QueueFullError as full:
             raise HTTPError(429, str(full), "rate_limit_error") from None
         kind, value = await _first_event(job, request)
         if kind == "error":
@@ -435,12 +427,12 @@ async def _complete(state: ServerState, request: Request, chat: bool):
         return answer
     except HTTPError as error:
         state.metrics.count(endpoint, error.status)
-        return error.response()
+        return _error_response(error)
     except Exception as error:                  # a fault of ours: logged, the type told
         log.error("request failed", exc_info=error)
         state.metrics.count(endpoint, 500)
-        return HTTPError(500, f"internal error: {type(error).__name__}",
-                         "server_error").response()
+        return _error_response(HTTPError(500, f"internal error: {type(error).__name__}",
+                                         "server_error"))
     finally:
         if job is not None:
             job.cancel()                        # a no-op once the job has finished
@@ -459,7 +451,7 @@ async def _answer(state: ServerState, job: Job, request: Request, chat: bool, id
             result = value
             break
         elif kind == "error":
-            return _as_http(value).response()
+            return _error_response(_as_http(value))
         elif kind == "gone":
             return JSONResponse({}, status_code=499)
     usage = _usage(state, result)

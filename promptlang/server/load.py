@@ -64,7 +64,8 @@ def read_sources(sources: Sequence[str | os.PathLike]) -> tuple[list, dict[str, 
 
 def _functions(path: Path) -> dict[str, Any]:
     from promptlang.compiler.pyfile import compile_file
-    from promptlang.compiler.diagnostics import CompileError, errors
+    from promptlang.compiler.diagnostics import errors
+    from promptlang.errors import CompileError
 
     compiled = compile_file(str(path))
     if errors(compiled.diagnostics):

@@ -24,16 +24,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from promptlang.errors import PromptLangError
+from promptlang.errors import RequestError
 from promptlang.pml import nodes
 
 ROLES = ("system", "user", "assistant")
 REQUEST_FILE = "<request>"           # the file name of a request's PML in located errors
 COMPLETION_SCHEMA = "promptlang-completions"
-
-
-class RequestError(PromptLangError):
-    """A request that names something unknown or is malformed (HTTP 400)."""
 
 
 @dataclass(frozen=True)

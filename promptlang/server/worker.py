@@ -23,7 +23,7 @@ text, recomputed module seams) runs alone, there and then.
 
 `Job.cancel()` (a client that went away) takes the job out before the next step; its
 request buffer goes back to the pool then. A full queue refuses new jobs at once
-(`QueueFull`: the server answers 429). `close()` serves what was queued, then stops.
+(`QueueFullError`: the server answers 429). `close()` serves what was queued, then stops.
 """
 
 from __future__ import annotations
@@ -36,13 +36,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from promptlang.errors import InvalidArgumentError
+from promptlang.errors import InvalidArgumentError, QueueFullError
 
 log = logging.getLogger("promptlang.server")
-
-
-class QueueFull(Exception):
-    """The job queue holds `max_queue` jobs: the request is refused (HTTP 429)."""
 
 
 @dataclass(eq=False)
@@ -110,10 +106,10 @@ class EngineWorker:
         return len(self._active)
 
     def submit(self, job: Job) -> None:
-        """Queue `job`; QueueFull if `max_queue` jobs are already waiting."""
+        """Queue `job`; QueueFullError if `max_queue` jobs are already waiting."""
         with self._lock:
             if self._waiting >= self.max_queue:
-                raise QueueFull(f"{self._waiting} requests are waiting (the limit is "
+                raise QueueFullError(f"{self._waiting} requests are waiting (the limit is "
                                 f"{self.max_queue}); retry later")
             self._waiting += 1
         self._jobs.put(job)

@@ -25,17 +25,12 @@ from typing import Any, Sequence
 
 import torch
 
-from promptlang.errors import PromptLangError
+from promptlang.errors import ConstraintError
 
 
 # JSON Schema outputs are laid out one way, `{"a": 1, "b": [2, 3]}`: no free whitespace
 # (a model that likes newlines could otherwise fill max_new_tokens with them)
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-class ConstraintError(PromptLangError):
-    """A regex, JSON Schema or grammar that cannot be used (the message says why), or a
-    tokenizer llguidance cannot read."""
 
 
 def _llguidance():

@@ -24,12 +24,12 @@ request made exact (exact.made_exact).
 
 from __future__ import annotations
 
-__all__ = ["Recompute", "DEFAULT_POLICY", "RecomputeSpecError", "schema_policy",
+__all__ = ["Recompute", "DEFAULT_POLICY", "schema_policy",
            "choose_positions", "first_tokens", "parallel_contexts", "candidates", "deviations",
            "layer_kv", "DEVIATION_LAYER", "RecomputePlan", "NO_RECOMPUTE", "exact"]
 
 # imported on first use: the policy's text parsing (CLI arguments) needs no torch
-_HOME = {"Recompute": "policy", "DEFAULT_POLICY": "policy", "RecomputeSpecError": "policy",
+_HOME = {"Recompute": "policy", "DEFAULT_POLICY": "policy",
          "schema_policy": "policy",
          "choose_positions": "choose", "first_tokens": "choose",
          "parallel_contexts": "choose", "candidates": "deviation",

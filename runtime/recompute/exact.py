@@ -114,7 +114,7 @@ def remember(store, bound: BoundPrompt, buffer, keys: dict[str, str], units: Seq
     n = buffer.length
     slots_by_position = torch.argsort(buffer.positions[:n])
     sorted_positions = buffer.positions[:n][slots_by_position]
-    # shared runs copied in first
+    # shared spans copied in first
     keys_all = buffer.keys
     values_all = buffer.values
     written = 0

@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from promptlang.errors import PromptLangError, Span
+from promptlang.errors import RecomputeSpecError, Span
 
 Kind = Literal["none", "seams", "first", "query", "deviation", "exact", "ape"]
 KINDS = ("none", "seams", "first", "query", "deviation", "exact", "ape")
@@ -52,11 +52,6 @@ DEFAULT_POLICY = "exact"    # docs/RECOMPUTE.md, "What to use, and the default":
 MAX_SPEC_CHARS = 64         # longer policy text is refused before it is read
 MAX_TOKENS_DIGITS = 9       # digits of K in first:K (int() of them stays cheap)
 APE_DEFAULTS = (0.9, 0.9)   # APE's temperature and scale: the paper's defaults (its code)
-
-
-class RecomputeSpecError(PromptLangError):
-    """A recompute policy's text is malformed (the message says what is expected; located
-    at a schema's attribute when it came from one)."""
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from promptlang.errors import CorruptFileError, UntrustedFileError
 from promptlang.runtime.kv.unit import UnitKV
 from promptlang.runtime.store.eviction import oldest_first, trim_to_budget
 from promptlang.runtime.store.folder import (clear_disk, is_regular, list_disk_entries,
@@ -40,8 +41,7 @@ from promptlang.runtime.store.folder import (clear_disk, is_regular, list_disk_e
                                              remove_stale_temporaries, touch, unlink_ours,
                                              unlink_same)
 from promptlang.runtime.store.key import SUFFIX, file_name, key_of_file
-from promptlang.runtime.store.kvfile import (CorruptFileError, UntrustedFileError,
-                                             existing_file, peek_header, read_file, write_file)
+from promptlang.runtime.store.kvfile import existing_file, peek_header, read_file, write_file
 from promptlang.runtime.store.tier import BackingTier, CacheWarning, Entry, Listed, warn_once
 
 _TOUCH_EVERY_NS = 60 * 10**9  # persist a memory hit to the file's mtime at most once a minute

@@ -22,12 +22,11 @@ import stat
 import time
 from pathlib import Path
 
-from promptlang.errors import CacheError
+from promptlang.errors import CacheError, CorruptFileError
 from promptlang.home import kv_dir, private_dir, untrusted_reason, write_private
 from promptlang.inputs import read_bytes
 from promptlang.runtime.store.key import SUFFIX, file_name
-from promptlang.runtime.store.kvfile import (CorruptFileError, check_header, crash_leftover,
-                                             dtype_name, peek_header)
+from promptlang.runtime.store.kvfile import check_header, crash_leftover, dtype_name, peek_header
 
 MARKER = ".promptlang-kv-store"
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from promptlang.errors import InvalidArgumentError
+from promptlang.errors import CorruptFileError, InvalidArgumentError, UntrustedFileError
 from promptlang.home import MISSING, untrusted_reason, write_private
 from promptlang.runtime.kv.unit import UnitKV
 
@@ -56,17 +56,6 @@ _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
                | getattr(os, "O_CLOEXEC", 0))  # a FIFO swapped in after lstat cannot block
-
-
-class UntrustedFileError(Exception):
-    """Internal: a disk file that must not be read (see `untrusted_reason`)."""
-
-
-class CorruptFileError(Exception):
-    """Internal: a disk file failed a check. Never escapes the store."""
-
-    identity: tuple[int, int] | None = None  # (inode, mtime ns) of the file that failed
-    ours = True                               # False: no promptlang-kv tag, so not deleted
 
 
 # ---- writing and reading -------------------------------------------------------------------
@@ -125,8 +114,9 @@ def read_file(path: Path, key: str,
             if not err.ours:                  # no tag: but maybe what a crash left of ours
                 leftover = _leftover_reason(f, st.st_size)
                 if leftover is not None:
-                    err.ours = True
-                    err.args = (leftover,)
+                    ours = CorruptFileError(leftover)
+                    ours.identity = err.identity
+                    raise ours from None
             raise
     return kv, info["meta"], info["put_dtype"], size
 

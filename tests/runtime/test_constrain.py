@@ -15,7 +15,7 @@ pytest.importorskip("llguidance")
 
 from promptlang.errors import PromptLangError                 # noqa: E402
 from promptlang.pml import nodes                              # noqa: E402
-from promptlang.runtime.decoding.constrain import ConstraintError      # noqa: E402
+from promptlang.errors import ConstraintError      # noqa: E402
 from promptlang.runtime.conversation.session import SCORED_TOKENS               # noqa: E402
 
 PROMPT = '<prompt schema="c"><user>Answer in the asked format.</user><assistant></prompt>'

@@ -69,7 +69,9 @@ def test_nothing_is_healed_after_a_role_marker_a_cached_token_or_under_a_constra
     pytest.importorskip("llguidance")
     constrained = llm.generate(MID_WORD, max_new_tokens=4, regex="s://[a-z]{1,3}")
     unhealed = llm.generate(MID_WORD, max_new_tokens=4, token_healing=False)
-    assert constrained.prefill_tokens == unhealed.prefill_tokens       # not healed
+    # not healed: the same prompt tokens (the second request may find them in the tail cache)
+    assert (constrained.prefill_tokens + constrained.tail_tokens
+            == unhealed.prefill_tokens + unhealed.tail_tokens)
     assert constrained.text.startswith("s://")
 
 

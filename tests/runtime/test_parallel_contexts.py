@@ -17,7 +17,8 @@ import torch
 
 from promptlang.errors import PromptLangError
 from promptlang.pml.layout import Segment
-from promptlang.runtime.recompute import Recompute, RecomputeSpecError
+from promptlang.errors import RecomputeSpecError
+from promptlang.runtime.recompute import Recompute
 
 from .oracle import Parallel, oracle_prefill
 from .test_oracle import PROMPTS, TOL, make_llm, tiny_model

@@ -21,7 +21,8 @@ from promptlang.pml.parser import parse_prompt, parse_schema
 from promptlang.runtime import engine as engine_module
 from promptlang.runtime import recompute
 from promptlang.runtime.engine import LLM
-from promptlang.runtime.recompute import (Recompute, RecomputePlan, RecomputeSpecError,
+from promptlang.errors import RecomputeSpecError
+from promptlang.runtime.recompute import (Recompute, RecomputePlan,
                                           first_tokens, schema_policy)
 from promptlang.runtime.store import ModuleStore
 from promptlang.tokenizer import WordTokenizer
