@@ -1,11 +1,12 @@
 """The CPU kernels' fast paths, installed on a model adapter by one call: `accelerate`.
 
-    native.py     builds, checks and loads kernels.c; ctypes wrappers of its kernels
+    library.py    builds kernels.c, checks a stored build, loads it, declares its kernels
+    native.py     the kernels' switches and ctypes wrappers (loads library.py's build once)
     kernels.c     pl_linear, pl_attend, pl_decoder (AVX2/FMA, OpenMP; 512-bit tiles on AVX-512F)
     linear.py     nn.Linear -> pl_linear for small inputs, during the runtime's passes only
     attention.py  pl_attend inside the RoPE attention (runtime/model/attention.py)
     fused.py      pl_decoder: every decoder layer of a Llama-family model in one call
-    pieces.py     a past's slots as pieces: buffer runs and runs read in place
+    pieces.py     a past's slots as pieces: buffer spans and units' KV read in place
 
 Data flow: `ModelAdapter.__init__` calls `accelerate(adapter)` once; the FastPaths it gets
 back ride along its passes (`decoder` is tried first for an unmasked pass, `attention` is

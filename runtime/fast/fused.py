@@ -178,7 +178,7 @@ class FusedDecoder:
         of every layer. None (nothing written) where pl_decoder does not apply."""
         new_readable = all(_readable(t, self.kv_heads, self.head_dim, (torch.float32,))
                            for t in (new_keys, new_values))
-        if len(pieces) >= native.MAX_SEGMENTS or not new_readable:
+        if len(pieces) >= native.MAX_PIECES or not new_readable:
             return None
         prepared = self._prepare(input_ids, positions, pieces)
         if prepared is None:
@@ -200,7 +200,7 @@ class FusedDecoder:
         (nothing written) where pl_decoder does not apply -- then run `forward` per request.
         Requests with APE's contexts must share one temperature and scale (pl_decoder takes
         one pair; the others' pieces are no contexts)."""
-        if not requests or any(len(r.pieces) >= native.MAX_SEGMENTS for r in requests):
+        if not requests or any(len(r.pieces) >= native.MAX_PIECES for r in requests):
             return None
         tempered = {r.contexts[1:] for r in requests if r.contexts is not None}
         if len(tempered) > 1:

@@ -6,11 +6,8 @@ PyTorch's general kernels fall well short of the machine's matmul rate: `attend`
 fast/attention.py), `linear` (pl_linear, fast/linear.py), `decoder` (pl_decoder, fast/fused.py),
 on x86-64 with AVX2, FMA and F16C, a C compiler (`cc`, `$CC`) and float32 tensors (else PyTorch).
 
-The shared library is compiled once per source version into `<promptlang home>/native/`.
-Loading a library runs its code, so a stored one is loaded only when `untrusted_reason`
-finds nothing wrong with it (ours, not writable by others, in a private folder of ours) and
-its bytes match the SHA-256 recorded privately next to it at build time; else it is rebuilt
-(in a private temporary folder, then renamed into place).
+The shared library is compiled once per source version into `<promptlang home>/native/`,
+checked before it is loaded, and its kernels' signatures declared: `fast/library.py`.
 
 Kernels that cannot be had (no compiler, a failed build, a library that does not load or
 lacks a kernel) leave the runtime on PyTorch with one warning -- or, with
@@ -22,45 +19,25 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
-from pathlib import Path
 
 import torch
 
-from promptlang.errors import InternalError, InvalidArgumentError, PromptLangError
-from promptlang.home import native_dir, private_dir, untrusted_reason, write_private
+from promptlang.errors import InternalError, InvalidArgumentError, NativeKernelsError
+from promptlang.runtime.fast import library
 
-_SOURCE = Path(__file__).with_name("kernels.c")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
 MAX_HEAD_DIM = 256     # kernels.c MAXD
-MAX_SEGMENTS = 64      # pl_attend's segment count limit (pl_decoder's per request)
+MAX_PIECES = 64      # pl_attend's piece count limit (pl_decoder's per request)
 REQUIRE_ENV = "PROMPTLANG_REQUIRE_NATIVE"
-WIDE_ENV = "PROMPTLANG_AVX512"     # "0": the linear layers' dot tiles stay on 256-bit vectors
 _TRUE = ("1", "true", "yes", "on")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: "NativeKernelsError | None" = None     # why required kernels are missing
 _tried = False
-_P = ctypes.c_void_p
-_L = ctypes.c_long
-_I = ctypes.c_int
-_F = ctypes.c_float
-
-
-class NativeKernelsError(PromptLangError):
-    """PROMPTLANG_REQUIRE_NATIVE is set and the CPU kernels cannot be built or loaded."""
-
-
-class _Unavailable(Exception):
-    """Why the kernels cannot be had on this machine now (a sentence)."""
 
 
 def off_by_env(environ=os.environ) -> bool:
@@ -139,111 +116,14 @@ def _build_and_load() -> ctypes.CDLL | None:
     if not _supported_cpu():
         return None
     try:
-        return _bind(_trusted_library())
-    except _Unavailable as exc:
+        return library.bind(library.trusted_library())
+    except library.Unavailable as exc:
         if required():
             raise NativeKernelsError(f"the CPU kernels are required ({REQUIRE_ENV} is set) "
                                      f"but unavailable: {exc}") from None
         warnings.warn(f"promptlang: {exc}; using PyTorch kernels (slower)", RuntimeWarning,
                       stacklevel=4)
         return None
-
-
-def _trusted_library() -> Path:
-    """The built library for this kernels.c, checked before it is loaded: rebuilt if untrusted."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise _Unavailable("no C compiler found (install one, or name it in $CC)")
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    try:
-        folder = private_dir(native_dir())
-    except OSError as exc:
-        raise _Unavailable(f"cannot create {native_dir()} ({exc.strerror})") from None
-    target = folder / f"kernels-{digest}.so"
-    stale = _distrust(target)
-    if stale is None:
-        return target
-    if target.exists() or target.is_symlink():
-        warnings.warn(f"promptlang: not loading {target}: {stale}; rebuilding it",
-                      RuntimeWarning, stacklevel=5)
-    _build(compiler, target)
-    stale = _distrust(target)
-    if stale is not None:
-        raise _Unavailable(f"the freshly built {target} cannot be loaded safely: {stale}")
-    return target
-
-
-def _record(library: Path) -> Path:
-    """The file that holds the SHA-256 of `library`'s bytes as it was built."""
-    return library.with_name(library.name + ".sha256")
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _distrust(library: Path) -> str | None:
-    """Why the stored `library` must not be loaded, or None when it may be."""
-    reason = untrusted_reason(library)
-    if reason is not None:
-        return reason
-    record = _record(library)
-    if untrusted_reason(record) is not None:
-        return "its build record is missing or untrusted"
-    try:
-        if record.read_text().strip() != _sha256(library):
-            return "its bytes differ from the digest recorded when it was built"
-    except (OSError, UnicodeDecodeError) as exc:
-        return f"it cannot be checked ({exc})"
-    return None
-
-
-def _build(compiler: str, target: Path) -> None:
-    """Compile kernels.c into a private temporary folder beside `target`, record the
-    result's digest (0600), then rename it into place (atomic: concurrent builders agree)."""
-    try:
-        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:  # 0700
-            built = Path(tmp) / target.name
-            subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE), "-lm"],
-                           check=True, capture_output=True, text=True, timeout=120,
-                           stdin=subprocess.DEVNULL)
-            built.chmod(0o600)                       # the linker makes it 0755
-            write_private(_record(target), (_sha256(built) + "\n").encode())
-            os.replace(built, target)
-    except subprocess.CalledProcessError as exc:
-        detail = (exc.stderr or exc.stdout or "").strip()[:300]
-        raise _Unavailable(f"could not build the CPU kernels ({compiler} exited with "
-                           f"{exc.returncode}: {detail})") from None
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise _Unavailable(f"could not build the CPU kernels ({exc})") from None
-
-
-def _bind(library: Path) -> ctypes.CDLL:
-    """Load `library` and declare its kernels' signatures."""
-    try:
-        lib = ctypes.CDLL(str(library))
-    except OSError as exc:
-        raise _Unavailable(f"could not load {library} ({exc})") from None
-    signatures = {
-        "pl_linear": ([_P, _L, _L, _P, _L, _P, _P, _I], None),
-        "pl_attend": ([_P, _L, _L, _L, _F, _L, _P, _P, _P, _P, _P, _P, _L, _P, _P, _I], _I),
-        "pl_decoder": ([_P, _L, _P, _F, _F, _P, _P, _P, _L, _P, _P, _P, _P, _P, _P, _P, _L, _P,
-                        _L, _P, _P, _L, _P, _P, _P, _F, _F, _P, _I, _P, _I, _I], _I),
-        "pl_q_dequant": ([_P, _L, _L, _I, _P], None), "pl_wide": ([_I], _I),
-        "pl_linear_q8": ([_P, _L, _L, _P, _L, _P, _I], None), "pl_group": ([_I], _I),
-        "pl_linear_i8": ([_P, _L, _L, _P, _L, _P], _I), "pl_group_runs": ([], _L),
-        "pl_products": ([_I], _I), "pl_few": ([_I], _I)}
-    try:
-        for name, (arguments, result) in signatures.items():
-            kernel = getattr(lib, name)
-            kernel.argtypes = arguments
-            kernel.restype = result
-    except AttributeError as exc:                 # "...: undefined symbol: pl_attend"
-        raise _Unavailable(f"{library} lacks a kernel ({exc})") from None
-    lib.pl_wide(int(os.environ.get(WIDE_ENV, "1").strip().lower() not in ("0", "false", "no",
-                                                                            "off")))
-    return lib
 
 
 def wide(on: bool | None = None) -> bool:
@@ -378,7 +258,7 @@ def attend_fits(rows: torch.Tensor, pieces) -> bool:
     d = rows.shape[-1]
     rows_fit = (rows.dtype == torch.float32 and rows.device.type == "cpu" and d % 8 == 0
                 and d <= MAX_HEAD_DIM)
-    if not rows_fit or not 0 < len(pieces) <= MAX_SEGMENTS:
+    if not rows_fit or not 0 < len(pieces) <= MAX_PIECES:
         return False
     for keys, values, _ in pieces:
         for t in (keys, values):
@@ -458,11 +338,11 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     layers = shape[5]
     nseg = len(pieces)
     spans = requests if requests is not None else [(int(x.shape[0]), nseg)]
-    spans_fit = all(n >= 1 and p >= 0 and p + 1 <= MAX_SEGMENTS for n, p in spans)
+    spans_fit = all(n >= 1 and p >= 0 and p + 1 <= MAX_PIECES for n, p in spans)
     covered = sum(n for n, _ in spans) == x.shape[0] and sum(p for _, p in spans) == nseg
     if not spans_fit or not covered:
         raise InvalidArgumentError(f"pl_decoder takes requests of 1+ tokens and at most "
-                                   f"{MAX_SEGMENTS - 1} past pieces each, covering every "
+                                   f"{MAX_PIECES - 1} past pieces each, covering every "
                                    "token and piece")
 
     def per_layer(tensors):                       # [layer][tensor] pointers

@@ -1,6 +1,6 @@
-"""A pass's past slots as pieces: runs of the request buffer, and runs read in place.
+"""A pass's past slots as pieces: spans of the request buffer, and units' KV read in place.
 
-A Past (runtime/model/adapter.py) holds its keys/values in one buffer, except the slot runs
+A Past (runtime/model/adapter.py) holds its keys/values in one buffer, except the slot spans
 listed in `shared`, whose keys/values are read from a stored unit's own tensors. Every
 attention path over such a past walks the same pieces in slot order: these helpers.
 """
@@ -19,40 +19,40 @@ class Piece(NamedTuple):
     values: torch.Tensor
 
 
-def slot_runs(shared, end: int):
-    """Slots [0, end) as (start, stop, run) in slot order: `run` is the SharedKV (start,
+def slot_spans(shared, end: int):
+    """Slots [0, end) as (start, stop, kv) in slot order: `kv` is the SharedKV (start,
     end, keys, values) whose tensors hold those slots, or None for the buffer's own."""
-    runs = []
+    spans = []
     at = 0
-    for seg in sorted(shared or ()):
-        if seg.start > at:
-            runs.append((at, seg.start, None))
-        runs.append((seg.start, seg.end, seg))
-        at = seg.end
+    for kv in sorted(shared or ()):
+        if kv.start > at:
+            spans.append((at, kv.start, None))
+        spans.append((kv.start, kv.end, kv))
+        at = kv.end
     if end > at:
-        runs.append((at, end, None))
-    return runs
+        spans.append((at, end, None))
+    return spans
 
 
 def past_pieces(keys: torch.Tensor, values: torch.Tensor, shared, end: int) -> list[Piece]:
-    """Past slots [0, end) of a buffer ([L, H_kv, C, D]) as pieces in slot order, the runs
+    """Past slots [0, end) of a buffer ([L, H_kv, C, D]) as pieces in slot order, the spans
     in `shared` read from their own tensors."""
-    return [Piece(keys[:, :, a:b], values[:, :, a:b]) if run is None else
-            Piece(run.keys, run.values) for a, b, run in slot_runs(shared, end)]
+    return [Piece(keys[:, :, a:b], values[:, :, a:b]) if kv is None else
+            Piece(kv.keys, kv.values) for a, b, kv in slot_spans(shared, end)]
 
 
 def layer_pieces(layer: int | None, shared, key: torch.Tensor, value: torch.Tensor, end: int):
     """Slots [0, end) of one layer as (first slot, end slot, keys, values) pieces in slot
-    order: the SharedKV runs read from their units' tensors, the slots between them from
+    order: the SharedKV spans read from their units' tensors, the slots between them from
     `key`/`value` ([B, H_kv, K, D]); keys and values of every piece [B, H_kv, n, D]."""
-    return [(a, b, key[:, :, a:b], value[:, :, a:b]) if run is None else
-            (a, b, run.keys[layer][None], run.values[layer][None])
-            for a, b, run in slot_runs(shared, end)]
+    return [(a, b, key[:, :, a:b], value[:, :, a:b]) if kv is None else
+            (a, b, kv.keys[layer][None], kv.values[layer][None])
+            for a, b, kv in slot_spans(shared, end)]
 
 
 def flagged_pieces(keys: torch.Tensor, values: torch.Tensor, shared, end: int,
                    flags: torch.Tensor) -> tuple[list[Piece], list[bool]]:
-    """`past_pieces`, each run cut where `flags` (bool per slot; slots past its end: False)
+    """`past_pieces`, each piece cut where `flags` (bool per slot; slots past its end: False)
     changes, and each piece's flag: APE's contexts as whole pieces (runtime/model/adapter.py,
     ParallelContexts)."""
     flags = flags[:end].to(torch.bool).cpu()
@@ -61,13 +61,13 @@ def flagged_pieces(keys: torch.Tensor, values: torch.Tensor, shared, end: int,
     cuts = set((torch.nonzero(flags[1:] != flags[:-1])[:, 0] + 1).tolist())
     pieces = []
     marks = []
-    for a, b, run in slot_runs(shared, end):
+    for a, b, kv in slot_spans(shared, end):
         bounds = [a, *sorted(c for c in cuts if a < c < b), b]
         for x, y in zip(bounds, bounds[1:]):
-            if run is None:
+            if kv is None:
                 pieces.append(Piece(keys[:, :, x:y], values[:, :, x:y]))
             else:
-                pieces.append(Piece(run.keys[:, :, x - run.start:y - run.start],
-                                    run.values[:, :, x - run.start:y - run.start]))
+                pieces.append(Piece(kv.keys[:, :, x - kv.start:y - kv.start],
+                                    kv.values[:, :, x - kv.start:y - kv.start]))
             marks.append(bool(flags[x]))
     return pieces, marks

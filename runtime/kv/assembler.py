@@ -40,9 +40,9 @@ from promptlang.runtime.model import ModelAdapter, ParallelContexts, Past, Share
 from promptlang.runtime.kv.plan import NO_RECOMPUTE, RecomputePlan
 
 SHARE_MIN_TOKENS = 256     # shorter units are copied: cheaper than one more attention piece
-MAX_SHARED_RUNS = 48       # runs read in place per request (each an attention piece; the
-                           # fused layers take < 64 per request, fast/native.MAX_SEGMENTS):
-                           # a unit whose runs (holes: recomputed tokens) exceed what is
+MAX_SHARED_PIECES = 48     # spans read in place per request (each an attention piece; the
+                           # fused layers take < 64 per request, fast/native.MAX_PIECES):
+                           # a unit whose spans (holes: recomputed tokens) exceed what is
                            # left is copied instead
 POOL_BUDGET_ENV = "PROMPTLANG_POOL_BYTES"
 DEFAULT_POOL_BUDGET = 1 << 30   # bytes of request buffers (in use + idle) the pool keeps within
@@ -80,7 +80,7 @@ class KVBuffer:
     length: int = 0            # tokens in use
     held: list[tuple[str, int]] = field(default_factory=list)   # (unit key, end) at the front
     shared: list[SharedKV] = field(default_factory=list)        # slots read in place
-    shared_keys: list[str | None] = field(default_factory=list)  # unit key on a unit's last run
+    shared_keys: list[str | None] = field(default_factory=list)  # unit key on a unit's last span
     # APE (recompute policy "ape"): `context` indexed by POSITION, True at the contexts'
     # tokens; every pass over this buffer attends as ParallelContexts says
     contexts: ParallelContexts | None = None
@@ -121,12 +121,12 @@ class KVBuffer:
         """Copy the shared slots into the buffer; they stop being shared (and a unit that
         continues the held prefix is held from now on)."""
         end = self.held[-1][1] if self.held else 0     # how far the held prefix reaches
-        for seg, key in zip(self.shared, self.shared_keys):
-            self.slot_keys[:, :, seg.start:seg.end] = seg.keys
-            self.slot_values[:, :, seg.start:seg.end] = seg.values
-            if end == seg.start:
-                end = seg.end
-                if key is not None:               # the unit's last run: the whole unit is in
+        for kv, key in zip(self.shared, self.shared_keys):
+            self.slot_keys[:, :, kv.start:kv.end] = kv.keys
+            self.slot_values[:, :, kv.start:kv.end] = kv.values
+            if end == kv.start:
+                end = kv.end
+                if key is not None:               # the unit's last span: the whole unit is in
                     self.held.append((key, end))
         self.shared = []
         self.shared_keys = []
@@ -149,12 +149,12 @@ class KVBuffer:
         """Slots from `index` on are about to change: drop the units that overlap them
         (the part of a shared unit before `index` is copied in, it stays in use)."""
         self.held = [(key, end) for key, end in self.held if end <= index]
-        for seg in self.shared:
-            if seg.start < index < seg.end:
-                self.slot_keys[:, :, seg.start:index] = seg.keys[:, :, :index - seg.start]
-                self.slot_values[:, :, seg.start:index] = seg.values[:, :, :index - seg.start]
-        kept = [(seg, key) for seg, key in zip(self.shared, self.shared_keys) if seg.end <= index]
-        self.shared = [seg for seg, _ in kept]
+        for kv in self.shared:
+            if kv.start < index < kv.end:
+                self.slot_keys[:, :, kv.start:index] = kv.keys[:, :, :index - kv.start]
+                self.slot_values[:, :, kv.start:index] = kv.values[:, :, :index - kv.start]
+        kept = [(kv, key) for kv, key in zip(self.shared, self.shared_keys) if kv.end <= index]
+        self.shared = [kv for kv, _ in kept]
         self.shared_keys = [key for _, key in kept]
 
     def append(self, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
@@ -205,7 +205,7 @@ class Assembler:
 
     def acquire(self, capacity: int, keys: list[str] = ()) -> KVBuffer:
         """A buffer with room for `capacity` tokens, length 0; among those that fit, the
-        one already holding the longest run of `keys` at its front."""
+        one already holding the longest prefix of `keys` at its front."""
         with self._lock:
             fitting = [b for b in self._free if b.capacity >= capacity]
             if fitting:
@@ -256,59 +256,59 @@ class Assembler:
         placeholders and the tokens `recompute` computes per request: the copied ones
         first, skipping the leading ones it already holds, then the shared ones; returns
         the tokens in use."""
-        pieces = [p for p in _served_units(units, recompute) if p.count]
-        reuse = _common_prefix(buffer.held, [p.key for p in pieces])
+        units_in = [p for p in _served_units(units, recompute) if p.count]
+        reuse = _common_prefix(buffer.held, [p.key for p in units_in])
         held = buffer.held[:reuse]
         at = held[-1][1] if held else 0
         shares = []
-        budget = MAX_SHARED_RUNS
-        for piece in pieces[reuse:]:               # in order, while the runs fit the budget
-            shares.append(self._shares(buffer, piece) and len(piece.runs) <= budget)
-            budget -= len(piece.runs) if shares[-1] else 0
-        shared = [p for p, share in zip(pieces[reuse:], shares) if share]
-        copied = [p for p, share in zip(pieces[reuse:], shares) if not share]
+        budget = MAX_SHARED_PIECES
+        for unit in units_in[reuse:]:               # in order, while their pieces fit the budget
+            shares.append(self._shares(buffer, unit) and len(unit.spans) <= budget)
+            budget -= len(unit.spans) if shares[-1] else 0
+        shared = [p for p, share in zip(units_in[reuse:], shares) if share]
+        copied = [p for p, share in zip(units_in[reuse:], shares) if not share]
         buffer.shared = []
         buffer.shared_keys = []
-        for piece in copied:
-            kv = piece.kv
-            n = piece.count
+        for unit in copied:
+            kv = unit.kv
+            n = unit.count
             # kv.keys: [L, H_kv, S, D]
-            if piece.keep is not None:
-                buffer.slot_keys[:, :, at:at + n] = kv.keys[:, :, piece.keep]
-                buffer.slot_values[:, :, at:at + n] = kv.values[:, :, piece.keep]
-                buffer.positions[at:at + n] = kv.positions[piece.keep]
-                buffer.token_ids[at:at + n] = kv.token_ids[piece.keep]
+            if unit.keep is not None:
+                buffer.slot_keys[:, :, at:at + n] = kv.keys[:, :, unit.keep]
+                buffer.slot_values[:, :, at:at + n] = kv.values[:, :, unit.keep]
+                buffer.positions[at:at + n] = kv.positions[unit.keep]
+                buffer.token_ids[at:at + n] = kv.token_ids[unit.keep]
             else:
                 buffer.slot_keys[:, :, at:at + n] = kv.keys
                 buffer.slot_values[:, :, at:at + n] = kv.values
                 buffer.positions[at:at + n] = kv.positions
                 buffer.token_ids[at:at + n] = kv.token_ids
             at += n
-            held.append((piece.key, at))
+            held.append((unit.key, at))
             self.copied_tokens += n
         buffer.held = held
-        for piece in shared:
-            kv = piece.kv
-            for i, (start, end) in enumerate(piece.runs):
+        for unit in shared:
+            kv = unit.kv
+            for i, (start, end) in enumerate(unit.spans):
                 n = end - start
                 buffer.positions[at:at + n] = kv.positions[start:end]
                 buffer.token_ids[at:at + n] = kv.token_ids[start:end]
                 buffer.shared.append(SharedKV(at, at + n, kv.keys[:, :, start:end],
                                               kv.values[:, :, start:end]))
-                # a unit counts as held once its last run is in place (materialize)
-                buffer.shared_keys.append(piece.key if i == len(piece.runs) - 1 else None)
+                # a unit counts as held once its last span is in place (materialize)
+                buffer.shared_keys.append(unit.key if i == len(unit.spans) - 1 else None)
                 at += n
                 self.shared_tokens += n
         buffer.length = at
         return at
 
-    def _shares(self, buffer: KVBuffer, piece: "_ServedUnit") -> bool:
+    def _shares(self, buffer: KVBuffer, unit: "_ServedUnit") -> bool:
         """Whether a unit may be served in place: long, without placeholders, on the
         buffer's device and in a dtype the adapter reads in place (the buffer's, or
-        bfloat16 for the fused layers). `assemble` also keeps the request's runs read in
-        place within MAX_SHARED_RUNS (each run is one more attention piece)."""
-        kv = piece.kv
-        return (self.share_min_tokens is not None and piece.count >= self.share_min_tokens
+        bfloat16 for the fused layers). `assemble` also keeps the request's spans read in
+        place within MAX_SHARED_PIECES (each one more attention piece)."""
+        kv = unit.kv
+        return (self.share_min_tokens is not None and unit.count >= self.share_min_tokens
                 and self.adapter.reads_shared and self.adapter.shares_dtype(kv.keys.dtype)
                 and kv.keys.device == buffer.slot_keys.device
                 and not bool(kv.placeholder.any()))
@@ -317,14 +317,14 @@ class Assembler:
 @dataclass
 class _ServedUnit:
     """One unit as a request is served it: the tokens it keeps (`keep`, None: every
-    token), their runs of consecutive slots, and the key a buffer holds it under (a unit
+    token), their spans of consecutive tokens, and the key a buffer holds it under (a unit
     missing recomputed tokens is held under a key of its own)."""
 
     key: str
     kv: UnitKV
     keep: torch.Tensor | None       # [S] bool
     count: int
-    runs: list[tuple[int, int]]
+    spans: list[tuple[int, int]]
 
     @classmethod
     def of(cls, key: str, kv: UnitKV, recomputed: torch.Tensor | None) -> "_ServedUnit":
@@ -337,7 +337,7 @@ class _ServedUnit:
                 key = f"{key}~" + hashlib.sha1(repr(gone).encode()).hexdigest()[:16]
         if bool(keep.all()):
             return cls(key, kv, None, kv.length, [(0, kv.length)])
-        return cls(key, kv, keep, int(keep.sum()), _runs(keep.tolist()))
+        return cls(key, kv, keep, int(keep.sum()), _spans(keep.tolist()))
 
 
 def request_keys(units: list[tuple[str, UnitKV]], recompute: RecomputePlan = NO_RECOMPUTE
@@ -354,17 +354,17 @@ def _served_units(units: list[tuple[str, UnitKV]], recompute: RecomputePlan
     return [_ServedUnit.of(key, kv, recomputed) for key, kv in units if kv.length]
 
 
-def _runs(keep: list[bool]) -> list[tuple[int, int]]:
-    """[start, end) of each run of True in `keep`."""
-    runs = []
+def _spans(keep: list[bool]) -> list[tuple[int, int]]:
+    """[start, end) of each span of True in `keep`."""
+    spans = []
     start = None
     for i, flag in enumerate(keep + [False]):
         if flag and start is None:
             start = i
         elif not flag and start is not None:
-            runs.append((start, i))
+            spans.append((start, i))
             start = None
-    return runs
+    return spans
 
 
 def _common_prefix(held: list[tuple[str, int]], keys) -> int:

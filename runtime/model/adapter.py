@@ -2,7 +2,7 @@
 
 `ModelAdapter.forward` is the one entry point of the encoder and the generator: Q new
 tokens at their layout positions against a Past (keys/values in a caller-owned buffer,
-some slot runs possibly read in place from stored units), with a visibility matrix or
+some slot spans possibly read in place from stored units), with a visibility matrix or
 None (every past key visible, the new tokens causal). It takes, the first that applies:
 
     chunked     a long input as consecutive chunks (smaller masks, half of Q x K)
@@ -27,7 +27,7 @@ import torch
 from promptlang.errors import InternalError, ModelError, UnsupportedModelError
 from promptlang.runtime.fast import FastPaths, accelerate
 from promptlang.runtime.fast.fused import MAX_TOKENS, BatchRequest
-from promptlang.runtime.fast.native import MAX_SEGMENTS
+from promptlang.runtime.fast.native import MAX_PIECES
 from promptlang.runtime.fast.pieces import flagged_pieces, past_pieces
 from promptlang.runtime.model.families import FAMILIES, Family
 from promptlang.runtime.model.fingerprint import model_fingerprint
@@ -264,7 +264,7 @@ class ModelAdapter:
         unmasked = allowed is None and self.sliding_window is None and self.unmasked_in_one_pass(s)
         chunkable = q > self.chunk_size and s + q <= past.keys.shape[2] and not unmasked
         if chunkable and (allowed is None or not bool(allowed[:, s:].triu(1).any())):
-            # chunks are never fused: 16-bit shared runs are widened once, not per chunk
+            # chunks are never fused: 16-bit shared spans are widened once, not per chunk
             return self._forward_chunked(input_ids, positions, _widened(past), allowed,
                                          logits_rows)
         key_positions = torch.cat([past.positions, positions])        # [S + Q]
@@ -375,7 +375,7 @@ def _fused_by_position(decoder, input_ids, positions, past: Past, rows,
     s = int(past.positions.shape[0])
     size = MAX_TOKENS
     first = _pieces(past, s)
-    if len(first[0]) + 2 >= MAX_SEGMENTS:          # a later run may add one piece
+    if len(first[0]) + 2 >= MAX_PIECES:          # a later run may add one piece
         return None
     order = torch.argsort(rows)                    # rows are served in input order
     rows_sorted = rows[order]
@@ -408,17 +408,17 @@ def _pieces(past: Past, end: int):
 
 
 def _widened(past: Past) -> Past:
-    """`past` with its shared runs in another dtype than the buffer's (a bfloat16 store's
+    """`past` with its shared spans in another dtype than the buffer's (a bfloat16 store's
     units) copied into the buffer's own slots, which are stale and unused there."""
     dtype = past.keys.dtype
-    own = [seg.keys.dtype == dtype and seg.values.dtype == dtype for seg in past.shared]
+    own = [kv.keys.dtype == dtype and kv.values.dtype == dtype for kv in past.shared]
     if all(own):
         return past
-    for seg, ok in zip(past.shared, own):
+    for kv, ok in zip(past.shared, own):
         if not ok:
-            past.keys[:, :, seg.start:seg.end] = seg.keys
-            past.values[:, :, seg.start:seg.end] = seg.values
-    return past._replace(shared=tuple(seg for seg, ok in zip(past.shared, own) if ok))
+            past.keys[:, :, kv.start:kv.end] = kv.keys
+            past.values[:, :, kv.start:kv.end] = kv.values
+    return past._replace(shared=tuple(kv for kv, ok in zip(past.shared, own) if ok))
 
 
 def float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -113,7 +113,7 @@ def test_many_requests_with_more_pieces_than_one_pass_takes_and_mixed_visibility
     requests.append(BatchRequest(ids, torch.arange(10, 15), [piece(layers, heads, 20, d, 8)],
                                  torch.zeros(layers, heads, 5, d), torch.zeros(layers, heads, 5, d),
                                  torch.arange(5), known))
-    assert sum(len(r.pieces) for r in requests) >= native.MAX_SEGMENTS
+    assert sum(len(r.pieces) for r in requests) >= native.MAX_PIECES
     assert sum(int(r.input_ids.shape[0]) for r in requests) <= MAX_TOKENS
     expected = batch_against_alone(decoder, requests)
     seen = alone(decoder, requests[-1]._replace(key_positions=None))[0]

@@ -17,8 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from promptlang.errors import NativeKernelsError
 from promptlang.runtime import model as model_mod
 from promptlang.runtime.fast import fused, native
+from promptlang.runtime.fast import library as library_mod
 from promptlang.runtime.model import adapt
 from .tiny import tiny_llama
 
@@ -225,7 +227,7 @@ def test_a_built_library_its_record_and_its_folders_are_private(home):
     library = _library(home)
     for folder in (home, home / "native"):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
-    for path in (library, native._record(library)):
+    for path in (library, library_mod._record(library)):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert sorted(p.name for p in (home / "native").iterdir()) == [library.name,
                                                                   library.name + ".sha256"]
@@ -241,7 +243,7 @@ def test_a_group_writable_library_is_not_loaded_but_rebuilt_with_a_warning(home,
     assert not marker.exists()                        # its constructor never ran
     assert lib is not None and _kernels_work(lib)
     assert stat.S_IMODE(library.stat().st_mode) == 0o600
-    assert native._distrust(library) is None
+    assert library_mod._distrust(library) is None
 
 
 def test_a_library_in_a_folder_others_can_write_is_not_loaded_but_rebuilt(home, tmp_path,
@@ -249,7 +251,7 @@ def test_a_library_in_a_folder_others_can_write_is_not_loaded_but_rebuilt(home, 
     native._build_and_load()
     library = _library(home)
     marker = _plant(tmp_path, library)
-    monkeypatch.setattr(native, "private_dir", lambda path: path)   # a folder left loose
+    monkeypatch.setattr(library_mod, "private_dir", lambda path: path)   # a folder left loose
     (home / "native").chmod(0o777)
     with pytest.warns(RuntimeWarning, match="others can write to its folder; rebuilding it"):
         lib = native._build_and_load()
@@ -285,7 +287,7 @@ def test_a_library_lacking_a_kernel_falls_back_to_pytorch_with_a_warning(home, t
                                                                         monkeypatch):
     source = tmp_path / "kernels.c"
     source.write_text("void pl_linear(void) {}\nvoid pl_attend(void) {}\n")
-    monkeypatch.setattr(native, "_SOURCE", source)
+    monkeypatch.setattr(library_mod, "_SOURCE", source)
     with pytest.warns(RuntimeWarning, match="lacks a kernel .*pl_decoder.*using PyTorch"):
         assert native._build_and_load() is None
 
@@ -295,14 +297,14 @@ def test_a_library_that_does_not_load_falls_back_to_pytorch_with_a_warning(tmp_p
     monkeypatch.delenv(native.REQUIRE_ENV, raising=False)
     junk = tmp_path / "kernels-junk.so"
     junk.write_bytes(b"not an ELF file")
-    monkeypatch.setattr(native, "_trusted_library", lambda: junk)
+    monkeypatch.setattr(library_mod, "trusted_library", lambda: junk)
     with pytest.warns(RuntimeWarning, match="could not load .*using PyTorch"):
         assert native._build_and_load() is None
 
 
 def test_without_a_working_compiler_the_runtime_falls_back_with_a_warning(monkeypatch, home):
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    monkeypatch.setattr(library_mod.shutil, "which", lambda name: None)
     with pytest.warns(RuntimeWarning, match="no C compiler"):
         assert native._build_and_load() is None
     monkeypatch.setenv("CC", "false")                  # a compiler that fails
@@ -314,20 +316,20 @@ def test_without_a_working_compiler_the_runtime_falls_back_with_a_warning(monkey
 def test_required_kernels_that_cannot_be_had_are_an_error(monkeypatch, home, tmp_path):
     monkeypatch.setenv(native.REQUIRE_ENV, "1")
     monkeypatch.setenv("CC", "false")
-    with pytest.raises(native.NativeKernelsError, match="required .*could not build"):
+    with pytest.raises(NativeKernelsError, match="required .*could not build"):
         native._build_and_load()
     monkeypatch.delenv("CC")
     source = tmp_path / "kernels.c"
     source.write_text("void pl_linear(void) {}\n")
-    monkeypatch.setattr(native, "_SOURCE", source)
-    with pytest.raises(native.NativeKernelsError, match="lacks a kernel"):
+    monkeypatch.setattr(library_mod, "_SOURCE", source)
+    with pytest.raises(NativeKernelsError, match="lacks a kernel"):
         native._build_and_load()
     # through available(): an error on every call, never a quiet False
     monkeypatch.setattr(native, "_tried", False)
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "_error", None)
     for _ in range(2):
-        with pytest.raises(native.NativeKernelsError):
+        with pytest.raises(NativeKernelsError):
             native.available()
 
 

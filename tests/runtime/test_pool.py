@@ -153,12 +153,12 @@ def _unit(adapter, start: int, n: int):
 
 def test_holes_keep_units_read_in_place_up_to_the_run_budget(adapter, monkeypatch):
     """Recomputed tokens split a unit read in place into runs (one attention piece each);
-    the request keeps at most MAX_SHARED_RUNS of them in place, in unit order, and copies a
+    the request keeps at most MAX_SHARED_PIECES of them in place, in unit order, and copies a
     unit whose runs would pass that -- the same slots, positions and KV either way."""
     from promptlang.runtime.recompute import RecomputePlan
     from promptlang.runtime.kv.plan import Segment
 
-    monkeypatch.setattr(assembler_mod, "MAX_SHARED_RUNS", 6)
+    monkeypatch.setattr(assembler_mod, "MAX_SHARED_PIECES", 6)
     units = [(f"u{i}", _unit(adapter, 100 * i, 40)) for i in range(3)]
     holes = [5, 15, 25] + [110, 120] + [205, 210, 215, 220]      # runs: 4, 3, 5
     plan = RecomputePlan(frozenset(holes), tuple(Segment((1,), p, "recompute") for p in holes))
@@ -170,7 +170,7 @@ def test_holes_keep_units_read_in_place_up_to_the_run_budget(adapter, monkeypatc
     kept = [p for _, kv in units for p in kv.positions.tolist() if p not in holes]
     slots = buffer.positions[:buffer.length].tolist()
     assert sorted(slots) == kept                                 # no token lost or doubled
-    read = buffer.keys[:, :, :buffer.length]                      # shared runs copied in
+    read = buffer.keys[:, :, :buffer.length]                      # shared spans copied in
     for at, p in enumerate(slots):
         kv = units[p // 100][1]
         assert bool((read[:, :, at] == kv.keys[:, :, p % 100]).all())

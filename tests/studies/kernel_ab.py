@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
 
-    from promptlang.runtime.fast import native
+    from promptlang.runtime.fast import library, native
 
-    native._SOURCE = args.old.resolve()          # before anything loads the library
+    library._SOURCE = args.old.resolve()          # before anything loads the library
     import promptlang
     from promptlang.bench.peers import DOC_SCHEMA, doc_prompt, doc_schema, document
     from promptlang.runtime.engine import LLM
@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     if libs["old"] is None:
         print("the CPU kernels are not available here")
         return 1
-    native._SOURCE = args.new.resolve()
-    libs["new"] = native._bind(native._trusted_library())
+    library._SOURCE = args.new.resolve()
+    libs["new"] = library.bind(library.trusted_library())
     text, item = document(base.tokenizer, args.tokens, seed=20)
     device = base.adapter.device
     bf16 = dict(dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
