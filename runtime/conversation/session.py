@@ -53,8 +53,8 @@ from promptlang.runtime.decoding.engine_view import EngineView
 from promptlang.runtime.decoding.healing import Healing, healable
 from promptlang.runtime.passes.prefill import move_slots, prefill, truncate
 from promptlang.runtime.decoding.results import Choice, Opening, Timings, Turn
-from promptlang.runtime.decoding.sampling import (Decoding, SamplingParams, options_to_params,
-                                         sequence_logprob)
+from promptlang.runtime.decoding.options import option_scores, pack_options
+from promptlang.runtime.decoding.sampling import Decoding, SamplingParams, options_to_params
 
 if TYPE_CHECKING:
     from promptlang.pml.binding import BoundPrompt
@@ -430,30 +430,16 @@ class Session:
         started, prefill_seconds, prefill_tokens = self._start_turn()
         base_length = self.length
         base_position = self.position
-        context = self.logits
-        starts = []
-        ids = []
-        positions = []
-        groups = []
-        for index, e in enumerate(encoded):
-            starts.append(len(ids))
-            ids += e
-            positions += range(base_position, base_position + len(e))
-            groups += [index] * len(e)
-        q = len(ids)
+        packed = pack_options(encoded, base_position)
+        q = len(packed.token_ids)
         # each option sees the whole past and its own earlier tokens, all from one position
-        logits = self._forward(ids, positions, groups, all_rows=True)          # [Q, V]
-        sums = []
-        means = []
-        for start, e in zip(starts, encoded):
-            predictions = torch.cat([context[None], logits[start:start + len(e) - 1]])
-            total = sequence_logprob(predictions, e)
-            sums.append(total)
-            means.append(total / len(e))
+        logits = self._forward(list(packed.token_ids), list(packed.positions),
+                               list(packed.groups), all_rows=True)             # [Q, V]
+        sums, means = option_scores(self.logits, logits, packed, encoded)
         decisive = sums if normalise == "sum" else means
         index = max(range(len(options)), key=lambda i: (decisive[i], -i))
         decided = time.perf_counter() - started
-        start = starts[index]
+        start = packed.starts[index]
         n = len(encoded[index])
         move_slots(self.buffer, base_length + start, base_length, n)
         truncate(self.buffer, base_length + n)
