@@ -24,9 +24,9 @@ from typing import Callable, Generator
 
 import torch
 
-from promptlang.errors import (ContextLengthError, EmptyPromptError, InvalidArgumentTypeError,
-                               PromptLangError, TokenizerMismatchError, UnknownSchemaError,
-                               UnsupportedModelError)
+from promptlang.errors import (ConfigError, ContextLengthError, EmptyPromptError,
+                               InvalidArgumentTypeError, TokenizerMismatchError,
+                               UnknownSchemaError, UnsupportedModelError)
 from promptlang.pml import nodes
 from promptlang.pml.binding import BoundPrompt, bind
 from promptlang.pml.layout import SchemaLayout, lay_out
@@ -37,6 +37,7 @@ from promptlang.runtime.decoding.healing import heal_point
 from promptlang.runtime.kv.unit import UnitKV
 from promptlang.runtime.passes.encoder import EncodeStats, UnitEncoder
 from promptlang.runtime.model import ModelAdapter, adapt
+from promptlang.runtime.model.seam import SeamModel, find_seam_adapter, load_seam
 from promptlang.runtime.recompute import (DEFAULT_POLICY, NO_RECOMPUTE, Recompute,
                                           RecomputePlan, candidates, choose_positions, exact,
                                           parallel_contexts, schema_policy)
@@ -110,6 +111,8 @@ class _Selected:
     contexts: object                     # APE's ParallelContexts, or None
     approximate: int                     # cached tokens served as encoded apart though they
                                          # missed request tokens before them
+    seam: SeamModel | None = None        # policy tuned: what the tokens after the last
+                                         # cached unit, and the decode steps, run on
 
 
 class LLM:
@@ -132,6 +135,7 @@ class LLM:
         self.encoder = UnitEncoder(adapter, store, tokenizer.fingerprint, isolate=isolate)
         self.assembler = Assembler(adapter)
         self.tails = TailCache(tail_budget_bytes)    # prompt tails seen before (tails.py)
+        self.seam: SeamModel | None = None           # policy tuned's (use_seam_adapter)
         self._schemas: dict[str, tuple[nodes.Schema, SchemaLayout | None]] = {}
         self._lock = threading.Lock()
 
@@ -390,6 +394,14 @@ class LLM:
                 chosen = choose_positions(self.adapter, bound, retrieved.by_unit, policy,
                                           retrieved.context_of)
             plan = RecomputePlan.of(bound, chosen)
+        seam = None
+        if policy.kind == "tuned":
+            if self.seam is None:
+                raise ConfigError(f"recompute policy 'tuned' needs a seam adapter for this "
+                                  f"model; make one with `promptlang tune` (it is then "
+                                  f"found by load()), or load one with "
+                                  f"LLM.use_seam_adapter(path)")
+            seam = self.seam
         missed_apart = [u for u in retrieved.missed if u not in retrieved.served]
         approximate = sum(p not in plan.positions
                           for u in missed_apart for p in retrieved.missed[u])
@@ -399,7 +411,7 @@ class LLM:
             raise UnsupportedModelError(f"recompute policy {str(policy)!r} needs a RoPE model "
                                   f"(Llama family) with promptlang's attention; this one is "
                                   f"{self.adapter.model_type!r}")
-        return _Selected(plan=plan, contexts=contexts, approximate=approximate)
+        return _Selected(plan=plan, contexts=contexts, approximate=approximate, seam=seam)
 
     def _assemble_and_prefill(self, bound: BoundPrompt, healed: str, t: Timings, room: int,
                               request: _Request, retrieved: _Retrieved,
@@ -413,7 +425,7 @@ class LLM:
         units = retrieved.units
         ids, positions = uncached_tokens(plan.uncached(bound))
         tail = None
-        if not plan and contexts is None and not request.all_logits:
+        if not plan and contexts is None and not request.all_logits and selected.seam is None:
             tail = plan_tail(self.tails, self.adapter.numerics, units, ids, positions)
         cached = sum(int((~kv.placeholder).sum()) for _, kv in units)
         buffer = self.assembler.acquire(cached + len(ids) + room, request_keys(units, plan))
@@ -445,7 +457,8 @@ class LLM:
                             healed=healed,
                             units=dict(retrieved.stats.tiers),
                             primed=tuple(sorted(retrieved.primed)),
-                            tail=tail)
+                            tail=tail,
+                            model=selected.seam)
 
             def finish(last: torch.Tensor) -> None:        # the prefill's KV is in the buffer
                 opened.logits = last
@@ -456,14 +469,37 @@ class LLM:
             if whole is not None:                        # nothing to compute
                 opened.logits = whole
                 return opened, whole[None]
-            if len(ids) <= request.defer and not request.all_logits:
+            if len(ids) <= request.defer and not request.all_logits and selected.seam is None:
                 opened.pending = PendingPrefill(ids, positions, finish)
                 return opened, None
             mark = time.perf_counter()
-            logits = prefill(self.adapter, buffer, ids, positions, request.all_logits)
+            logits = self._prefill(buffer, ids, positions, request.all_logits, selected.seam)
             t.prefill = time.perf_counter() - mark
             finish(logits[-1])
         return opened, logits
+
+    def _prefill(self, buffer: KVBuffer, ids: list[int], positions: list[int],
+                 all_logits: bool, seam: SeamModel | None) -> torch.Tensor:
+        """The request's uncached tokens (positions increasing) into `buffer`; with a seam
+        adapter, the tokens after every cached one run on it, those before on the base
+        model (runtime/model/seam.py)."""
+        if seam is None:
+            return prefill(self.adapter, buffer, ids, positions, all_logits)
+        last = int(buffer.positions[:buffer.length].max()) if buffer.length else -1
+        before = sum(p <= last for p in positions)
+        parts = []
+        if before:
+            parts.append(prefill(self.adapter, buffer, ids[:before], positions[:before],
+                                 all_logits))
+        if before < len(ids):
+            parts.append(prefill(seam, buffer, ids[before:], positions[before:], all_logits))
+        return torch.cat(parts) if all_logits else parts[-1]
+
+    def use_seam_adapter(self, path: str | os.PathLike | None) -> None:
+        """Serve policy `tuned` with the seam adapter file `path` (made by `promptlang
+        tune` for this model; None: none). AdapterFileError if it is not one for this
+        model."""
+        self.seam = None if path is None else load_seam(self.adapter, path)
 
     def _remember_exact(self, bound: BoundPrompt, buffer: KVBuffer, retrieved: _Retrieved,
                         plan: RecomputePlan) -> None:
@@ -587,7 +623,8 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
          store_dtype: torch.dtype | None = None, recompute: "str | Recompute" = DEFAULT_POLICY,
          exact_reuse: bool = True, quantized: bool = True, quantize: str | None = None,
          bf16_attention: bool = False, int8_linears: bool = False,
-         tail_budget_bytes: int = TAIL_BUDGET) -> LLM:
+         tail_budget_bytes: int = TAIL_BUDGET,
+         seam_adapter: "str | os.PathLike | bool" = True) -> LLM:
     """Load a causal LM (None: the embedded default, SmolLM2-135M-Instruct) ready to serve.
 
     store_dtype (e.g. torch.bfloat16): keep cached KV at that precision (half the bytes).
@@ -610,8 +647,11 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     int8_linears: the fused layers' linear layers multiply int8 weights (a scale per row) by
     12-bit inputs (a scale per token; CPUs with AVX512_VNNI): approximate.
     What each costs and buys is measured in docs/BENCHMARKS.md.
-    tail_budget_bytes: KV of recent requests' last uncached runs kept for later requests that
+    tail_budget_bytes: KV of recent requests' last uncached tokens kept for later requests that
     start them the same way after the same units (runtime/kv/tails.py; 0: off).
+    seam_adapter: the seam adapter policy `tuned` serves with (runtime/model/seam.py): True
+    finds the one `promptlang tune` made for this model, else the one shipped for it (none:
+    `tuned` is refused with how to make one); a path loads that file; False: none.
 
     The loading runs on a thread that then ends (runtime/passing.py), so that the caller's
     thread keeps no OpenMP pool: a server's engine thread is then the only one that has one."""
@@ -619,13 +659,13 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     return on_passing_thread(lambda: _load(name_or_path, device, dtype, isolate, store,
                                            store_dtype, recompute, exact_reuse, quantized,
                                            quantize, bf16_attention, int8_linears,
-                                           tail_budget_bytes),
+                                           tail_budget_bytes, seam_adapter),
                              name="promptlang-load")
 
 
 def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, exact_reuse,
           quantized, quantize=None, bf16_attention=False, int8_linears=False,
-          tail_budget_bytes=TAIL_BUDGET) -> LLM:
+          tail_budget_bytes=TAIL_BUDGET, seam_adapter=True) -> LLM:
     from promptlang.runtime.model.loading import gguf_source, load_hf_model
     from promptlang.runtime.model.quantize import checked_scheme, quantize_model, serve_numerics
     scheme = checked_scheme(quantize, name_or_path, dtype)
@@ -639,5 +679,10 @@ def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, e
         from promptlang.runtime.store import ModuleStore
         # get() hands out the stored tensors as they are: no per-request conversion copy
         store = ModuleStore(device=adapter.device, dtype=store_dtype, compute_dtype=store_dtype)
-    return LLM(adapter, tokenizer, store, isolate=isolate, recompute=recompute,
-               exact_reuse=exact_reuse, tail_budget_bytes=tail_budget_bytes)
+    llm = LLM(adapter, tokenizer, store, isolate=isolate, recompute=recompute,
+              exact_reuse=exact_reuse, tail_budget_bytes=tail_budget_bytes)
+    if seam_adapter is True:
+        seam_adapter = find_seam_adapter(adapter.fingerprint)
+    if seam_adapter not in (None, False):
+        llm.use_seam_adapter(seam_adapter)
+    return llm

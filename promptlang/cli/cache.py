@@ -56,7 +56,7 @@ def _list_adapters() -> None:
     if not files:
         return
     from promptlang.errors import AdapterFileError
-    from promptlang.runtime.tune.lora import SeamLoRA
+    from promptlang.runtime.model.lora import SeamLoRA
 
     print("seam adapters:")
     for path in files:

@@ -84,6 +84,8 @@ class _Start:
     opening: Opening
     role: str | None                   # the role the prompt leaves open
     static_text: str                   # the prompt's text
+    model: object = None               # what its passes run on (Opened.model; None: the
+                                       # engine's adapter)
 
 
 @dataclass
@@ -110,8 +112,10 @@ class Session:
                            logits=opened.logits,
                            opening=opening,
                            role=_open_role(opened.bound),
-                           static_text=opened.bound.render())
+                           static_text=opened.bound.render(),
+                           model=opened.model)
         self.llm = llm
+        self.model = llm.adapter if start.model is None else start.model
         self.prompt = prompt
         self.bound = start.bound
         self.baseline = baseline
@@ -284,7 +288,7 @@ class Session:
         top = max(positions) + 1
         if limit is not None and top > limit:
             raise ContextLengthError(f"the session needs {top} positions; the model has {limit}")
-        logits = prefill(self.llm.adapter, self.buffer, ids, positions, all_rows,
+        logits = prefill(self.model, self.buffer, ids, positions, all_rows,
                          groups=groups, after_past=follows)
         self.position = max(self.position, top)
         return logits
@@ -312,7 +316,7 @@ class Session:
         healed = self._heal() if params.token_healing and constraint is None else ""
         started, prefill_seconds, prefill_tokens = self._start_turn()
         decoding = Decoding(params, self.llm.tokenizer)
-        decoder = Decoder(self.llm.adapter, self.buffer, decoding, self.position,
+        decoder = Decoder(self.model, self.buffer, decoding, self.position,
                           limit=self.llm.max_positions, keep=_KEPT_LOGITS,
                           materialize=False,
                           constrain=Healing(healed, self.llm.tokenizer) if healed else constraint,
@@ -492,7 +496,8 @@ class Session:
                        logits=self.logits,
                        opening=self.opening,
                        role=self.role,
-                       static_text=self.static_text)
+                       static_text=self.static_text,
+                       model=self.model)
         other = Session(self.llm, self.prompt, baseline=self.baseline, start=start)
         other.turns = list(self.turns)
         other._log = list(self._log)

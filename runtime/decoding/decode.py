@@ -238,16 +238,14 @@ class BatchStepper:
         """Queue a request whose prefill is `pending` (results.PendingPrefill: its tokens,
         positions, and `finish(logits)`): the prefill runs in a coming step, and that step's
         events include the decoder's first pick."""
-        if decoder.adapter is not self.adapter:
-            raise InvalidArgumentError("decoders stepped together must share one model")
+        self._check_model(decoder)
         self.joining[key] = (decoder, pending)
 
     @torch.inference_mode()
     def add(self, key, decoder: Decoder, logits: torch.Tensor) -> tuple[int | None, str, bool]:
         """Start `decoder` from `logits` ([V], for its position): its first pick, as
         (token id, text delta, finished); it joins the next steps unless finished."""
-        if decoder.adapter is not self.adapter:
-            raise InvalidArgumentError("decoders stepped together must share one model")
+        self._check_model(decoder)
         decoder.first_logits = logits
         if decoder.limit is not None and decoder.position >= decoder.limit:
             return None, decoder.decoding.finish("length"), True
@@ -255,6 +253,13 @@ class BatchStepper:
         if not finished:
             self.picked[key] = (decoder, token)
         return token, delta, finished
+
+    def _check_model(self, decoder: Decoder) -> None:
+        """A decoder stepped here runs on this model, or on a view of it (a seam adapter's,
+        runtime/model/seam.py: stepped on its own)."""
+        model = decoder.adapter
+        if model is not self.adapter and getattr(model, "base", None) is not self.adapter:
+            raise InvalidArgumentError("decoders stepped together must share one model")
 
     def remove(self, key) -> None:
         self.picked.pop(key, None)
@@ -290,9 +295,11 @@ class BatchStepper:
         device = self.adapter.device
         items = [(torch.tensor(ids, device=device), torch.tensor(pos, device=device),
                   d.buffer.past(), pending is not None) for _, d, ids, pos, pending in live]
-        steps = self.adapter.forward_batch(items) if len(live) > 1 else None
+        # a decoder on another model view (a seam adapter's) is never batched
+        together = len(live) > 1 and all(d.adapter is self.adapter for _, d, *_ in live)
+        steps = self.adapter.forward_batch(items) if together else None
         if steps is None:                        # one by one, as each would alone
-            rows = [extend(self.adapter, d.buffer, ids, pos, False, None, pending is None)[-1]
+            rows = [extend(d.adapter, d.buffer, ids, pos, False, None, pending is None)[-1]
                     for _, d, ids, pos, pending in live]
         else:
             self.batched += 1
@@ -323,7 +330,8 @@ def steps_together(decoders: Sequence[Decoder], logits: Sequence[torch.Tensor]
     token id, text delta, finished) as `Decoder.steps` would for each."""
     if not decoders:
         return
-    stepper = BatchStepper(decoders[0].adapter)
+    model = decoders[0].adapter
+    stepper = BatchStepper(getattr(model, "base", model))      # a seam view's own model
     for i, (d, first) in enumerate(zip(decoders, logits)):
         yield (i, *stepper.add(i, d, first))
     while len(stepper):

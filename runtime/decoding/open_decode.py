@@ -31,7 +31,8 @@ class Generation:
         if opened.healed:                       # the generation first spells the removed text
             hook = Healing(opened.healed, llm.tokenizer)
         # the last picked token is never computed: it may take the model's last position + 1
-        self.decoder = Decoder(llm.adapter, opened.buffer, self.decoding, opened.position,
+        model = llm.adapter if opened.model is None else opened.model
+        self.decoder = Decoder(model, opened.buffer, self.decoding, opened.position,
                                limit=None if limit is None else limit + 1, constrain=hook,
                                **forced_drafts(params, constraint))
         self._skip = len(opened.healed)         # ... which the caller already has

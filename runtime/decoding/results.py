@@ -95,6 +95,8 @@ class Opened:
     units: dict[str, int] = field(default_factory=dict)   # as Result.units
     primed: tuple[str, ...] = ()  # units served primed (recompute/primer.py)
     tail: "TailUse | None" = None  # its prompt tail (runtime/kv/tails.py), kept at the end
+    model: object = None           # what its later passes run on: a SeamModel under policy
+                                   # tuned (runtime/model/seam.py); None: the engine's adapter
 
     @property
     def tail_tokens(self) -> int:

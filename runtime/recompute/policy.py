@@ -1,5 +1,6 @@
 """Recompute policies as text: "none", "seams", "first:K", "query:K[+ape[:T[:S]]]", "deviation:F",
-"exact", "ape[:T[:S]]", each but seams and exact optionally "+primed" -> a `Recompute`.
+"exact", "ape[:T[:S]]", "tuned", each but seams, exact and tuned optionally "+primed" -> a
+`Recompute`.
 
 A policy is written wherever one is given: a request's `recompute=`, `load(recompute=)`,
 or a schema's `recompute` attribute (PML keeps that attribute's text as written and
@@ -28,7 +29,11 @@ one is an error located at the attribute). What each policy chooses: choose.py.
                   contexts encoded in parallel; the schema's own text after them is
                   recomputed, and every token the request computes attends to the
                   modules' tokens with temperature T and scale S (default 0.9, 0.9)
-  P+primed        policy P (any but seams and exact; "primed" alone is none+primed), with
+  tuned           serve every cached token as stored (as none), then compute the tokens
+                  after the last cached unit, and every decode step, with the model's
+                  seam adapter (`promptlang tune`; runtime/model/seam.py); an LLM without
+                  one refuses it
+  P+primed        policy P (any but seams, exact and tuned; "primed" alone is none+primed), with
                   every module that follows another module or text of the request served
                   as encoded after its context's last token, repeated at the position
                   just before the module (the separator a full prefill has there;
@@ -46,8 +51,8 @@ from typing import Literal
 
 from promptlang.errors import RecomputeSpecError, Span
 
-Kind = Literal["none", "seams", "first", "query", "deviation", "exact", "ape"]
-KINDS = ("none", "seams", "first", "query", "deviation", "exact", "ape")
+Kind = Literal["none", "seams", "first", "query", "deviation", "exact", "ape", "tuned"]
+KINDS = ("none", "seams", "first", "query", "deviation", "exact", "ape", "tuned")
 DEFAULT_POLICY = "exact"    # docs/RECOMPUTE.md, "What to use, and the default": why
 MAX_SPEC_CHARS = 64         # longer policy text is refused before it is read
 MAX_TOKENS_DIGITS = 9       # digits of K in first:K (int() of them stays cheap)
@@ -91,6 +96,9 @@ class Recompute:
             if base.kind in ("seams", "exact"):
                 raise fail(f"{base.kind} recomputes every module seam: primed would change "
                            f"nothing (use it with none, first:K, query:K, deviation:F or ape)")
+            if base.kind == "tuned":
+                raise fail("the seam adapter was tuned on modules served as encoded apart: "
+                           "tuned takes no +primed")
             return replace(base, primed=True)
         if spec == "primed":
             return cls(primed=True)
@@ -98,6 +106,8 @@ class Recompute:
             return cls("exact", 1)
         if spec == "seams":
             return cls("seams", 1)
+        if spec == "tuned":
+            return cls("tuned")
         if spec.startswith("query:") and "+" in spec:       # query:K+ape[:T[:S]]
             head, _, tail = spec.partition("+")
             base = cls._read(head, fail)
@@ -109,7 +119,7 @@ class Recompute:
             return cls("query", base.amount, ape.temperature, ape.scale)
         kind, colon, amount = spec.partition(":")
         expected = ("expected none, seams, first:K (K tokens per module), query:K (K tokens "
-                    "per request), deviation:F (0 < F <= 1), exact or ape[:T[:S]], "
+                    "per request), deviation:F (0 < F <= 1), exact, ape[:T[:S]] or tuned, "
                     "optionally followed by +primed")
         if kind == "ape" and not (colon and not amount):
             return cls._ape(amount, fail)
@@ -148,8 +158,8 @@ class Recompute:
         return cls("ape", 1, values[0], values[1])
 
     def __bool__(self) -> bool:
-        """Whether the policy recomputes anything (`primed` alone recomputes nothing)."""
-        return self.kind != "none"
+        """Whether the policy recomputes cached tokens (`primed` alone and `tuned` do not)."""
+        return self.kind not in ("none", "tuned")
 
     @property
     def parallel(self) -> bool:
@@ -169,7 +179,7 @@ class Recompute:
             return f"query:{int(self.amount)}+{ape}"
         if self.kind in ("first", "query"):
             return f"{self.kind}:{int(self.amount)}"
-        if self.kind in ("exact", "seams"):
+        if self.kind in ("exact", "seams", "tuned"):
             return self.kind
         if self.kind == "ape":
             if (self.temperature, self.scale) == APE_DEFAULTS:

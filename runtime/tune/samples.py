@@ -24,7 +24,7 @@ from transformers import DynamicCache
 
 from promptlang.errors import InvalidArgumentError
 from promptlang.pml import nodes
-from promptlang.runtime.tune.lora import SeamLoRA, attached
+from promptlang.runtime.model.lora import SeamLoRA, attached
 
 
 @dataclass(frozen=True, kw_only=True)

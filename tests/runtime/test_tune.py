@@ -13,7 +13,7 @@ import torch
 from promptlang.runtime.engine import LLM
 from promptlang.runtime.store import ModuleStore
 from promptlang.runtime.tune import corpus
-from promptlang.runtime.tune.lora import AdapterFileError, SeamLoRA, attached, shape_of
+from promptlang.runtime.model.lora import AdapterFileError, SeamLoRA, attached, shape_of
 from promptlang.runtime.tune.samples import (kl_per_row, make_sample, rag_prompt, rag_schema,
                                              student_logprobs)
 from promptlang.runtime.tune.train import TuneOptions, plain_copy, tune

@@ -40,7 +40,7 @@ class LoRAShape:
 
 def shape_of(model: torch.nn.Module, rank: int = 8, alpha: float = 16.0) -> LoRAShape:
     """The LoRA shape for a transformers causal LM with Llama-style attention projections."""
-    layers = _attention_layers(model)
+    layers = attention_layers(model)
     sizes = {}
     for name in TARGETS:
         linear = getattr(layers[0], name)
@@ -124,7 +124,7 @@ class SeamLoRA(torch.nn.Module):
 def attached(model: torch.nn.Module, adapter: SeamLoRA) -> Iterator[None]:
     """While held, every forward of `model` adds the adapter to its attention projections
     (forward hooks on q/k/v/o: transformers' own layers, no forked model code)."""
-    layers = _attention_layers(model)
+    layers = attention_layers(model)
     if len(layers) != adapter.shape.layers:
         raise AdapterFileError(f"the adapter has {adapter.shape.layers} layers; the model "
                                f"has {len(layers)}")
@@ -150,7 +150,7 @@ def _hook(adapter: SeamLoRA, layer: int, name: str):
     return add_delta
 
 
-def _attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Each decoder layer's attention module (Llama-style: q/k/v/o projections)."""
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)

@@ -1,0 +1,122 @@
+"""Serving a seam adapter: the passes of the tokens after a request's last cached unit.
+
+A request under policy `tuned` is served its units as `none` serves them (each unit's KV
+encoded apart by the base model, from the store); then the tokens after its last cached
+unit, and every decode step after them, run on a `SeamModel`: the same model with the seam
+adapter's low-rank change folded into its attention projections (`W + scale * B A`, the
+sum the tune loop's forward hooks compute; runtime/model/lora.py). Every cached unit stays
+the base model's KV, so the store stays shared and every exact path stays exact.
+
+A SeamModel stands in for the ModelAdapter in the passes it runs: `forward` swaps the
+merged weights in under the model's lock, runs the transformers path (the fused layers
+read their own weight table, so they are turned off for the pass), and swaps the base
+weights back. `forward_batch` answers None: a batch step runs such a request on its own.
+`numerics` names the adapter, so a prompt tail computed with it is never served to a
+request without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from promptlang.errors import AdapterFileError
+from promptlang.home import adapters_dir, untrusted_reason
+from promptlang.runtime.fast import fused
+from promptlang.runtime.model.adapter import ModelAdapter, Step
+from promptlang.runtime.model.lora import TARGETS, SeamLoRA, attention_layers
+
+ADAPTER_FILE = "seam-lora.safetensors"
+SHIPPED = Path(__file__).with_name("adapters")   # the adapters that come with promptlang
+
+
+class _NoFastPaths:
+    """What a SeamModel's passes have of the fast paths: none of the fused layers."""
+
+    decoder = None
+    attention = None
+
+
+class SeamModel:
+    """`base` with the seam adapter `lora` folded into its attention projections for the
+    passes run through it; everything else is read from `base`."""
+
+    fast = _NoFastPaths()
+
+    def __init__(self, base: ModelAdapter, lora: SeamLoRA, *, name: str, source: str):
+        self.base = base
+        self.name = name                  # the adapter file's digest
+        self.source = source              # where it was loaded from, for messages
+        layers = attention_layers(base.model)
+        if len(layers) != lora.shape.layers:
+            raise AdapterFileError(f"{source}: the adapter has {lora.shape.layers} layers; "
+                                   f"the model has {len(layers)}")
+        self._merged: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
+        for index, attention in enumerate(layers):
+            for target in TARGETS:
+                linear = getattr(attention, target)
+                size = (linear.in_features, linear.out_features)
+                if size != lora.shape.sizes[target]:
+                    raise AdapterFileError(f"{source}: the adapter's {target} is "
+                                           f"{lora.shape.sizes[target]}; the model's is {size}")
+                merged = lora.merged_weight(index, target, linear.weight.detach())
+                self._merged.append((linear, torch.nn.Parameter(merged, requires_grad=False)))
+
+    def __getattr__(self, name: str):
+        return getattr(self.base, name)
+
+    @property
+    def numerics(self) -> tuple:
+        return (*self.base.numerics, ("seam", self.name))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, past, allowed,
+                logits_rows: torch.Tensor | None = None, *, by_position: bool = False) -> Step:
+        """ModelAdapter.forward with the adapter's weights (see the module docstring)."""
+        with self.base.lock, fused.disabled(), self._swapped():
+            return self.base.forward(input_ids, positions, past, allowed, logits_rows,
+                                     by_position=by_position)
+
+    def forward_batch(self, items) -> None:
+        """Never batched with other requests: the caller runs `forward` per request."""
+        return None
+
+    @contextlib.contextmanager
+    def _swapped(self) -> Iterator[None]:
+        """The merged weights in place of the base ones (the caller holds the model lock)."""
+        base = []
+        try:
+            for linear, merged in self._merged:
+                base.append((linear, linear._parameters["weight"]))
+                linear._parameters["weight"] = merged
+            yield
+        finally:
+            for linear, weight in base:
+                linear._parameters["weight"] = weight
+
+
+def find_seam_adapter(fingerprint: str) -> Path | None:
+    """The seam adapter file for the model with `fingerprint`: the one `promptlang tune`
+    wrote under the home's adapters/ (it is the user's: private files only), else the one
+    shipped with promptlang, else None."""
+    name = Path(fingerprint[:16]) / ADAPTER_FILE
+    tuned = adapters_dir() / name
+    if untrusted_reason(tuned) is None:
+        return tuned
+    shipped = SHIPPED / name
+    return shipped if shipped.is_file() else None
+
+
+def load_seam(base: ModelAdapter, path: str | Path) -> SeamModel:
+    """The seam adapter file `path` made for `base`'s model, ready to serve;
+    AdapterFileError if it is not one, or was tuned for another model."""
+    lora, meta = SeamLoRA.load(Path(path))
+    made_for = meta.get("model_fingerprint")
+    if made_for != base.fingerprint:
+        raise AdapterFileError(f"{path}: the adapter was tuned for model {made_for!r}, not "
+                               f"this one ({base.fingerprint!r})")
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    return SeamModel(base, lora, name=digest, source=str(path))

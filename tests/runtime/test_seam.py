@@ -1,0 +1,174 @@
+"""Serving a seam adapter (runtime/model/seam.py, policy `tuned`): the runtime's passes
+against the tune loop's plain-PyTorch student, the exact paths untouched, decode steps and
+batch steps on the adapter, and how an adapter is found and refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from promptlang.errors import AdapterFileError, ConfigError
+from promptlang.runtime.decoding.decode import Decoder, steps_together
+from promptlang.runtime.decoding.sampling import Decoding, SamplingParams
+from promptlang.runtime.engine import LLM
+from promptlang.runtime.model import seam as seam_mod
+from promptlang.runtime.model.lora import SeamLoRA, attached, shape_of
+from promptlang.runtime.model.seam import ADAPTER_FILE, find_seam_adapter
+from promptlang.runtime.store import ModuleStore
+from promptlang.runtime.tune.samples import make_sample, rag_prompt, rag_schema, student_logprobs
+from promptlang.runtime.tune.train import plain_copy
+
+from .test_tune import TEXTS, VOCAB, _trained_like
+from .tiny import Words, tiny_llama
+
+QUESTION = "Question: when does the choir sing?"
+
+
+def _engine(model, **options) -> LLM:
+    llm = LLM.from_model(model, Words(VOCAB, bos=True), store=ModuleStore(), **options)
+    llm.add_schema(rag_schema("s", "answer from the notes", "notes:\n\n", TEXTS))
+    return llm
+
+
+def _adapter_file(tmp_path, llm: LLM, adapter: SeamLoRA, name: str = ADAPTER_FILE):
+    path = tmp_path / name
+    adapter.save(path, {"model_fingerprint": llm.adapter.fingerprint})
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base = tiny_llama(0, VOCAB)
+    model = plain_copy(base)
+    adapter = _trained_like(SeamLoRA(shape_of(model, rank=4, alpha=8.0), seed=1))
+    llm = _engine(base, recompute="none", exact_reuse=False)
+    path = _adapter_file(tmp_path_factory.mktemp("seam"), llm, adapter)
+    llm.use_seam_adapter(path)
+    return llm, model, adapter, path
+
+
+def test_tuned_serves_the_tokens_after_the_modules_as_the_tune_loop_s_student(setup):
+    llm, model, adapter, _ = setup
+    prompt = rag_prompt("s", [0, 2, 3], QUESTION)
+    sample = make_sample(llm, model, prompt, answer_tokens=3, end_ids={2})
+    served = llm.prefill(prompt, recompute="tuned", all_logits=True)
+    tail = len(served.token_ids) - served.cached_length
+    expected = student_logprobs(model, sample, adapter)[:tail]
+    got = torch.log_softmax(served.logits[-tail:].float(), dim=-1)
+    assert torch.allclose(got, expected, atol=1e-4)
+    # the adapter changes the answer's distribution: the check above can fail
+    untuned = student_logprobs(model, sample, None)[:tail]
+    assert not torch.allclose(got, untuned, atol=1e-2)
+
+
+def test_a_fresh_adapter_serves_exactly_what_none_serves(tmp_path):
+    base = tiny_llama(0, VOCAB)
+    llm = _engine(base, exact_reuse=False)
+    fresh = SeamLoRA(shape_of(plain_copy(base)), seed=4)          # B = 0
+    llm.use_seam_adapter(_adapter_file(tmp_path, llm, fresh))
+    prompt = rag_prompt("s", [3, 1], QUESTION)
+    tuned = llm.prefill(prompt, recompute="tuned", all_logits=True)
+    none = llm.prefill(prompt, recompute="none", all_logits=True)
+    assert torch.equal(tuned.token_ids, none.token_ids)
+    assert torch.allclose(tuned.logits, none.logits, atol=1e-4)
+
+
+def test_decode_steps_run_on_the_adapter_as_the_student_s_greedy_answer(setup):
+    llm, model, adapter, _ = setup
+    prompt = rag_prompt("s", [1, 2], QUESTION)
+    result = llm.generate(prompt, recompute="tuned", max_new_tokens=5, temperature=0.0,
+                          token_healing=False)
+    # reference: the served modules' KV as the past, then the tail and each picked token
+    # through the plain model with the adapter's hooks, greedily
+    served = llm.prefill(prompt, recompute="none", all_logits=True)
+    n = served.cached_length
+    cache = DynamicCache(config=model.config)
+    for layer in range(served.keys.shape[0]):
+        cache.update(served.keys[layer][None, :, :n], served.values[layer][None, :, :n], layer)
+    ids = served.token_ids[n:]
+    positions = served.positions[n:]
+    picked = []
+    with torch.no_grad(), attached(model, adapter):
+        rows = model(input_ids=ids[None], position_ids=positions[None], cache=cache,
+                     use_cache=True).logits[0]
+        position = int(positions[-1]) + 1
+        while len(picked) < len(result.token_ids):
+            token = int(rows[-1].argmax())
+            picked.append(token)
+            rows = model(input_ids=torch.tensor([[token]]),
+                         position_ids=torch.tensor([[position]]), cache=cache,
+                         use_cache=True).logits[0]
+            position += 1
+    assert list(result.token_ids) == picked
+
+
+def test_an_exact_request_is_the_same_with_and_without_an_adapter(setup):
+    llm, _, _, _ = setup
+    plain = _engine(tiny_llama(0, VOCAB), exact_reuse=False)
+    prompt = rag_prompt("s", [2, 0], QUESTION)
+    with_seam = llm.prefill(prompt, recompute="exact", all_logits=True)
+    without = plain.prefill(prompt, recompute="exact", all_logits=True)
+    assert torch.equal(with_seam.logits, without.logits)
+    assert len(with_seam.recompute) > 0               # the exact path did recompute
+
+
+def test_a_batch_step_runs_a_tuned_request_on_its_own(setup):
+    llm, _, _, _ = setup
+    prompts = [rag_prompt("s", [0, 1], QUESTION), rag_prompt("s", [2, 3], QUESTION)]
+    alone = [llm.generate(p, recompute=policy, max_new_tokens=4, temperature=0.0,
+                          token_healing=False).token_ids
+             for p, policy in zip(prompts, ("tuned", "none"))]
+    decoders = []
+    firsts = []
+    for p, policy in zip(prompts, ("tuned", "none")):
+        opened = llm.open(p, recompute=policy, add_generation_prompt=False)
+        model = llm.adapter if opened.model is None else opened.model
+        decoding = Decoding(SamplingParams(max_new_tokens=4, temperature=0.0), llm.tokenizer)
+        decoders.append(Decoder(model, opened.buffer, decoding, opened.position))
+        firsts.append(opened.logits)
+    picked = [[], []]
+    for index, token, _, _ in steps_together(decoders, firsts):
+        if token is not None:
+            picked[index].append(token)
+    assert [tuple(p) for p in picked] == [tuple(a) for a in alone]
+
+
+def test_tuned_without_an_adapter_says_how_to_make_one():
+    llm = _engine(tiny_llama(0, VOCAB))
+    with pytest.raises(ConfigError, match="promptlang tune"):
+        llm.prefill(rag_prompt("s", [0], QUESTION), recompute="tuned")
+
+
+def test_an_adapter_tuned_for_another_model_is_refused(tmp_path):
+    llm = _engine(tiny_llama(0, VOCAB))
+    other = tiny_llama(1, VOCAB)
+    adapter = SeamLoRA(shape_of(plain_copy(other)), seed=0)
+    path = tmp_path / ADAPTER_FILE
+    adapter.save(path, {"model_fingerprint": "someone-else"})
+    with pytest.raises(AdapterFileError, match="tuned for model 'someone-else'"):
+        llm.use_seam_adapter(path)
+    assert llm.seam is None
+
+
+def test_the_home_s_adapter_is_found_before_the_shipped_one(tmp_path, monkeypatch):
+    fingerprint = "0123456789abcdef" * 4
+    home = tmp_path / "home" / "adapters"
+    shipped = tmp_path / "shipped"
+    monkeypatch.setattr(seam_mod, "adapters_dir", lambda: home)
+    monkeypatch.setattr(seam_mod, "SHIPPED", shipped)
+    assert find_seam_adapter(fingerprint) is None
+    (shipped / fingerprint[:16]).mkdir(parents=True)
+    (shipped / fingerprint[:16] / ADAPTER_FILE).write_bytes(b"shipped")
+    assert find_seam_adapter(fingerprint) == shipped / fingerprint[:16] / ADAPTER_FILE
+    (home / fingerprint[:16]).mkdir(parents=True, mode=0o700)
+    home.chmod(0o700)
+    mine = home / fingerprint[:16] / ADAPTER_FILE
+    mine.write_bytes(b"mine")
+    mine.chmod(0o600)
+    assert find_seam_adapter(fingerprint) == mine
+    mine.chmod(0o666)                      # others may write it: not loaded, the shipped one is
+    assert find_seam_adapter(fingerprint) == shipped / fingerprint[:16] / ADAPTER_FILE
+    assert os.path.exists(mine)
