@@ -20,7 +20,8 @@ and pooled request buffers), in an order that rotates from request to request:
               after the same documents: runtime/kv/tails.py, as the prefix policy does);
               recompute policy `none` (documents as encoded apart: the fast path, whose
               cost in answers docs/RECOMPUTE.md gives; the default `exact` computes a new
-              combination's documents after the first again)
+              combination's documents after the first again), or the one `--rag-recompute`
+              names (`tuned`: the question and the first token on the seam adapter)
   prefix      a prefix cache, as vLLM's automatic prefix caching and llama.cpp's prompt
               cache give one: the documents in the request's order at positions 0..N-1;
               the KV of every request it served before is kept, and a new request reuses
@@ -67,6 +68,7 @@ class RagOptions:
     requests: int = 12           # timed requests
     doc_tokens: int = 700        # about this many tokens per document
     seed: int = 0
+    recompute: str = "none"      # promptlang's policy ("tuned": the model's seam adapter)
 
     @classmethod
     def quick(cls) -> "RagOptions":
@@ -302,7 +304,8 @@ def run_rag(llm: LLM, options: RagOptions = RagOptions(), *, model_name: str = "
     report = RagReport(options, model_name or getattr(tokenizer, "name", ""),
                        [len(tokenizer.encode(t)) for t in texts])
     engine = LLM(llm.adapter, tokenizer, ModuleStore(llm.adapter.device, disk_budget_bytes=0),
-                 recompute="none", exact_reuse=False)
+                 recompute=options.recompute, exact_reuse=False)
+    engine.seam = llm.seam                         # policy tuned: the model's seam adapter
     schema = engine.add_schema(build_schema(texts))
     try:
         engine.layout(schema)                      # fits the model's context?
@@ -355,7 +358,8 @@ def _serve(engine: LLM, prefix: PrefixCache, request: RagRequest, question: str,
 
 def sections(report: RagReport) -> list[Section]:
     o = report.options
-    title = f"RAG: {o.k} of {o.docs} documents per request (where prefix caches miss)"
+    title = (f"RAG: {o.k} of {o.docs} documents per request (where prefix caches miss), "
+             f"promptlang's policy {o.recompute}")
     if report.skipped or not report.samples:
         return [Section(title, (), [report.skipped or "no requests measured"])]
     rows = []

@@ -131,7 +131,8 @@ def _rag_options(args):
     from promptlang.bench.rag import RagOptions
 
     return _options(RagOptions, args, {"rag_docs": "docs", "rag_k": "k",
-                                       "rag_requests": "requests"})
+                                       "rag_requests": "requests",
+                                       "rag_recompute": "recompute"})
 
 
 def _accuracy_options(args):

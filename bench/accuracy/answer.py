@@ -29,12 +29,15 @@ def _rule_llms(llm, budget: int) -> dict:
     # (an `exact` request's units would otherwise serve the other settings exactly); prompt
     # tails off: the cost section asks the same question again and again, and measures
     # each setting's units served with the question computed
-    return {rule: LLM(llm.adapter, llm.tokenizer,
+    llms = {rule: LLM(llm.adapter, llm.tokenizer,
                       ModuleStore(device, budget, disk_budget_bytes=0, dtype=dtype,
                                   compute_dtype=dtype),       # as load(store_dtype=...) does
                       isolate=isolate, exact_reuse=False, tail_budget_bytes=0)
             for rule, isolate, dtype in (("context", False, None), ("isolate", True, None),
                                          ("context16", False, torch.bfloat16))}
+    for rule_llm in llms.values():
+        rule_llm.seam = llm.seam          # policy tuned: the model's seam adapter, if any
+    return llms
 
 
 def _requests(item: qa.QAItem, llms: dict, names: Sequence[str]) -> dict[str, tuple]:

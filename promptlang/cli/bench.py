@@ -3,6 +3,7 @@
     promptlang bench latency  [--lengths 256,512,...] [--samples S] [--repeats R]
                               [--decode-tokens N] [--decode-samples D] [--goal-length L]
                               [--rag-docs N] [--rag-k K] [--rag-requests R]
+                              [--rag-recompute POLICY]
     promptlang bench memory
     promptlang bench accuracy [--items N] [--kinds single,cross,...] [--docs-per-item D]
                               [--doc-words W] [--max-new-tokens N] [--seed S]
@@ -85,6 +86,10 @@ def register(subparsers: Any) -> None:
                          help="documents per RAG request (default 4)")
     latency.add_argument("--rag-requests", type=_non_negative, metavar="R",
                          help="timed RAG requests (default 12; 0 skips the RAG section)")
+    latency.add_argument("--rag-recompute", type=_policy, metavar="POLICY",
+                         help="promptlang's recompute policy in the RAG section (default "
+                              "none: documents as encoded apart; tuned: the model's seam "
+                              "adapter, from promptlang tune)")
 
     accuracy = argparse.ArgumentParser(add_help=False)
     accuracy.add_argument("--items", type=_positive, metavar="N",
@@ -101,8 +106,9 @@ def register(subparsers: Any) -> None:
     accuracy.add_argument("--seed", type=int, metavar="S", help="item seed (default 0)")
     accuracy.add_argument("--recompute", type=_recompute_list, metavar="SPEC,SPEC,...",
                           help="recompute policies, each adding the settings cached+SPEC and "
-                               "isolate+SPEC: exact, seams, first:K, query:K, deviation:F or "
-                               "ape[:T[:S]], the last four optionally +primed, or primed alone; "
+                               "isolate+SPEC: exact, seams, first:K, query:K, deviation:F, "
+                               "ape[:T[:S]] or tuned (the model's seam adapter), the four "
+                               "before tuned optionally +primed, or primed alone; "
                                "'none' for no such settings (default "
                                + ",".join(DEFAULT_RECOMPUTE) + ")")
     accuracy.add_argument("--recompute-rules", type=_rules, metavar="RULE,...",
@@ -286,6 +292,17 @@ def _routers(text: str) -> tuple[str, ...]:
     if not routers or unknown:
         raise argparse.ArgumentTypeError(f"routers are pow2, prefix and affinity, got {text!r}")
     return routers
+
+
+def _policy(text: str) -> str:
+    """One recompute policy, as canonical text."""
+    from promptlang.errors import RecomputeSpecError
+    from promptlang.runtime.recompute.policy import Recompute
+
+    try:
+        return str(Recompute.parse(text))
+    except RecomputeSpecError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _rules(text: str) -> tuple[str, ...]:

@@ -37,7 +37,8 @@ def register(subparsers: Any) -> None:
                           "--recompute none with it, or the default exact recomputes it all")
     run.add_argument("--recompute", metavar="POLICY", default=None,
                      help="cached tokens to compute again: exact, seams, none, first:K, query:K, "
-                          "deviation:F or ape[:T[:S]], each but exact and seams optionally +primed "
+                          "deviation:F, ape[:T[:S]] or tuned (the model's seam adapter: "
+                          "promptlang tune), each but exact, seams and tuned optionally +primed "
                           "(default: the schema's recompute attribute, else exact: every cached "
                           "token that missed a request token, answers as the full prefill's; see "
                           "docs/RECOMPUTE.md)")

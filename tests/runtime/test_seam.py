@@ -172,3 +172,16 @@ def test_the_home_s_adapter_is_found_before_the_shipped_one(tmp_path, monkeypatc
     mine.chmod(0o666)                      # others may write it: not loaded, the shipped one is
     assert find_seam_adapter(fingerprint) == shipped / fingerprint[:16] / ADAPTER_FILE
     assert os.path.exists(mine)
+
+
+def test_the_rag_workload_times_promptlang_under_the_policy_it_is_given(setup):
+    from dataclasses import replace
+
+    from promptlang.bench.rag import RagOptions, run_rag
+
+    llm, _, _, _ = setup
+    report = run_rag(llm, replace(RagOptions.quick(), recompute="tuned"), progress=False)
+    assert report.samples and all(s.promptlang > 0 for s in report.samples)
+    bare = _engine(tiny_llama(0, VOCAB))
+    with pytest.raises(ConfigError, match="promptlang tune"):
+        run_rag(bare, replace(RagOptions.quick(), recompute="tuned"), progress=False)
