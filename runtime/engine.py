@@ -624,9 +624,14 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
          exact_reuse: bool = True, quantized: bool = True, quantize: str | None = None,
          bf16_attention: bool = False, int8_linears: bool = False,
          tail_budget_bytes: int = TAIL_BUDGET,
-         seam_adapter: "str | os.PathLike | bool" = True) -> LLM:
+         seam_adapter: "str | os.PathLike | bool" = True,
+         memory_budget_bytes: int | None = None,
+         disk_budget_bytes: int | None = None) -> LLM:
     """Load a causal LM (None: the embedded default, SmolLM2-135M-Instruct) ready to serve.
 
+    memory_budget_bytes, disk_budget_bytes: the store's budgets (None: unlimited), the
+    least recently used units evicted past them (runtime/store/eviction.py). Ignored if
+    `store` is given.
     store_dtype (e.g. torch.bfloat16): keep cached KV at that precision (half the bytes).
     With the fused layers (Llama-family models on a CPU with the kernels) long units are
     read in place at that precision; otherwise they go back to `dtype` when copied into a
@@ -659,13 +664,15 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     return on_passing_thread(lambda: _load(name_or_path, device, dtype, isolate, store,
                                            store_dtype, recompute, exact_reuse, quantized,
                                            quantize, bf16_attention, int8_linears,
-                                           tail_budget_bytes, seam_adapter),
+                                           tail_budget_bytes, seam_adapter,
+                                           memory_budget_bytes, disk_budget_bytes),
                              name="promptlang-load")
 
 
 def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, exact_reuse,
           quantized, quantize=None, bf16_attention=False, int8_linears=False,
-          tail_budget_bytes=TAIL_BUDGET, seam_adapter=True) -> LLM:
+          tail_budget_bytes=TAIL_BUDGET, seam_adapter=True, memory_budget_bytes=None,
+          disk_budget_bytes=None) -> LLM:
     from promptlang.runtime.model.loading import gguf_source, load_hf_model
     from promptlang.runtime.model.quantize import checked_scheme, quantize_model, serve_numerics
     scheme = checked_scheme(quantize, name_or_path, dtype)
@@ -675,10 +682,13 @@ def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, e
     adapter = adapt(hf_model)
     source = gguf_source(name_or_path) if quantized else None
     serve_numerics(adapter, source, dtype, scheme, blocks, bf16_attention, int8_linears)
-    if store is None and store_dtype is not None:
+    budgets = (memory_budget_bytes, disk_budget_bytes)
+    if store is None and (store_dtype is not None or budgets != (None, None)):
         from promptlang.runtime.store import ModuleStore
         # get() hands out the stored tensors as they are: no per-request conversion copy
-        store = ModuleStore(device=adapter.device, dtype=store_dtype, compute_dtype=store_dtype)
+        store = ModuleStore(device=adapter.device, device_budget_bytes=memory_budget_bytes,
+                            disk_budget_bytes=disk_budget_bytes, dtype=store_dtype,
+                            compute_dtype=store_dtype)
     llm = LLM(adapter, tokenizer, store, isolate=isolate, recompute=recompute,
               exact_reuse=exact_reuse, tail_budget_bytes=tail_budget_bytes)
     if seam_adapter is True:

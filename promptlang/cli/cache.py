@@ -11,6 +11,8 @@ import argparse
 import time
 from typing import Any
 
+from promptlang.sizes import format_size
+
 
 def register(subparsers: Any) -> None:
     cache = subparsers.add_parser("cache", help="inspect or empty the KV store on disk",
@@ -40,9 +42,9 @@ def _cache_ls(args: argparse.Namespace) -> int:
             continue
         meta = e["meta"]
         modified = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["modified"]))
-        print(f"{e['key'][:16]}  {e['length']:>6} tokens  {_size(e['file_bytes']):>9}  "
+        print(f"{e['key'][:16]}  {e['length']:>6} tokens  {format_size(e['file_bytes']):>9}  "
               f"{e['stored']:>8}  {modified}  {meta.get('schema', '?')}:{meta.get('unit', '?')}")
-    print(f"{len(entries)} entries, {_size(total)}")
+    print(f"{len(entries)} entries, {format_size(total)}")
     if args.dir is None:
         _list_adapters()
     return 0
@@ -67,7 +69,7 @@ def _list_adapters() -> None:
             continue
         print(f"  {path.parent.name}  model {meta.get('model_fingerprint', '?')[:16]}  "
               f"{meta.get('steps', '?')} steps, {meta.get('minutes', '?')} min  "
-              f"{_size(path.stat().st_size)}  {path}")
+              f"{format_size(path.stat().st_size)}  {path}")
 
 
 def _cache_clear(args: argparse.Namespace) -> int:
@@ -76,10 +78,3 @@ def _cache_clear(args: argparse.Namespace) -> int:
     print(f"removed {clear_disk(args.dir)} entries")
     return 0
 
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover

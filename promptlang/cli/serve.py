@@ -3,6 +3,7 @@
     promptlang serve [--model PATH] [--host 127.0.0.1] [--port 8000]
                      [--schemas DIR_OR_FILE ...] [--api-key KEY] [--max-queue N] [--max-batch N]
                      [--recompute POLICY] [--model-name NAME]
+                     [--memory-budget SIZE] [--disk-budget SIZE]
                      [--ray [--replicas N] [--store DIR] [--router affinity|pow2|prefix]
                             [--threads N] [--replica-memory BYTES]]
 
@@ -51,6 +52,14 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--tail-mib", type=int, default=None, metavar="MIB",
                        help="KV of recent requests' prompt tails kept for later requests "
                             "that start the same way (default 64; 0: off; runtime/kv/tails.py)")
+    serve.add_argument("--memory-budget", metavar="SIZE", default=None,
+                       help="RAM the module store may hold (e.g. 2GiB; none: no limit); least "
+                            "recently used units are evicted past it (default: a quarter of "
+                            "the RAM, at most 8 GiB)")
+    serve.add_argument("--disk-budget", metavar="SIZE", default=None,
+                       help="disk the module store may fill in its folder (e.g. 10GiB; 0: no "
+                            "disk tier; none: no limit) (default: a tenth of the free space "
+                            "there, at most 20 GiB)")
     serve.add_argument("--model-name", metavar="NAME", default=None,
                        help="the model id clients send and /v1/models lists (default: the "
                             "model's name)")
@@ -73,8 +82,11 @@ def register(subparsers: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from promptlang.errors import InvalidArgumentError
+    from promptlang.home import kv_dir
     from promptlang.runtime import engine
     from promptlang.server.load import load_schemas, serve
+    from promptlang.sizes import format_size
 
     if not 0 < args.port < 65536:
         print(f"promptlang serve: --port must be 1-65535, not {args.port}", file=sys.stderr)
@@ -88,6 +100,11 @@ def _serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.ray:
+        if args.memory_budget is not None or args.disk_budget is not None:
+            print("promptlang serve: --memory-budget and --disk-budget are not available with "
+                  "--ray yet (use --replica-memory; the shared store has no disk budget)",
+                  file=sys.stderr)
+            return 2
         if args.tail_mib is not None:
             print("promptlang serve: --tail-mib is not available with --ray yet (each replica "
                   "keeps the default 64 MiB)", file=sys.stderr)
@@ -101,6 +118,15 @@ def _serve(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {} if args.recompute is None else {"recompute": args.recompute}
     if args.tail_mib is not None:
         options["tail_budget_bytes"] = args.tail_mib << 20
+    try:
+        budgets = store_budgets(args.memory_budget, args.disk_budget)
+    except InvalidArgumentError as error:
+        print(f"promptlang serve: {error}", file=sys.stderr)
+        return 2
+    options.update(budgets)
+    print(f"promptlang serve: module store budgets: memory "
+          f"{format_size(budgets['memory_budget_bytes'])}, disk "
+          f"{format_size(budgets['disk_budget_bytes'])} ({kv_dir()})", file=sys.stderr)
     llm = engine.load(args.model, **options, **numerics.load_options(args))
     functions = load_schemas(llm, args.schemas)
     name = args.model_name or _model_name(args.model)
@@ -139,6 +165,18 @@ def _serve_ray(args: argparse.Namespace) -> int:
 
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+def store_budgets(memory: str | None, disk: str | None) -> dict[str, int | None]:
+    """`load`'s store budgets from --memory-budget / --disk-budget (None: the defaults sized
+    to this machine, promptlang/sizes.py)."""
+    from promptlang.home import kv_dir
+    from promptlang.sizes import default_disk_budget, default_memory_budget, parse_size
+
+    return {"memory_budget_bytes": default_memory_budget() if memory is None
+            else parse_size(memory, "--memory-budget"),
+            "disk_budget_bytes": default_disk_budget(kv_dir()) if disk is None
+            else parse_size(disk, "--disk-budget")}
 
 
 def _model_name(model: str | None) -> str:

@@ -642,7 +642,19 @@ def _prometheus(state: ServerState) -> str:
                      f"{getattr(stats, tier + '_hits')}")
     lines += ["# HELP promptlang_store_misses_total Module KV encoded because no tier held it.",
               "# TYPE promptlang_store_misses_total counter",
-              f"promptlang_store_misses_total {stats.misses}"]
+              f"promptlang_store_misses_total {stats.misses}",
+              "# HELP promptlang_store_evictions_total Units evicted past a tier's budget.",
+              "# TYPE promptlang_store_evictions_total counter"]
+    for tier in ("device", "host", "disk"):
+        lines.append(f'promptlang_store_evictions_total{{tier="{tier}"}} '
+                     f"{getattr(stats, tier + '_evictions')}")
+    budget = state.llm.store.memory_budget_bytes
+    lines += ["# HELP promptlang_store_memory_bytes KV bytes the store's memory tiers hold now.",
+              "# TYPE promptlang_store_memory_bytes gauge",
+              f"promptlang_store_memory_bytes {stats.device_bytes + stats.host_bytes}",
+              "# HELP promptlang_store_memory_budget_bytes The memory tiers' budget (-1: none).",
+              "# TYPE promptlang_store_memory_budget_bytes gauge",
+              f"promptlang_store_memory_budget_bytes {-1 if budget is None else budget}"]
     tails = state.llm.tails                                # runtime/kv/tails.py
     lines += ["# HELP promptlang_tail_hits_total Requests served the opening of their last "
               "uncached run from an earlier request's.",

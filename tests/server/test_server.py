@@ -720,3 +720,33 @@ def test_the_servers_connection_limits_are_uvicorns(model):
             assert time.monotonic() - began < 20
     finally:
         server.stop()
+
+
+def test_a_bounded_store_stays_under_its_budgets_over_many_distinct_chat_prefixes(model,
+                                                                                  tmp_path):
+    memory_budget = 24_000
+    disk_budget = 48_000
+    store = ModuleStore(device_budget_bytes=memory_budget, disk_dir=tmp_path / "kv",
+                        disk_budget_bytes=disk_budget)
+    llm = LLM.from_model(model, WordTokenizer(VOCAB, bos=True), store=store)
+    server = Server(create_app(llm, model_name="tiny"))
+    try:
+        for i in range(30):
+            words = " ".join(f"w{(i * 37 + j) % 900}" for j in range(40))
+            server.client().chat.completions.create(
+                model="tiny", max_tokens=1,
+                messages=[{"role": "system", "content": f"note {i}: {words}"},
+                          {"role": "user", "content": "go"}])
+            on_disk = sum(p.stat().st_size for p in (tmp_path / "kv").glob("*.safetensors"))
+            assert store.stats.device_bytes <= memory_budget
+            assert on_disk <= disk_budget
+        with urllib.request.urlopen(server.url + "/metrics", timeout=TIMEOUT) as response:
+            text = response.read().decode()
+    finally:
+        server.stop()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['promptlang_store_evictions_total{tier="device"}'] > 0
+    assert values['promptlang_store_evictions_total{tier="disk"}'] > 0
+    assert values["promptlang_store_memory_budget_bytes"] == memory_budget
+    assert 0 < values["promptlang_store_memory_bytes"] <= memory_budget
