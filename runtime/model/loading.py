@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import shutil
 import stat
+import struct
 import sys
 import time
 from pathlib import Path
@@ -122,6 +124,9 @@ def _from_pretrained(source: str, dtype: torch.dtype, **kwargs: Any) -> Any:
                          f"model's files): {detail}") from None
     except ValueError as err:          # e.g. a config whose architecture has no causal LM
         raise ModelError(f"model {source!r} cannot be loaded as a causal LM: {err}") from None
+    except pickle.UnpicklingError as err:    # a .bin whose pickle weights_only refuses
+        raise ModelError(f"model {source!r}: its weights file holds a pickle that is not "
+                         f"plain weights, refused: {str(err).splitlines()[0][:200]}") from None
 
 
 def _default_model_folder() -> str:
@@ -195,6 +200,7 @@ def _gguf_folder(gguf: Path) -> str:
         raise ModelError(f"cannot read the GGUF file {str(gguf)!r}: {err.strerror}") from None
     if not stat.S_ISREG(info.st_mode):
         raise ModelError(f"{str(gguf)!r} is not a regular file")
+    check_gguf(gguf, info.st_size)
     root = private_dir(private_dir(models_dir()) / "gguf")
     converted = root / f"{gguf.stem}-{_sha256(gguf)[:16]}"
     if _converted_ready(converted):
@@ -204,8 +210,50 @@ def _gguf_folder(gguf: Path) -> str:
     with file_lock(root / ".lock"):
         if not _converted_ready(converted):
             _say(f"converting {gguf.name} to float weights (once)...")
-            _convert_gguf(gguf.resolve(), converted)
+            try:
+                _convert_gguf(gguf.resolve(), converted)
+            except (ValueError, KeyError, IndexError, TypeError, RuntimeError, EOFError,
+                    struct.error) as err:
+                raise ModelError(f"{gguf}: cannot convert this GGUF file "
+                                 f"({type(err).__name__}: {str(err)[:200]})") from None
     return str(converted)
+
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)
+GGUF_MIN_KV_BYTES = 13        # a key's length (8), its type (4), a one-byte value
+GGUF_MIN_TENSOR_BYTES = 24    # a name's length (8), dims (4), one dim (8), type (4)... at least
+
+
+def check_gguf(path: Path, size: int) -> None:
+    """A ModelError naming `path` and what is wrong where the file is not a GGUF the gguf
+    package reads: its header read by hand first (magic, version, counts that fit the
+    file), so that nothing is allocated for counts a crafted file makes up."""
+    from gguf import GGUFReader
+
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(24)
+    except OSError as err:
+        raise ModelError(f"{path}: cannot read the GGUF file ({err.strerror})") from None
+    if len(head) < 24:
+        raise ModelError(f"{path}: not a GGUF file (its {len(head)} bytes are shorter than a "
+                         f"GGUF header)")
+    if head[:4] != GGUF_MAGIC:
+        raise ModelError(f"{path}: not a GGUF file (it starts with {head[:4]!r}, not "
+                         f"{GGUF_MAGIC!r})")
+    version, tensors, kvs = struct.unpack("<IQQ", head[4:24])
+    if version not in GGUF_VERSIONS:
+        raise ModelError(f"{path}: GGUF version {version} (this reader takes versions "
+                         f"{', '.join(map(str, GGUF_VERSIONS))})")
+    if kvs * GGUF_MIN_KV_BYTES > size or tensors * GGUF_MIN_TENSOR_BYTES > size:
+        raise ModelError(f"{path}: a GGUF header that claims {tensors:,} tensors and {kvs:,} "
+                         f"metadata entries in {size:,} bytes (truncated or corrupt)")
+    try:
+        GGUFReader(str(path))
+    except Exception as err:                 # the gguf package's parser on a damaged file
+        raise ModelError(f"{path}: a damaged GGUF file ({type(err).__name__}: "
+                         f"{str(err)[:200]})") from None
 
 
 def _sha256(path: Path) -> str:

@@ -119,3 +119,34 @@ def test_a_missing_gguf_file_is_a_model_error(tmp_path):
 
     with pytest.raises(ModelError, match="cannot read the GGUF file"):
         engine.load(str(tmp_path / "nothing.gguf"))
+
+
+def _crafted(tmp_path, good: bytes) -> dict[str, bytes]:
+    """Damaged copies of the GGUF file `good`: cut short at many places, a wrong magic, a
+    version from the future, counts no file of its size can hold."""
+    import struct
+
+    head = good[:24]
+    cases = {f"cut-{n}": good[:n] for n in (0, 3, 4, 8, 16, 23, 24, 40, 100, 400,
+                                            len(good) // 2, len(good) - 1)}
+    cases["magic"] = b"GGML" + good[4:]
+    cases["version"] = good[:4] + struct.pack("<I", 99) + good[8:]
+    cases["tensors"] = head[:8] + struct.pack("<Q", 1 << 60) + good[16:]
+    cases["entries"] = head[:16] + struct.pack("<Q", 1 << 61) + good[24:]
+    return cases
+
+
+def test_every_damaged_gguf_file_is_one_model_error_naming_the_file(tmp_path, monkeypatch):
+    from promptlang.errors import ModelError
+    from promptlang.runtime import engine
+
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    good = tmp_path / "good.gguf"
+    write_tiny_gguf(good)
+    for name, data in _crafted(tmp_path, good.read_bytes()).items():
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(data)
+        with pytest.raises(ModelError) as caught:
+            engine.load(str(path))
+        message = str(caught.value)
+        assert str(path) in message and "\n" not in message, (name, message)
