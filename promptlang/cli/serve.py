@@ -4,6 +4,7 @@
                      [--schemas DIR_OR_FILE ...] [--api-key KEY] [--max-queue N] [--max-batch N]
                      [--recompute POLICY] [--model-name NAME]
                      [--memory-budget SIZE] [--disk-budget SIZE]
+                     [--max-connections N] [--keep-alive S] [--body-timeout S]
                      [--ray [--replicas N] [--store DIR] [--router affinity|pow2|prefix]
                             [--threads N] [--replica-memory BYTES]]
 
@@ -60,6 +61,14 @@ def register(subparsers: Any) -> None:
                        help="disk the module store may fill in its folder (e.g. 10GiB; 0: no "
                             "disk tier; none: no limit) (default: a tenth of the free space "
                             "there, at most 20 GiB)")
+    serve.add_argument("--max-connections", type=int, default=None, metavar="N",
+                       help="connections served at once; more get 503 (default 512; 0: no "
+                            "limit)")
+    serve.add_argument("--keep-alive", type=int, default=None, metavar="S",
+                       help="seconds an idle keep-alive connection stays open (default 5)")
+    serve.add_argument("--body-timeout", type=float, default=None, metavar="S",
+                       help="seconds a request's body may take to arrive; then 408 and the "
+                            "connection closes (default 30)")
     serve.add_argument("--model-name", metavar="NAME", default=None,
                        help="the model id clients send and /v1/models lists (default: the "
                             "model's name)")
@@ -95,6 +104,12 @@ def _serve(args: argparse.Namespace) -> int:
         print("promptlang serve: --max-queue and --max-batch must be at least 1",
               file=sys.stderr)
         return 2
+    limits = {"--max-connections": args.max_connections, "--keep-alive": args.keep_alive,
+              "--body-timeout": args.body_timeout}
+    for flag, value in limits.items():
+        if value is not None and (value < 0 or (value == 0 and flag != "--max-connections")):
+            print(f"promptlang serve: {flag} must be positive, not {value}", file=sys.stderr)
+            return 2
     if args.tail_mib is not None and args.tail_mib < 0:
         print(f"promptlang serve: --tail-mib must be >= 0, not {args.tail_mib}",
               file=sys.stderr)
@@ -134,7 +149,8 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"promptlang serve: {name} on http://{args.host}:{args.port}/v1 "
           f"({len(functions)} @prompt functions)", file=sys.stderr)
     serve(llm, functions=functions, host=args.host, port=args.port, api_key=api_key,
-          model_name=name, max_queue=args.max_queue, max_batch=args.max_batch)
+          model_name=name, max_queue=args.max_queue, max_batch=args.max_batch,
+          **connection_limits(args))
     return 0
 
 
@@ -165,6 +181,18 @@ def _serve_ray(args: argparse.Namespace) -> int:
 
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+def connection_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """`serve`'s connection keyword arguments the command line gives (the rest default)."""
+    limits: dict[str, Any] = {}
+    if args.max_connections is not None:
+        limits["limit_concurrency"] = args.max_connections or None
+    if args.keep_alive is not None:
+        limits["timeout_keep_alive"] = args.keep_alive
+    if args.body_timeout is not None:
+        limits["body_timeout"] = args.body_timeout
+    return limits
 
 
 def store_budgets(memory: str | None, disk: str | None) -> dict[str, int | None]:
