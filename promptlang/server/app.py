@@ -40,6 +40,7 @@ from promptlang.server.prompts import (ChatSchemas, check_extension,
                                        check_messages, completion_prompt, completion_text,
                                        extension_prompt, parse_messages)
 from promptlang.server.worker import EngineWorker, Job
+from promptlang.tokenizer import min_token_count
 
 log = logging.getLogger("promptlang.server")
 
@@ -347,8 +348,10 @@ def _parse(state: ServerState, body: dict, chat: bool) -> Parsed:
         elif chat:
             parsed.messages = parse_messages(body.get("messages"))
             check_messages(parsed.messages)
+            _check_fits(state.llm, [m.content for m in parsed.messages])
         else:
             parsed.text = completion_text(body.get("prompt"))
+            _check_fits(state.llm, [parsed.text])
         SamplingParams(**options)                   # its checks, before anything is queued
     except PromptLangError as error:
         message = str(error)
@@ -357,6 +360,19 @@ def _parse(state: ServerState, body: dict, chat: bool) -> Parsed:
                      else "messages" if chat else "prompt")
         raise HTTPError(400, message.replace("max_new_tokens", name), param=param) from None
     return parsed
+
+
+def _check_fits(llm, texts: list[str]) -> None:
+    """RequestError when `texts` cannot fit the model's context whatever they tokenize to:
+    a lower bound on their tokens from their characters alone (`min_token_count`), so a
+    prompt of megabytes is refused before it is tokenized on the engine thread."""
+    limit = llm.max_positions
+    if limit is None:
+        return
+    least = sum(min_token_count(llm.tokenizer, text) for text in texts)
+    if least > limit:
+        raise RequestError(f"the prompt holds at least {least:,} tokens; this model's context "
+                           f"is {limit:,}")
 
 
 def _response_format(fmt: Any) -> dict:

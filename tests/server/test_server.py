@@ -750,3 +750,32 @@ def test_a_bounded_store_stays_under_its_budgets_over_many_distinct_chat_prefixe
     assert values['promptlang_store_evictions_total{tier="disk"}'] > 0
     assert values["promptlang_store_memory_budget_bytes"] == memory_budget
     assert 0 < values["promptlang_store_memory_bytes"] <= memory_budget
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tiny_model_dir, tmp_path,
+                                                                   monkeypatch):
+    from promptlang.runtime import engine
+
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    llm = engine.load(tiny_model_dir, disk_budget_bytes=0)        # context: 1,024 tokens
+    encoded = []
+    original = llm.tokenizer.encode
+    monkeypatch.setattr(llm.tokenizer, "encode", lambda text: encoded.append(len(text))
+                        or original(text))
+    server = Server(create_app(llm, model_name="tiny"))
+    try:
+        huge = "word " * 400_000                                    # 2 MB of text
+        status, answer = post(server.url + "/v1/completions",
+                              json.dumps({"model": "tiny", "prompt": huge}).encode())
+        assert status == 400 and answer["error"]["param"] == "prompt"
+        assert "this model's context is 1,024" in answer["error"]["message"]
+        status, answer = post(server.url + "/v1/chat/completions", json.dumps(
+            {"model": "tiny", "messages": [{"role": "user", "content": huge}]}).encode())
+        assert status == 400 and answer["error"]["param"] == "messages"
+        assert not any(n >= len(huge) for n in encoded)              # never tokenized
+        status, _ = post(server.url + "/v1/completions",
+                         json.dumps({"model": "tiny", "prompt": "a short one",
+                                     "max_tokens": 2}).encode())
+        assert status == 200
+    finally:
+        server.stop()
