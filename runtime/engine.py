@@ -654,9 +654,11 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     What each costs and buys is measured in docs/BENCHMARKS.md.
     tail_budget_bytes: KV of recent requests' last uncached tokens kept for later requests that
     start them the same way after the same units (runtime/kv/tails.py; 0: off).
-    seam_adapter: the seam adapter policy `tuned` serves with (runtime/model/seam.py): True
-    finds the one `promptlang tune` made for this model, else the one shipped for it (none:
-    `tuned` is refused with how to make one); a path loads that file; False: none.
+    seam_adapter: the seam adapter policy `tuned` serves with (runtime/model/seam.py).
+    True finds the one `promptlang tune` made for this model, else the one shipped for it.
+    Where there is none, `tuned` is refused with how to make one.
+    A path loads that file.
+    False loads none.
 
     The loading runs on a thread that then ends (runtime/passing.py), so that the caller's
     thread keeps no OpenMP pool: a server's engine thread is then the only one that has one."""

@@ -54,21 +54,21 @@ def register(subparsers: Any) -> None:
                        help="KV of recent requests' prompt tails kept for later requests "
                             "that start the same way (default 64; 0: off; runtime/kv/tails.py)")
     serve.add_argument("--memory-budget", metavar="SIZE", default=None,
-                       help="RAM the module store may hold (e.g. 2GiB; none: no limit); least "
-                            "recently used units are evicted past it (default: a quarter of "
-                            "the RAM, at most 8 GiB)")
+                       help="RAM the module store may hold, e.g. 2GiB, or none for no limit. "
+                            "Least recently used units are evicted past it. Default: a "
+                            "quarter of the RAM, at most 8 GiB.")
     serve.add_argument("--disk-budget", metavar="SIZE", default=None,
-                       help="disk the module store may fill in its folder (e.g. 10GiB; 0: no "
-                            "disk tier; none: no limit) (default: a tenth of the free space "
-                            "there, at most 20 GiB)")
+                       help="disk the module store may fill in its folder, e.g. 10GiB, 0 for "
+                            "no disk tier, or none for no limit. Default: a tenth of the free "
+                            "space there, at most 20 GiB.")
     serve.add_argument("--max-connections", type=int, default=None, metavar="N",
-                       help="connections served at once; more get 503 (default 512; 0: no "
-                            "limit)")
+                       help="connections served at once, more get 503. Default 512, 0 for "
+                            "no limit.")
     serve.add_argument("--keep-alive", type=int, default=None, metavar="S",
                        help="seconds an idle keep-alive connection stays open (default 5)")
     serve.add_argument("--body-timeout", type=float, default=None, metavar="S",
-                       help="seconds a request's body may take to arrive; then 408 and the "
-                            "connection closes (default 30)")
+                       help="seconds a request's body may take to arrive, then 408 and the "
+                            "connection closes. Default 30.")
     serve.add_argument("--model-name", metavar="NAME", default=None,
                        help="the model id clients send and /v1/models lists (default: the "
                             "model's name)")

@@ -31,8 +31,8 @@ one is an error located at the attribute). What each policy chooses: choose.py.
                   modules' tokens with temperature T and scale S (default 0.9, 0.9)
   tuned           serve every cached token as stored (as none), then compute the tokens
                   after the last cached unit, and every decode step, with the model's
-                  seam adapter (`promptlang tune`; runtime/model/seam.py); an LLM without
-                  one refuses it
+                  seam adapter (made by `promptlang tune`, served by
+                  runtime/model/seam.py). An LLM without one refuses it.
   P+primed        policy P (any but seams, exact and tuned; "primed" alone is none+primed), with
                   every module that follows another module or text of the request served
                   as encoded after its context's last token, repeated at the position
