@@ -38,8 +38,16 @@ def kv_dir() -> Path:
     return promptlang_home() / "kv"
 
 
+ADAPTER_FILE = "seam-lora.safetensors"     # a seam adapter's file, in its model's folder
+
+
 def adapters_dir() -> Path:
     return promptlang_home() / "adapters"
+
+
+def adapter_folder(fingerprint: str) -> Path:
+    """Where `promptlang tune` keeps the seam adapter of the model with `fingerprint`."""
+    return adapters_dir() / fingerprint[:16]
 
 
 def native_dir() -> Path:

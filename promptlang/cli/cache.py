@@ -52,9 +52,9 @@ def _cache_ls(args: argparse.Namespace) -> int:
 
 def _list_adapters() -> None:
     """The seam adapters `promptlang tune` wrote, one line each (home's adapters/)."""
-    from promptlang.home import adapters_dir
+    from promptlang.home import ADAPTER_FILE, adapters_dir
 
-    files = sorted(adapters_dir().glob("*/seam-lora.safetensors"))
+    files = sorted(adapters_dir().glob(f"*/{ADAPTER_FILE}"))
     if not files:
         return
     from promptlang.errors import AdapterFileError

@@ -47,7 +47,7 @@ def register(subparsers: Any) -> None:
 def _tune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from promptlang.home import adapters_dir
+    from promptlang.home import adapter_folder
     from promptlang.runtime import engine
     from promptlang.runtime.tune.train import TuneOptions, tune
 
@@ -61,7 +61,7 @@ def _tune(args: argparse.Namespace) -> int:
 
         schemas, _ = read_sources(args.sources)
     llm = engine.load(args.model)
-    out = Path(args.out) if args.out else adapters_dir() / llm.adapter.fingerprint[:16]
+    out = Path(args.out) if args.out else adapter_folder(llm.adapter.fingerprint)
     options = TuneOptions(minutes=args.minutes, seed=args.seed, resume=args.resume,
                           written_docs=args.written_docs, rank=args.rank)
     bar = _Bar()

@@ -124,24 +124,34 @@ class SeamLoRA(torch.nn.Module):
 def attached(model: torch.nn.Module, adapter: SeamLoRA) -> Iterator[None]:
     """While held, every forward of `model` adds the adapter to its attention projections
     (forward hooks on q/k/v/o: transformers' own layers, no forked model code)."""
-    layers = attention_layers(model)
-    if len(layers) != adapter.shape.layers:
-        raise AdapterFileError(f"the adapter has {adapter.shape.layers} layers; the model "
-                               f"has {len(layers)}")
     handles = []
     try:
-        for index, attention in enumerate(layers):
-            for name in TARGETS:
-                linear = getattr(attention, name)
-                if (linear.in_features, linear.out_features) != adapter.shape.sizes[name]:
-                    raise AdapterFileError(f"the adapter's {name} is {adapter.shape.sizes[name]}"
-                                           f"; the model's is "
-                                           f"{(linear.in_features, linear.out_features)}")
-                handles.append(linear.register_forward_hook(_hook(adapter, index, name)))
+        for index, name, linear in fitted_projections(model, adapter):
+            handles.append(linear.register_forward_hook(_hook(adapter, index, name)))
         yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+def fitted_projections(model: torch.nn.Module, adapter: SeamLoRA, source: str = "the adapter"
+                       ) -> list[tuple[int, str, torch.nn.Linear]]:
+    """(layer, projection name, nn.Linear) of every projection the adapter changes;
+    AdapterFileError (naming `source`) where the adapter was made for other shapes."""
+    layers = attention_layers(model)
+    if len(layers) != adapter.shape.layers:
+        raise AdapterFileError(f"{source} has {adapter.shape.layers} layers; the model "
+                               f"has {len(layers)}")
+    found = []
+    for index, attention in enumerate(layers):
+        for name in TARGETS:
+            linear = getattr(attention, name)
+            size = (linear.in_features, linear.out_features)
+            if size != adapter.shape.sizes[name]:
+                raise AdapterFileError(f"{source}'s {name} is {adapter.shape.sizes[name]}; "
+                                       f"the model's is {size}")
+            found.append((index, name, linear))
+    return found
 
 
 def _hook(adapter: SeamLoRA, layer: int, name: str):

@@ -25,12 +25,11 @@ from typing import Iterator
 import torch
 
 from promptlang.errors import AdapterFileError
-from promptlang.home import adapters_dir, untrusted_reason
+from promptlang.home import ADAPTER_FILE, adapter_folder, untrusted_reason
 from promptlang.runtime.fast import fused
 from promptlang.runtime.model.adapter import ModelAdapter, Step
-from promptlang.runtime.model.lora import TARGETS, SeamLoRA, attention_layers
+from promptlang.runtime.model.lora import SeamLoRA, fitted_projections
 
-ADAPTER_FILE = "seam-lora.safetensors"
 SHIPPED = Path(__file__).with_name("adapters")   # the adapters that come with promptlang
 
 
@@ -51,20 +50,11 @@ class SeamModel:
         self.base = base
         self.name = name                  # the adapter file's digest
         self.source = source              # where it was loaded from, for messages
-        layers = attention_layers(base.model)
-        if len(layers) != lora.shape.layers:
-            raise AdapterFileError(f"{source}: the adapter has {lora.shape.layers} layers; "
-                                   f"the model has {len(layers)}")
-        self._merged: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
-        for index, attention in enumerate(layers):
-            for target in TARGETS:
-                linear = getattr(attention, target)
-                size = (linear.in_features, linear.out_features)
-                if size != lora.shape.sizes[target]:
-                    raise AdapterFileError(f"{source}: the adapter's {target} is "
-                                           f"{lora.shape.sizes[target]}; the model's is {size}")
-                merged = lora.merged_weight(index, target, linear.weight.detach())
-                self._merged.append((linear, torch.nn.Parameter(merged, requires_grad=False)))
+        self._lora = lora
+        self._projections = fitted_projections(base.model, lora, source)
+        # W + scale * B A per projection: made on the first pass (a load that never serves
+        # `tuned` holds no second copy of the attention weights)
+        self._merged: list[tuple[torch.nn.Module, torch.nn.Parameter]] | None = None
 
     def __getattr__(self, name: str):
         return getattr(self.base, name)
@@ -87,6 +77,10 @@ class SeamModel:
     @contextlib.contextmanager
     def _swapped(self) -> Iterator[None]:
         """The merged weights in place of the base ones (the caller holds the model lock)."""
+        if self._merged is None:
+            self._merged = [(linear, torch.nn.Parameter(
+                self._lora.merged_weight(index, target, linear.weight.detach()),
+                requires_grad=False)) for index, target, linear in self._projections]
         base = []
         try:
             for linear, merged in self._merged:
@@ -102,11 +96,10 @@ def find_seam_adapter(fingerprint: str) -> Path | None:
     """The seam adapter file for the model with `fingerprint`: the one `promptlang tune`
     wrote under the home's adapters/ (it is the user's: private files only), else the one
     shipped with promptlang, else None."""
-    name = Path(fingerprint[:16]) / ADAPTER_FILE
-    tuned = adapters_dir() / name
+    tuned = adapter_folder(fingerprint) / ADAPTER_FILE
     if untrusted_reason(tuned) is None:
         return tuned
-    shipped = SHIPPED / name
+    shipped = SHIPPED / fingerprint[:16] / ADAPTER_FILE
     return shipped if shipped.is_file() else None
 
 

@@ -26,13 +26,12 @@ from typing import Callable
 import torch
 
 from promptlang.errors import TuneError
-from promptlang.home import private_dir, write_private
+from promptlang.home import ADAPTER_FILE, private_dir, write_private
 from promptlang.runtime.tune import corpus as corpus_mod
 from promptlang.runtime.model.lora import SeamLoRA, shape_of
 from promptlang.runtime.tune.samples import (Sample, answer_logprob, kl_per_row, make_sample,
                                              rag_prompt, rag_schema, student_logprobs)
 
-ADAPTER_FILE = "seam-lora.safetensors"
 STATE_FILE = "checkpoint.pt"
 LOG_FILE = "tune-log.jsonl"
 CORPUS_FILE = "corpus.json"

@@ -16,7 +16,8 @@ from promptlang.runtime.decoding.sampling import Decoding, SamplingParams
 from promptlang.runtime.engine import LLM
 from promptlang.runtime.model import seam as seam_mod
 from promptlang.runtime.model.lora import SeamLoRA, attached, shape_of
-from promptlang.runtime.model.seam import ADAPTER_FILE, find_seam_adapter
+from promptlang.home import ADAPTER_FILE
+from promptlang.runtime.model.seam import find_seam_adapter
 from promptlang.runtime.store import ModuleStore
 from promptlang.runtime.tune.samples import make_sample, rag_prompt, rag_schema, student_logprobs
 from promptlang.runtime.tune.train import plain_copy
@@ -157,7 +158,7 @@ def test_the_home_s_adapter_is_found_before_the_shipped_one(tmp_path, monkeypatc
     fingerprint = "0123456789abcdef" * 4
     home = tmp_path / "home" / "adapters"
     shipped = tmp_path / "shipped"
-    monkeypatch.setattr(seam_mod, "adapters_dir", lambda: home)
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(seam_mod, "SHIPPED", shipped)
     assert find_seam_adapter(fingerprint) is None
     (shipped / fingerprint[:16]).mkdir(parents=True)
