@@ -295,18 +295,23 @@ class BatchStepper:
         device = self.adapter.device
         items = [(torch.tensor(ids, device=device), torch.tensor(pos, device=device),
                   d.buffer.past(), pending is not None) for _, d, ids, pos, pending in live]
-        # a decoder on another model view (a seam adapter's) is never batched
-        together = len(live) > 1 and all(d.adapter is self.adapter for _, d, *_ in live)
-        steps = self.adapter.forward_batch(items) if together else None
-        if steps is None:                        # one by one, as each would alone
-            rows = [extend(d.adapter, d.buffer, ids, pos, False, None, pending is None)[-1]
-                    for _, d, ids, pos, pending in live]
-        else:
+        # the decoders on this model in one pass; one on another view of it (a seam
+        # adapter's) runs alone
+        batched = [i for i, (_, d, *_) in enumerate(live) if d.adapter is self.adapter]
+        steps = None
+        if len(batched) > 1:
+            steps = self.adapter.forward_batch([items[i] for i in batched])
+        rows: list[torch.Tensor | None] = [None] * len(live)
+        if steps is not None:
             self.batched += 1
-            rows = []
-            for (ids, pos, _, _), (_, d, *_), step in zip(items, live, steps):
-                d.buffer.append(ids, pos)
-                rows.append(step.logits[-1])
+            for i, step in zip(batched, steps):
+                ids, pos, _, _ = items[i]
+                live[i][1].buffer.append(ids, pos)
+                rows[i] = step.logits[-1]
+        for i, (_, d, ids, pos, pending) in enumerate(live):   # the rest as each would alone
+            if rows[i] is None:
+                rows[i] = extend(d.adapter, d.buffer, ids, pos, False, None,
+                                 pending is None)[-1]
         for (key, d, _, _, pending), row in zip(live, rows):
             if pending is not None:              # a prefill: the decoder starts here
                 pending.finish(row)
