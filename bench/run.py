@@ -54,9 +54,11 @@ class _Run:
             began = time.perf_counter()
             approximations = {name: True for name in ("int8_linears", "bf16_attention")
                               if getattr(self.args, name, False)}
-            self._llm = engine.load(self.args.model, **approximations)
+            compute = getattr(self.args, "dtype", "float32")
+            self._llm = engine.load(self.args.model, compute=compute, **approximations)
             _say(f"loaded {self.model_name} in {time.perf_counter() - began:.1f} s"
-                 + "".join(f", {name.replace('_', ' ')}" for name in approximations))
+                 + "".join(f", {name.replace('_', ' ')}" for name in approximations)
+                 + ("" if compute == "float32" else f", compute {compute}"))
         return self._llm
 
     @property
@@ -255,6 +257,20 @@ def _run_peers(run: _Run):
     return report, parts
 
 
+def _run_compute(run: _Run):
+    from promptlang.bench import compute
+    from promptlang.bench.report import render_markdown, render_text, write_json
+
+    options = compute.ComputeOptions.quick() if run.args.quick else compute.ComputeOptions()
+    report = compute.run_compute(run.llm, options, model_name=run.model_name,
+                                 progress=run.progress)
+    parts = compute.sections(report)
+    print(render_text(parts))
+    run.write("compute.json", lambda p: write_json(p, compute.to_json(report)))
+    run.write("compute.md", lambda p: p.write_text(render_markdown(parts)))
+    return report, parts
+
+
 def _run_latency(run: _Run):
     from promptlang.bench import latency, rag
     from promptlang.bench.report import render_markdown, render_text, write_csv, write_json
@@ -402,6 +418,7 @@ COMMANDS = {"latency": _one(_run_latency), "memory": _one(_run_memory),
             "accuracy": _one(_run_accuracy), "serve": _one(_run_serve),
             "structured": _one(_run_structured), "peers": _one(_run_peers),
             "cluster": _one(_run_cluster), "scaling": _one(_run_scaling),
+            "compute": _one(_run_compute),
             "all": _all}    # name -> runner(args, command)
 
 

@@ -50,6 +50,11 @@ def adapter_folder(fingerprint: str) -> Path:
     return adapters_dir() / fingerprint[:16]
 
 
+def compute_dir() -> Path:
+    """Where the measured switch points of bfloat16 compute are kept (per CPU and model)."""
+    return promptlang_home() / "compute"
+
+
 def native_dir() -> Path:
     return promptlang_home() / "native"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -626,7 +627,8 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
          tail_budget_bytes: int = TAIL_BUDGET,
          seam_adapter: "str | os.PathLike | bool" = True,
          memory_budget_bytes: int | None = None,
-         disk_budget_bytes: int | None = None) -> LLM:
+         disk_budget_bytes: int | None = None,
+         compute: "str | torch.dtype" = "float32") -> LLM:
     """Load a causal LM (None: the embedded default, SmolLM2-135M-Instruct) ready to serve.
 
     memory_budget_bytes, disk_budget_bytes: the store's budgets (None: unlimited), the
@@ -660,6 +662,12 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     A path loads that file.
     False loads none.
 
+    compute: the dtype of passes of many new tokens (module encode, recompute, prefill):
+    "float32", "bfloat16" (bfloat16 products with float32 sums, on a bfloat16 copy of the
+    weights; CPUs with AMX or AVX512-BF16, RoPE models) or "auto" (bfloat16 where the CPU
+    has those units). Decode steps and short passes stay float32; KV stays float32. What it
+    changes in answers is measured in docs/BENCHMARKS.md (runtime/model/compute.py).
+
     The loading runs on a thread that then ends (runtime/passing.py), so that the caller's
     thread keeps no OpenMP pool: a server's engine thread is then the only one that has one."""
     from promptlang.runtime.passing import on_passing_thread
@@ -667,16 +675,18 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
                                            store_dtype, recompute, exact_reuse, quantized,
                                            quantize, bf16_attention, int8_linears,
                                            tail_budget_bytes, seam_adapter,
-                                           memory_budget_bytes, disk_budget_bytes),
+                                           memory_budget_bytes, disk_budget_bytes, compute),
                              name="promptlang-load")
 
 
 def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, exact_reuse,
           quantized, quantize=None, bf16_attention=False, int8_linears=False,
           tail_budget_bytes=TAIL_BUDGET, seam_adapter=True, memory_budget_bytes=None,
-          disk_budget_bytes=None) -> LLM:
+          disk_budget_bytes=None, compute="float32") -> LLM:
+    from promptlang.runtime.model.compute import attach_bf16, resolve
     from promptlang.runtime.model.loading import gguf_source, load_hf_model
     from promptlang.runtime.model.quantize import checked_scheme, quantize_model, serve_numerics
+    compute_dtype = resolve(compute)        # before the model loads: a bad value fails fast
     scheme = checked_scheme(quantize, name_or_path, dtype)
     hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)
     # before adapt: the fingerprint must see the quantized weights
@@ -684,6 +694,8 @@ def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, e
     adapter = adapt(hf_model)
     source = gguf_source(name_or_path) if quantized else None
     serve_numerics(adapter, source, dtype, scheme, blocks, bf16_attention, int8_linears)
+    if compute_dtype == torch.bfloat16 and dtype == torch.float32:
+        attach_bf16(adapter, progress=lambda text: print(f"promptlang: {text}", file=sys.stderr))
     budgets = (memory_budget_bytes, disk_budget_bytes)
     if store is None and (store_dtype is not None or budgets != (None, None)):
         from promptlang.runtime.store import ModuleStore
@@ -694,7 +706,7 @@ def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, e
     llm = LLM(adapter, tokenizer, store, isolate=isolate, recompute=recompute,
               exact_reuse=exact_reuse, tail_budget_bytes=tail_budget_bytes)
     if seam_adapter is True:
-        seam_adapter = find_seam_adapter(adapter.fingerprint)
+        seam_adapter = find_seam_adapter(adapter.weights_fingerprint)
     if seam_adapter not in (None, False):
         llm.use_seam_adapter(seam_adapter)
     return llm

@@ -13,6 +13,7 @@
                               [--resamples B]
     promptlang bench serve    [--clients 1,4,16,32] [--requests N] [--max-tokens N]
     promptlang bench structured  (decode time with and without a JSON Schema constraint)
+    promptlang bench compute  (bfloat16 compute against float32, on one adapter)
     promptlang bench peers    [--gguf FILE]  (beside llama.cpp and transformers' full prefill)
     promptlang bench cluster  [--replicas N] [--cluster-docs N] [--cluster-k K]
                               [--cluster-requests R] [--cluster-clients C]
@@ -222,6 +223,13 @@ def register(subparsers: Any) -> None:
              "choice) over 2 to 64 replicas and 1e3 to 1e6 distinct modules with LRU "
              "memory tiers and a shared disk tier of finite bandwidth, driven by the costs "
              "`bench cluster` measured (docs/SCALING.md)."),
+            ("compute", [common], _handler("compute"),
+             "bfloat16 compute against float32 (CPUs with AMX or AVX512-BF16)",
+             "The model's passes of many new tokens in bfloat16 (load's compute=) against "
+             "float32 on one adapter, in one run: a new RAG combination under exact "
+             "(and transformers' float32 prefill of the same tokens), a cold encode of a "
+             "~6.4k-token module, decode at that context; first-token agreement and "
+             "|delta log-prob| between the two; the bfloat16 goals."),
             ("all", [common, latency, accuracy], _handler("all"),
              "latency, memory and accuracy into one folder",
              "memory, latency and accuracy in one run (about 20 minutes on 2 cores at the "
@@ -338,8 +346,8 @@ def command_line(args: argparse.Namespace) -> str:
             continue
         if dest in ("func", "bench", "group_parser") or value is None or value is False:
             continue
-        if dest == "out" and value == DEFAULT_OUT:
-            continue
+        if (dest, value) in (("out", DEFAULT_OUT), ("dtype", "float32")):
+            continue                                   # the defaults, as not typed
         flag = "--" + dest.replace("_", "-")
         if value is True:
             words.append(flag)

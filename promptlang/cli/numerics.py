@@ -1,5 +1,5 @@
-"""How the model computes, for the commands that load one (`run`, `serve`): --quantize,
---kv-dtype, --int8-linears, --bf16-attention (runtime/engine.py `load`; docs/BENCHMARKS.md
+"""How the model computes, for the commands that load one (`run`, `serve`): --dtype,
+--quantize, --kv-dtype, --int8-linears, --bf16-attention (runtime/engine.py `load`; docs/BENCHMARKS.md
 measures what each costs in answers and buys in time)."""
 
 from __future__ import annotations
@@ -20,9 +20,15 @@ def add(parser: argparse.ArgumentParser) -> None:
 
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
+COMPUTE_CHOICES = ("float32", "bfloat16", "auto")     # runtime/model/compute.py CHOICES
 
 
 def add_approximations(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=COMPUTE_CHOICES, default="float32",
+                        help="the dtype of passes of many new tokens -- module encode, "
+                             "recompute, prefill (default float32; bfloat16 needs AMX or "
+                             "AVX512-BF16, auto takes it where the CPU has them; decode "
+                             "steps and KV stay float32: docs/BENCHMARKS.md)")
     parser.add_argument("--int8-linears", action="store_true",
                         help="approximate: the fused layers multiply int8 weights by 12-bit "
                              "inputs (CPUs with AVX512_VNNI; Llama family)")
@@ -42,4 +48,6 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("int8_linears", "bf16_attention"):
         if getattr(args, name, False):
             options[name] = True
+    if getattr(args, "dtype", "float32") != "float32":
+        options["compute"] = args.dtype
     return options

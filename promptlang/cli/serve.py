@@ -125,8 +125,8 @@ def _serve(args: argparse.Namespace) -> int:
                   "keeps the default 64 MiB)", file=sys.stderr)
             return 2
         if numerics.load_options(args):
-            print("promptlang serve: --quantize, --kv-dtype, --int8-linears and --bf16-attention "
-                  "are not available with --ray yet (the replicas load the checkpoint as it is)",
+            print("promptlang serve: --dtype, --quantize, --kv-dtype, --int8-linears and "
+                  "--bf16-attention are not available with --ray yet (the replicas load the checkpoint as it is)",
                   file=sys.stderr)
             return 2
         return _serve_ray(args)

@@ -61,7 +61,7 @@ def _tune(args: argparse.Namespace) -> int:
 
         schemas, _ = read_sources(args.sources)
     llm = engine.load(args.model)
-    out = Path(args.out) if args.out else adapter_folder(llm.adapter.fingerprint)
+    out = Path(args.out) if args.out else adapter_folder(llm.adapter.weights_fingerprint)
     options = TuneOptions(minutes=args.minutes, seed=args.seed, resume=args.resume,
                           written_docs=args.written_docs, rank=args.rank)
     bar = _Bar()

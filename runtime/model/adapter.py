@@ -29,6 +29,7 @@ from promptlang.runtime.fast import FastPaths, accelerate
 from promptlang.runtime.fast.fused import MAX_TOKENS, BatchRequest
 from promptlang.runtime.fast.native import MAX_PIECES
 from promptlang.runtime.fast.pieces import flagged_pieces, past_pieces
+from promptlang.runtime.model.compute import Bf16Compute
 from promptlang.runtime.model.families import FAMILIES, Family
 from promptlang.runtime.model.fingerprint import model_fingerprint
 from promptlang.runtime.model.internals import BufferLayer, buffer_cache
@@ -115,11 +116,13 @@ class ModelAdapter:
         self.dtype = next(hf_model.parameters()).dtype
         self.device = next(hf_model.parameters()).device
         self.sliding_window = self._sliding_window()
-        self.fingerprint = model_fingerprint(hf_model)
+        self.fingerprint = model_fingerprint(hf_model)   # the store's key: + approximations
+        self.weights_fingerprint = self.fingerprint      # the weights alone (seam adapters)
         self.family: Family = FAMILIES.get(self.model_type) or Family(self.scheme)
         self.state = model_state(hf_model)         # shared by every adapter of this model
         self.lock = self.state.lock                # one forward at a time per model
         self.fast: FastPaths = accelerate(self)
+        self.compute: Bf16Compute | None = None    # multi-row passes in bfloat16 (compute.py)
 
     # --- what the rest of the runtime may ask -------------------------------------------
 
@@ -166,6 +169,25 @@ class ModelAdapter:
         opt-in approximations): KV computed under one setting is not another's."""
         decoder = self.fast.decoder
         return () if decoder is None else decoder.numerics
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype passes of many new tokens compute in (runtime/model/compute.py)."""
+        return self.dtype if self.compute is None else torch.bfloat16
+
+    @contextlib.contextmanager
+    def float32_passes(self) -> Iterator[None]:
+        """Within (the caller holds the lock): every pass on the model's own weights, none on
+        the bfloat16 twin -- for a caller that changes those weights (a seam adapter)."""
+        compute = self.compute
+        if compute is None:
+            yield
+            return
+        compute.disabled_depth += 1
+        try:
+            yield
+        finally:
+            compute.disabled_depth -= 1
 
     def empty_kv(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.kv_shape
@@ -274,16 +296,17 @@ class ModelAdapter:
                 allowed = causal_allowed(s, q, device=positions.device)
         if self.sliding_window is not None and allowed is not None:
             allowed = allowed & (key_positions[None, :] > positions[:, None] - self.sliding_window)
-        mask = None if allowed is None else float_mask(allowed, self.dtype)  # [1, 1, Q, S+Q]
-
         rows = logits_rows if logits_rows is not None else positions.new_empty(0)
         in_place = s + q <= past.keys.shape[2]
         with self.lock:
+            twin = self.compute.model if self.compute and self.compute.serves(q) else None
+            dtype = self.dtype if twin is None else torch.bfloat16
+            mask = None if allowed is None else float_mask(allowed, dtype)  # [1, 1, Q, S+Q]
             state = self.state
             before = state.in_runtime_pass
             state.in_runtime_pass = True   # kernels: this thread
             try:
-                decoder = self.fast.decoder
+                decoder = self.fast.decoder if twin is None else None
                 if mask is None and in_place and decoder is not None:
                     pieces, contexts = _pieces(past, s)
                     logits = decoder.forward(
@@ -300,10 +323,12 @@ class ModelAdapter:
                     if logits is not None:
                         return Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
                 past = _widened(past)
-                layers = [BufferLayer(past.keys[l].unsqueeze(0), past.values[l].unsqueeze(0), s)
+                layers = [BufferLayer(past.keys[l].unsqueeze(0), past.values[l].unsqueeze(0), s,
+                                      dtype)
                           for l in range(self.kv_shape.layers)]
                 out = self._run(input_ids[None], positions, key_positions, mask,
-                                buffer_cache(layers), rows, past.shared, past.contexts)
+                                buffer_cache(layers), rows, past.shared, past.contexts,
+                                model=twin)
             finally:
                 state.in_runtime_pass = before
         if in_place:
@@ -312,7 +337,7 @@ class ModelAdapter:
         else:
             keys = torch.stack([layer.new_keys[0] for layer in layers])
             values = torch.stack([layer.new_values[0] for layer in layers])
-        return Step(out.logits[0], keys, values)
+        return Step(out.logits[0].to(self.dtype), keys, values)
 
     def _forward_chunked(self, input_ids, positions, past: Past, allowed, logits_rows) -> Step:
         """A long input as consecutive chunks, each attending to the past and the chunks
@@ -337,9 +362,10 @@ class ModelAdapter:
         return Step(logits, past.keys[:, :, s:s + q], past.values[:, :, s:s + q])
 
     def _run(self, input_ids, positions, key_positions, mask, cache, rows, shared=(),
-             contexts=None):
+             contexts=None, model=None):
         # input_ids: [1, Q]; positions: [Q]; key_positions: [S+Q]; mask: [1,1,Q,S+Q] | None
-        return self.model(input_ids=input_ids, position_ids=positions[None], attention_mask=mask,
+        # model: the bfloat16 twin (compute.py) or None (self.model)
+        return (self.model if model is None else model)(input_ids=input_ids, position_ids=positions[None], attention_mask=mask,
                           cache=cache, use_cache=True, logits_to_keep=rows)
 
     # --- per-architecture facts -------------------------------------------------------------

@@ -163,11 +163,12 @@ def _with_shared(layer: int, shared, query, key, value, mask, scaling, kwargs) -
     rows = _rows(query, key.shape[1])
     if mask is None:                             # every past key visible, the new ones causal
         parts = [FLASH_WITH_LSE(rows, keys, values, scale=scaling)
-                 for _, _, keys, values in layer_pieces(layer, shared, key, value, k - q)]
+                 for _, _, keys, values in _pieces_as(query.dtype, layer, shared, key, value,
+                                                      k - q)]
         parts.append(_new_block(query, key[:, :, k - q:], value[:, :, k - q:], scaling, kwargs))
         return _merge(parts)
     parts = []
-    for start, end, keys, values in layer_pieces(layer, shared, key, value, k):
+    for start, end, keys, values in _pieces_as(query.dtype, layer, shared, key, value, k):
         piece_mask = _memo(kwargs, ("piece", id(mask), start, end, groups),
                            lambda: _additive(mask[..., start:end], groups, q, end - start,
                                              query.dtype, query.device))
@@ -210,6 +211,13 @@ def _parallel(layer: int, shared, query, key, value, mask, scaling, contexts,
         part = weights[..., start:end] @ values.float()
         out = part if out is None else out.add_(part)
     return out.to(query.dtype)
+
+
+def _pieces_as(dtype: torch.dtype, layer: int, shared, key, value, end: int):
+    """layer_pieces, each piece's keys and values in `dtype` (a bfloat16 pass reads stored
+    float32 units: runtime/model/compute.py)."""
+    return [(start, stop, keys.to(dtype), values.to(dtype))
+            for start, stop, keys, values in layer_pieces(layer, shared, key, value, end)]
 
 
 def _rows(query: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -29,11 +29,15 @@ FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_fo
 
 class BufferLayer(DynamicLayer):
     """One layer's cache in a caller-owned buffer: past at [:, :, :length], new keys
-    written after it (in place when the buffer has room, else by concatenation)."""
+    written after it (in place when the buffer has room, else by concatenation). With
+    `dtype` (a bfloat16 pass over a float32 buffer), `update` hands the layer its keys and
+    values in that dtype; the buffer keeps its own."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int,
+                 dtype: torch.dtype | None = None):
         # keys, values: [1, H_kv, C, D]
         super().__init__()
+        self._dtype = dtype if dtype is not None else keys.dtype
         self._kbuf = keys
         self._vbuf = values
         self._length = length
@@ -55,6 +59,8 @@ class BufferLayer(DynamicLayer):
         self.new_keys = self.keys[:, :, self._length:end]
         self.new_values = self.values[:, :, self._length:end]
         self._length = end
+        if self.keys.dtype != self._dtype:
+            return self.keys.to(self._dtype), self.values.to(self._dtype)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:

@@ -51,9 +51,10 @@ class RopeAdapter(ModelAdapter):
         return self.device.type == "cpu" and FLASH_WITH_LSE is not None
 
     def _run(self, input_ids, positions, key_positions, mask, cache, rows, shared=(),
-             contexts=None):
+             contexts=None, model=None):
         if attention_implementation(self.config) != ATTENTION:
-            return super()._run(input_ids, positions, key_positions, mask, cache, rows)
+            return super()._run(input_ids, positions, key_positions, mask, cache, rows,
+                                model=model)
         extra = {"promptlang_shared": shared} if shared else {}
         sink = self.state.query_sink
         if sink is not None:
@@ -64,9 +65,10 @@ class RopeAdapter(ModelAdapter):
             flags[:n] = contexts.context[:n]
             extra["promptlang_contexts"] = contexts._replace(context=flags)
         # the memo and the fast attention mark a call as the runtime's own (model/attention.py)
-        return self.model(input_ids=input_ids, position_ids=positions[None], attention_mask=mask,
-                          cache=cache, use_cache=True, logits_to_keep=rows, promptlang_masks={},
-                          promptlang_attend=self.fast.attention, **extra)
+        return (self.model if model is None else model)(input_ids=input_ids, position_ids=positions[None],
+                                     attention_mask=mask, cache=cache, use_cache=True,
+                                     logits_to_keep=rows, promptlang_masks={},
+                                     promptlang_attend=self.fast.attention, **extra)
 
 
 class LearnedPositionAdapter(ModelAdapter):
@@ -105,7 +107,8 @@ class AlibiAdapter(ModelAdapter):
         return KVShape(c.n_layer, c.n_head, c.hidden_size // c.n_head, c.hidden_size // c.n_head)
 
     def _run(self, input_ids, positions, key_positions, mask, cache, rows, shared=(),
-             contexts=None):
+             contexts=None, model=None):
+        # model: always None here (bfloat16 compute serves RoPE models only)
         # softmax is shift-invariant per row, so slope * key_position equals -slope * distance
         bias = self._slopes[:, None, None] * key_positions.to(torch.float32)   # [H, 1, K]
         self.state.alibi = bias.to(self.dtype)

@@ -66,7 +66,7 @@ class SeamModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, past, allowed,
                 logits_rows: torch.Tensor | None = None, *, by_position: bool = False) -> Step:
         """ModelAdapter.forward with the adapter's weights (see the module docstring)."""
-        with self.base.lock, fused.disabled(), self._swapped():
+        with self.base.lock, fused.disabled(), self.base.float32_passes(), self._swapped():
             return self.base.forward(input_ids, positions, past, allowed, logits_rows,
                                      by_position=by_position)
 
@@ -108,8 +108,8 @@ def load_seam(base: ModelAdapter, path: str | Path) -> SeamModel:
     AdapterFileError if it is not one, or was tuned for another model."""
     lora, meta = SeamLoRA.load(Path(path))
     made_for = meta.get("model_fingerprint")
-    if made_for != base.fingerprint:
+    if made_for != base.weights_fingerprint:
         raise AdapterFileError(f"{path}: the adapter was tuned for model {made_for!r}, not "
-                               f"this one ({base.fingerprint!r})")
+                               f"this one ({base.weights_fingerprint!r})")
     digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
     return SeamModel(base, lora, name=digest, source=str(path))

@@ -173,7 +173,7 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
     finally:
         log.close()
     path = adapter_dir / ADAPTER_FILE
-    meta = {"model_fingerprint": llm.adapter.fingerprint, "seed": str(options.seed),
+    meta = {"model_fingerprint": llm.adapter.weights_fingerprint, "seed": str(options.seed),
             "steps": str(step), "minutes": f"{seconds / 60:.1f}",
             "options": json.dumps(asdict(options), default=str),
             "evaluation": json.dumps(asdict(evaluation))}

@@ -14,6 +14,7 @@ from promptlang.errors import AdapterFileError, ConfigError
 from promptlang.runtime.decoding.decode import Decoder, steps_together
 from promptlang.runtime.decoding.sampling import Decoding, SamplingParams
 from promptlang.runtime.engine import LLM
+from promptlang.runtime.model import compute
 from promptlang.runtime.model import seam as seam_mod
 from promptlang.runtime.model.lora import SeamLoRA, attached, shape_of
 from promptlang.home import ADAPTER_FILE
@@ -186,3 +187,29 @@ def test_the_rag_workload_times_promptlang_under_the_policy_it_is_given(setup):
     bare = _engine(tiny_llama(0, VOCAB))
     with pytest.raises(ConfigError, match="promptlang tune"):
         run_rag(bare, replace(RagOptions.quick(), recompute="tuned"), progress=False)
+
+
+@pytest.mark.skipif(not compute.cpu_bf16_units(), reason="no bfloat16 matrix units")
+def test_tuned_passes_stay_float32_beside_bfloat16_compute(tmp_path):
+    """The seam adapter's weights are folded into the float32 model only: its passes never
+    take the bfloat16 twin, so they serve what they serve without it."""
+    base = tiny_llama(0, VOCAB)
+    adapter = _trained_like(SeamLoRA(shape_of(plain_copy(base), rank=4, alpha=8.0), seed=1))
+    plain = _engine(base, recompute="none", exact_reuse=False)
+    path = _adapter_file(tmp_path, plain, adapter)
+    plain.use_seam_adapter(path)
+    prompt = rag_prompt("s", [0, 2, 3], QUESTION)
+    expected = plain.prefill(prompt, recompute="tuned", all_logits=True)
+    twin = _engine(tiny_llama(0, VOCAB), recompute="none", exact_reuse=False)
+    compute.attach_bf16(twin.adapter, min_rows=1)
+    twin = LLM(twin.adapter, twin.tokenizer, ModuleStore(), recompute="none", exact_reuse=False)
+    twin.add_schema(rag_schema("s", "answer from the notes", "notes:\n\n", TEXTS))
+    twin.use_seam_adapter(path)
+    # the units are the twin's (bfloat16) KV; the tail runs float32 with the adapter
+    served = twin.prefill(prompt, recompute="tuned", all_logits=True)
+    tail = len(served.token_ids) - served.cached_length
+    assert served.logits.dtype == torch.float32
+    bf16_units = twin.prefill(prompt, recompute="none", all_logits=True)
+    assert not torch.allclose(served.logits[-tail:], bf16_units.logits[-tail:], atol=1e-2)
+    # against the float32 engine, only the units' bfloat16 rounding differs
+    assert torch.allclose(served.logits[-tail:], expected.logits[-tail:], atol=0.1)
