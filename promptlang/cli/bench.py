@@ -24,7 +24,8 @@
                               one report.md)
 
 Every command takes --quick (tiny sizes, for tests), --out DIR (default bench-out/),
---model PATH_OR_ID (default: the embedded SmolLM2-135M) and --no-progress. Tables go
+--model PATH_OR_ID (default: the embedded SmolLM2-135M), --dtype float32|bfloat16|auto
+(the model's passes of many new tokens: runtime/model/compute.py) and --no-progress. Tables go
 to stdout, progress bars to stderr; the folder gets NAME.csv, NAME.json, NAME.md (and
 latency.png, rag.csv, rag.json, accuracy.png, accuracy-items.json). Each PASS/FAIL goal
 line is printed whether it passes or not; `latency` and `all` exit with 1 when the cached

@@ -166,9 +166,11 @@ class ModelAdapter:
     @property
     def numerics(self) -> tuple:
         """The switches besides the weights that decide a pass's numbers (the fused layers'
-        opt-in approximations): KV computed under one setting is not another's."""
+        opt-in approximations, bfloat16 compute): KV computed under one setting is not
+        another's."""
         decoder = self.fast.decoder
-        return () if decoder is None else decoder.numerics
+        fused = () if decoder is None else decoder.numerics
+        return fused if self.compute is None else (*fused, ("compute", "bfloat16"))
 
     @property
     def compute_dtype(self) -> torch.dtype:
