@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from promptlang.bench.latency.sweep import document, timed_first_token
-from promptlang.bench.rag import build_prompt, build_schema
+from promptlang.bench.rag import build_prompt, build_schema, documents
 from promptlang.bench.report import Goal, Progress, Section, Spread, ratios
 from promptlang.pml import nodes
 from promptlang.runtime.engine import LLM
@@ -143,12 +143,7 @@ def _on(engine: LLM, side: str):
 def _rag(engines: dict[str, LLM], options: ComputeOptions, report: ComputeReport,
          bar: Progress) -> None:
     tokenizer = engines["float32"].tokenizer
-    texts = []
-    questions = []
-    for i in range(options.docs):
-        text, item = document(tokenizer, options.doc_tokens, seed=options.seed * 1000 + i)
-        texts.append(text)
-        questions.append(item.question)
+    texts, questions = documents(tokenizer, options.docs, options.doc_tokens, options.seed)
     schema = build_schema(texts)
     for side, engine in engines.items():
         with _on(engine, side):

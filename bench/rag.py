@@ -288,6 +288,18 @@ class RagReport:
         return groups
 
 
+def documents(tokenizer, count: int, doc_tokens: int, seed: int) -> tuple[list[str], list[str]]:
+    """`count` documents of about `doc_tokens` tokens (latency.document, deterministic for
+    the seed) and the question of each."""
+    texts = []
+    questions = []
+    for i in range(count):
+        text, item = document(tokenizer, doc_tokens, seed=seed * 1000 + i)
+        texts.append(text)
+        questions.append(item.question)
+    return texts, questions
+
+
 def run_rag(llm: LLM, options: RagOptions = RagOptions(), *, model_name: str = "",
             progress: bool = True) -> RagReport:
     """Serve `options.requests` planned requests three ways on `llm`'s model (its own
@@ -295,12 +307,7 @@ def run_rag(llm: LLM, options: RagOptions = RagOptions(), *, model_name: str = "
     options.check()
     started = time.perf_counter()
     tokenizer = llm.tokenizer
-    texts = []
-    questions = []
-    for i in range(options.docs):
-        text, item = document(tokenizer, options.doc_tokens, seed=options.seed * 1000 + i)
-        texts.append(text)
-        questions.append(item.question)
+    texts, questions = documents(tokenizer, options.docs, options.doc_tokens, options.seed)
     report = RagReport(options, model_name or getattr(tokenizer, "name", ""),
                        [len(tokenizer.encode(t)) for t in texts])
     engine = LLM(llm.adapter, tokenizer, ModuleStore(llm.adapter.device, disk_budget_bytes=0),
