@@ -1,7 +1,7 @@
 """`promptlang bench compute`: bfloat16 compute (runtime/model/compute.py) against float32,
 on one adapter, in one run.
 
-The model's adapter gets its bfloat16 twin (if the load did not give it one); the float32
+The model's adapter gets its bfloat16 twin (if the load did not give it one). The float32
 side runs the same adapter with the twin turned off (`float32_passes`). Each side has an
 engine and a store of its own (their KV differ), and every measurement alternates the
 sides' order from round to round:
@@ -12,10 +12,10 @@ sides' order from round to round:
            the same token ids (the model called as transformers runs it, no cache)
   encode   a cold encode of one long module (~6.4k tokens) into an empty store
   decode   greedy time per token at that module's context (decode steps are one row:
-           both sides take the float32 paths; the check is that nothing got slower)
+           both sides take the float32 paths: the check is that nothing got slower)
 
 Numerics: for every RAG request, whether the two sides' first tokens agree, and
-|delta log-prob| of the float32 side's first token; for every decode, whether the two
+|delta log-prob| of the float32 side's first token, and for every decode whether the two
 greedy continuations are the same tokens.
 """
 

@@ -7,7 +7,7 @@ promptlang's attention, with oneDNN's bfloat16 matmuls (float32 sums inside each
 and bfloat16 activations. Shorter passes -- decode steps, a short question -- stay on
 the float32 paths (the fused layers, pl_linear), which are faster there. Keys and values
 are written into the request's float32 buffers and stored as float32, so everything that
-reads KV is unchanged; the adapter's fingerprint names the setting, so KV computed in
+reads KV is unchanged. The adapter's fingerprint names the setting, so KV computed in
 bfloat16 is stored apart from float32 KV.
 
 `min_rows` is measured on this machine (`calibrate`): the fewest new tokens for which the
@@ -128,7 +128,7 @@ def write_min_rows(path: Path, rows: int, timings: dict) -> None:
 
 def measure_min_rows(time_pass, rows=CALIBRATION_ROWS, repeats: int = 3) -> tuple[int, dict]:
     """The fewest rows from which the bfloat16 pass stays faster than the float32 one,
-    from `time_pass(rows, bf16) -> seconds` (the median of `repeats` runs each); and the
+    from `time_pass(rows, bf16) -> seconds` (the median of `repeats` runs each), and the
     timings in milliseconds."""
     timings = {}
     faster = []

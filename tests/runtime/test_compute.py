@@ -3,7 +3,7 @@ measured switch point, and the bfloat16 passes held to the oracle computed in bf
 (one forward pass of the unmodified model, in bfloat16, with the explicit mask).
 
 The float32 path is the rest of the suite (every oracle test runs with no twin). The
-bfloat16 passes run only on a CPU with AMX or AVX512-BF16; elsewhere those tests skip.
+bfloat16 passes run only on a CPU with AMX or AVX512-BF16, and elsewhere those tests skip.
 """
 
 from __future__ import annotations
