@@ -94,12 +94,32 @@ CODES: dict[str, Code] = {c.code: c for c in (
          "schema but not in this call's prompt"),
     Code("PL208", "error", "a @prompt call that ends in uncached text before cached text",
          "call it after the last cached text, or bound the callee's dynamic text"),
+    # -- Jinja2 templates (compiler/jinja/)
+    Code("PL401", "error", "template syntax error",
+         "fix the template: Jinja2 cannot parse it"),
+    Code("PL402", "error", "a template construct the compiler cannot cache",
+         "use names, constants, attribute lookups and Jinja2's own filters and tests in "
+         "cached text, or compile with --lenient to compute it per request"),
+    Code("PL403", "error", "cached template text after the uncached part",
+         "bound the variable that starts the uncached part (`{{ q | maxlen(64) }}`, or "
+         "params=), or move it after the last cached construct"),
+    Code("PL404", "error", "an included or imported template cannot be read",
+         "name a template the environment's loader finds (a string constant), and include "
+         "no template from itself"),
+    Code("PL405", "error", "invalid length bound in a template",
+         "a bound is a positive whole number of tokens: `{{ q | maxlen(64) }}`"),
+    Code("PL406", "error", "text outside the role blocks of a template",
+         "put every text inside `{% block system %}`, `{% block user %}` or "
+         "`{% block assistant %}` once a template has role blocks"),
     # -- warnings
     Code("PL301", "warning", "a length bound that no text hole uses",
          "remove the bound, or use the name as a text hole"),
     Code("PL302", "warning", "two @prompt functions with the same schema name",
          "rename one of them, or give it its own @prompt(name=...); the later definition "
          "replaces the earlier one, and compile -o writes one .pml file for both"),
+    Code("PL303", "warning", "a template loop computed per request",
+         "pass the loop's items as documents to cache each one: "
+         "from_template(..., documents={'docs': [...]}) or --documents docs=FILE.json"),
 )}
 
 

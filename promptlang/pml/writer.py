@@ -1,7 +1,10 @@
-"""The PML writer: a syntax tree -> compact PML text.
+"""The PML writer: a syntax tree -> compact PML text, or indented PML for reading.
 
-The output adds no formatting whitespace, so `parse(write(tree)) == tree` for
+`write` adds no formatting whitespace, so `parse(write(tree)) == tree` for
 every tree in normal form (no two adjacent `Text` nodes, no empty `Text`).
+`write_pretty` puts each element, role tag, comment and text on a line of its own,
+indented; the lexer's whitespace rule drops exactly that formatting again, so
+`parse(write_pretty(tree)) == tree` too.
 Text is escaped (`&`, `<`, `>`), attribute values too (`&`, `<`, `"`). Text
 that the lexer's whitespace rule would change (`lexer.strip_formatting`: whitespace
 only with a newline, a leading newline, a trailing newline plus indentation) is
@@ -14,11 +17,11 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from promptlang.errors import InvalidArgumentTypeError, PMLWriteError
+from promptlang.errors import InvalidArgumentError, InvalidArgumentTypeError, PMLWriteError
 from promptlang.pml import nodes
 from promptlang.pml.lexer import is_name, strip_formatting
 
-__all__ = ["write"]
+__all__ = ["write", "write_pretty"]
 
 
 def write(node: nodes.Node) -> str:
@@ -26,6 +29,59 @@ def write(node: nodes.Node) -> str:
     out: list[str] = []
     _write(node, out)
     return "".join(out)
+
+
+def write_pretty(node: nodes.Node, indent: str = "  ") -> str:
+    """Indented PML for `node`, one element or text per line, ending in a newline."""
+    if indent.strip(" \t"):
+        raise InvalidArgumentError("indent must be spaces or tabs")
+    lines: list[str] = []
+    _pretty(node, 0, indent, lines)
+    return "\n".join(lines) + "\n"
+
+
+def _pretty(node: nodes.Node, depth: int, indent: str, lines: list[str]) -> None:
+    pad = indent * depth
+    if isinstance(node, nodes.Text):
+        lines.append(pad + _pretty_text(node.text, pad))
+        return
+    children = _PRETTY_CHILDREN.get(type(node), lambda n: ())(node)
+    if not children:
+        lines.append(pad + write(node))
+        return
+    compact = write(node)
+    close = compact.rindex("</")
+    lines.append(pad + compact[:_open_end(compact)])
+    for child in children:
+        _pretty(child, depth + 1, indent, lines)
+    lines.append(pad + compact[close:])
+
+
+def _open_end(compact: str) -> int:
+    """Where the start tag of an element written compactly ends (after its `>`)."""
+    quoted = False
+    for at, char in enumerate(compact):
+        if char == '"':
+            quoted = not quoted
+        elif char == ">" and not quoted:
+            return at + 1
+    return len(compact)
+
+
+def _pretty_text(text: str, pad: str) -> str:
+    """Text on a line of its own: escaped where the whitespace rule gives it back whole
+    between a newline plus `pad` and a newline, else CDATA (always verbatim)."""
+    if strip_formatting("\n" + pad + text + "\n" + pad) == text:
+        return _escape_text(text)
+    return "<![CDATA[" + text.replace("]]>", "]]]]><![CDATA[>") + "]]>"
+
+
+_PRETTY_CHILDREN = {
+    nodes.Schema: lambda n: n.children, nodes.PromptDoc: lambda n: n.children,
+    nodes.Module: lambda n: () if n.src is not None else n.children,
+    nodes.Union: lambda n: n.children, nodes.Scaffold: lambda n: n.children,
+    nodes.ModuleRef: lambda n: n.children,
+}
 
 
 def _write(node: nodes.Node, out: list[str]) -> None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from promptlang.errors import PromptLangError
 from promptlang.pml import nodes as n
 from promptlang.pml.parser import parse, parse_schema
-from promptlang.pml.writer import write
+from promptlang.pml.writer import write, write_pretty
 
 CODE = 'if (a < b && c) { s = "<tag>"; }'
 
@@ -261,6 +261,48 @@ def test_random_prompts_round_trip(doc):
     written = write(doc)
     assert parse(written) == doc
     assert write(parse(written)) == written
+
+
+@_SETTINGS
+@given(schemas())
+def test_random_schemas_round_trip_written_pretty(tree):
+    written = write_pretty(tree)
+    assert parse(written) == tree
+    assert write_pretty(parse(written)) == written
+
+
+@_SETTINGS
+@given(prompts())
+def test_random_prompts_round_trip_written_pretty(doc):
+    assert parse(write_pretty(doc, indent="\t")) == doc
+
+
+def test_pretty_output_puts_each_element_on_a_line_of_its_own():
+    tree = n.Schema("s", (n.RoleOpen("system"), n.Text("Be brief."), n.RoleClose("system"),
+                          n.Module("trip", (n.Text("Plan a trip lasting "),
+                                            n.Param("days", 4), n.Text(".\n"))),
+                          n.Module("pad", (n.Text("  indented"),))))
+    assert write_pretty(tree) == (
+        '<schema name="s">\n'
+        '  <system>\n'
+        '  Be brief.\n'
+        '  </system>\n'
+        '  <module name="trip">\n'
+        '    Plan a trip lasting \n'
+        '    <param name="days" len="4"/>\n'
+        '    .\n'
+        '\n'
+        '  </module>\n'
+        '  <module name="pad">\n'
+        '    <![CDATA[  indented]]>\n'
+        '  </module>\n'
+        '</schema>\n')
+    assert parse(write_pretty(tree)) == tree
+
+
+def test_pretty_indent_must_be_whitespace():
+    with pytest.raises(PromptLangError):
+        write_pretty(n.Schema("s"), indent="--")
 
 
 def test_bare_less_than_read_as_text_is_escaped_on_write_and_round_trips():
