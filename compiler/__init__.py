@@ -8,6 +8,7 @@
     generation.py  gen(), select()                      prompt.py      CompiledPrompt
     markers.py     MaxTokens, system/user/assistant     diagnostics.py codes, CompileError
     source.py      reading a function's source          cli.py         compile / check
+    jinja/         Jinja2 templates -> PML (from_template)  cache_plan.py  compile --plan
 
 Depends on the PML layer only (promptlang.pml, .errors, .inputs, .tokenizer): no runtime,
 no torch. Running a program with a model (`fn.run`) is the public face's

@@ -117,9 +117,6 @@ CODES: dict[str, Code] = {c.code: c for c in (
     Code("PL302", "warning", "two @prompt functions with the same schema name",
          "rename one of them, or give it its own @prompt(name=...); the later definition "
          "replaces the earlier one, and compile -o writes one .pml file for both"),
-    Code("PL303", "warning", "a template loop computed per request",
-         "pass the loop's items as documents to cache each one: "
-         "from_template(..., documents={'docs': [...]}) or --documents docs=FILE.json"),
 )}
 
 

@@ -13,7 +13,7 @@ from promptlang.errors import (ArgumentTooLongError, PMLSyntaxError, PromptLangE
 __version__ = "0.1.0"
 
 __all__ = ["prompt", "Prompt", "MaxTokens", "system", "user", "assistant", "gen", "select",
-           "load", "parse",
+           "load", "parse", "from_template", "template_environment",
            "PromptLangError", "PMLSyntaxError", "UnknownModuleError", "UnknownParameterError",
            "ArgumentTooLongError", "UnionConflictError", "__version__"]
 
@@ -23,6 +23,8 @@ _LAZY = {
     "user": "promptlang.compiler", "assistant": "promptlang.compiler",
     "gen": "promptlang.compiler", "select": "promptlang.compiler",
     "load": "promptlang.runtime", "parse": "promptlang.pml.parser",
+    "from_template": "promptlang.compiler.jinja",
+    "template_environment": "promptlang.compiler.jinja",
 }
 
 

@@ -51,7 +51,8 @@ def adapter_folder(fingerprint: str) -> Path:
 
 
 def compute_dir() -> Path:
-    """Where the measured switch points of bfloat16 compute are kept (per CPU and model)."""
+    """Where measurements of this machine are kept, per CPU and model: the switch point of
+    bfloat16 compute, the encode rate `compile --plan` estimates with."""
     return promptlang_home() / "compute"
 
 

@@ -10,7 +10,7 @@ never rendered. What each construct becomes (docs/COMPILER.md, "From Jinja2 temp
     {% include "x.j2" %}                  a nested module, the included template's text
     {{ macro("const") }}                  a nested module, the macro's text for those args
     {% for d in docs %} over documents    a module per document, selected at call time
-    {% for m in messages %} otherwise     the start of the uncached tail (a warning)
+    {% for m in messages %} otherwise     the start of the uncached tail
     {% block system|user|assistant %}     a chat role around the block's text
 
 Expressions that a module's text depends on only through constants (a document's
@@ -33,7 +33,7 @@ import promptlang.compiler.jinja.expressions as ex
 from promptlang.compiler.diagnostics import Diagnostic
 from promptlang.compiler.jinja.plan import (Arm, Branch, Documents, Hole, Member, Nested,
                                             Step, TailPiece, TemplatePlan)
-from promptlang.errors import Span
+from promptlang.errors import PromptLangError, Span
 from promptlang.pml import nodes
 
 ROLE_BLOCKS = nodes.ROLES
@@ -163,6 +163,7 @@ class _Lowerer:
         return TemplatePlan(name=self.name, schema=schema, root=root,
                             steps=tuple(builder.steps), tail=tuple(tail),
                             tail_start=None if self.tail_start is None else self.tail_start.span,
+                            tail_reason="" if self.tail_start is None else self.tail_start.message,
                             documents=_document_names(builder.steps))
 
     def _sequence(self, body: Sequence[jn.Node]) -> list:
@@ -193,8 +194,6 @@ class _Lowerer:
         self.tail_start = reason
         if reason.kind == "unsupported" and not self.options.lenient:
             self.report("PL402", reason.message, reason.span, reason.suggestion)
-        elif reason.kind == "loop":
-            self.report("PL303", reason.message, reason.span, reason.suggestion)
 
     def _tail(self, item, tail: list[TailPiece], starts: bool) -> None:
         if isinstance(item, Marker):
@@ -399,6 +398,9 @@ class _Lowerer:
         except jinja2.TemplateNotFound:
             if not missing_ok:
                 self.report("PL404", f"the loader finds no template {name!r}", span)
+            return None
+        except PromptLangError as e:        # too big, not UTF-8, not a regular file
+            self.report("PL404", f"{name!r} cannot be read: {e.message}", span)
             return None
         try:
             return self.env.parse(source, name, filename)

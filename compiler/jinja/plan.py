@@ -94,4 +94,5 @@ class TemplatePlan:
     steps: tuple[Step, ...]
     tail: tuple[TailPiece, ...]
     tail_start: Span | None            # where the uncached part starts; None: all cached
+    tail_reason: str                   # why it starts there ("`question` has no length bound")
     documents: Sequence[str]           # the variables documents loops read

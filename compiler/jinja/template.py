@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import jinja2
+from jinja2.loaders import split_template_path
 
 from promptlang.compiler.diagnostics import Diagnostic, errors
 from promptlang.compiler.jinja.lower import Options, lower
 from promptlang.compiler.jinja.plan import (Branch, Documents, Hole, Nested, Step,
                                             TemplatePlan)
 from promptlang.errors import CompileError, InvalidArgumentError, SourceFileError
+from promptlang.inputs import decode_utf8, read_bytes
 from promptlang.pml import nodes
 from promptlang.pml.prompt import Prompt
 from promptlang.pml.writer import write
@@ -47,15 +49,27 @@ def template_environment(loader: jinja2.BaseLoader | str | os.PathLike | None = 
 
 
 class _BoundedLoader(jinja2.FileSystemLoader):
-    """Jinja2's folder loader, refusing files over MAX_TEMPLATE_BYTES before reading them."""
+    """Jinja2's folder loader, reading only regular files of at most MAX_TEMPLATE_BYTES of
+    UTF-8 (`promptlang.inputs`: sizes are checked before reading, FIFOs never opened)."""
 
     def get_source(self, environment, template):
+        pieces = split_template_path(template)
         for folder in self.searchpath:
-            path = Path(folder) / template
-            if path.is_file() and path.stat().st_size > MAX_TEMPLATE_BYTES:
-                raise SourceFileError(f"{path}: {path.stat().st_size} bytes is over the "
-                                      f"{MAX_TEMPLATE_BYTES}-byte limit of a template")
-        return super().get_source(environment, template)
+            path = Path(folder, *pieces)
+            if not path.exists():
+                continue
+            data = read_bytes(path, max_bytes=MAX_TEMPLATE_BYTES, error=SourceFileError)
+            text = decode_utf8(data, str(path), error=SourceFileError)
+            mtime = path.stat().st_mtime
+            return text, os.path.normpath(path), lambda: _unchanged(path, mtime)
+        raise jinja2.TemplateNotFound(template)
+
+
+def _unchanged(path: Path, mtime: float) -> bool:
+    try:
+        return path.stat().st_mtime == mtime
+    except OSError:
+        return False
 
 
 class TemplatePrompt:
@@ -218,7 +232,7 @@ def from_template(template: str | os.PathLike, *,
             if environment.loader is not None else (None, None, None)
     except jinja2.TemplateNotFound:
         source = None
-    except UnicodeDecodeError as e:
+    except UnicodeDecodeError as e:      # a loader of the application's own
         raise SourceFileError(f"{name}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if source is None:
         raise SourceFileError(f"{name}: the environment's loader finds no such template")

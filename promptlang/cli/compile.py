@@ -1,12 +1,17 @@
 """`promptlang compile` and the Python half of `promptlang check`.
 
-    promptlang compile app.py [-o DIR] [--call 'f(x=1)']
+    promptlang compile app.py [-o DIR] [--call 'f(x=1)'] [--plan] [--compact]
+    promptlang compile prompts/rag.j2 [--documents docs=FILE.json] [--param q=64] [--call ...]
+    promptlang compile schema.pml --plan
     promptlang check app.py
 
-Both import the file (compiler/pyfile.py): its top-level code RUNS, so check only files you would
-run. `compile` writes one schema per function (`DIR/<schema name>.pml`, or stdout) and,
+A Python file is imported (compiler/pyfile.py): its top-level code RUNS, so compile or check
+only files you would run. A Jinja2 template (.j2, .jinja, .jinja2) is parsed, never rendered
+(compiler/jinja/; its options: templates.py). `compile` writes one schema per function or
+template (`DIR/<schema name>.pml`, or stdout), indented for reading unless --compact, and,
 with `--call`, the PML prompt of that call, whose arguments must be Python literals;
-`check` prints every diagnostic, mypy-style (`app.py:14:9: error: ... [PL203]`).
+`--plan` prints what each schema will cost to cache instead (plan.py); `check` prints every
+diagnostic, mypy-style (`app.py:14:9: error: ... [PL203]`).
 
 Exit status: 0 ok (warnings allowed), 1 diagnostics (syntax errors included),
 2 usage errors (no such file, a malformed --call, an unknown function).
@@ -21,6 +26,7 @@ import re
 import sys
 from typing import Any
 
+from promptlang.cli import plan, templates
 from promptlang.errors import UsageError
 
 
@@ -31,10 +37,21 @@ def register(subparsers: Any) -> None:
         description="Write the PML schema of every @prompt function in FILE (one .pml each "
                     "in DIR, or to stdout); with --call, also the PML prompt of that call. "
                     "FILE is imported: its top-level code runs, as with `python FILE`.")
-    compile_.add_argument("file", metavar="FILE", help="a Python file")
+    compile_.add_argument("file", metavar="FILE",
+                          help="a Python file, a Jinja2 template (.j2, .jinja, .jinja2) or, "
+                               "with --plan, a PML schema")
     compile_.add_argument("-o", "--output", metavar="DIR", help="folder for the .pml files")
     compile_.add_argument("--call", metavar="CALL",
-                          help="a call with literal arguments, e.g. 'answer(city=\"Paris\")'")
+                          help="a call with literal arguments, e.g. 'answer(city=\"Paris\")'; "
+                               "for a template, its variables: 'rag(question=\"Why?\")'")
+    compile_.add_argument("--compact", action="store_true",
+                          help="write PML without indentation (one line per document)")
+    compile_.add_argument("--plan", action="store_true",
+                          help="print each schema's cache plan: tokens, KV bytes, encode time, "
+                               "combinations (loads the model; encodes nothing)")
+    compile_.add_argument("--model", metavar="PATH",
+                          help="with --plan: the model (default: the embedded SmolLM2-135M)")
+    templates.add(compile_)
     compile_.set_defaults(func=run_compile)
 
 
@@ -61,6 +78,11 @@ def run_compile(args: argparse.Namespace) -> int:
     from promptlang.compiler.pyfile import located, print_diagnostics
     from promptlang.errors import PromptLangError
 
+    suffix = os.path.splitext(args.file)[1].lower()
+    if suffix in templates.EXTENSIONS:
+        return _run_template(args)
+    if suffix == ".pml":
+        return _run_pml(args)
     try:
         call = _parse_call(args.call) if args.call else None
         compiled = _compile(args.file)
@@ -70,7 +92,9 @@ def run_compile(args: argparse.Namespace) -> int:
     print_diagnostics(compiled.diagnostics, sys.stderr)
     if errors(compiled.diagnostics):
         return 1
-    outputs = [(f"{f.schema_name}.pml", f.schema_pml()) for f in compiled.functions]
+    if args.plan:
+        return plan.print_plans([f.schema for f in compiled.functions], args.model)
+    outputs = [(f"{f.schema_name}.pml", _pml(f.schema, args)) for f in compiled.functions]
     if call is not None:
         path, args_, kwargs = call
         function = _find(compiled, path, args.file)
@@ -84,12 +108,80 @@ def run_compile(args: argparse.Namespace) -> int:
         except BaseException as e:  # noqa: BLE001 - the user's code failed: say where, no trace
             print(located(e, args.file, f"the call {args.call} raised"), file=sys.stderr)
             return 1
-        outputs.append((f"{function.schema_name}.prompt.pml", result.prompt_pml()))
+        outputs.append((f"{function.schema_name}.prompt.pml", _pml(result.doc, args)))
+    return _emit(outputs, args)
+
+
+def _run_template(args: argparse.Namespace) -> int:
+    from promptlang.compiler.pyfile import print_diagnostics
+    from promptlang.errors import CompileError, PromptLangError
+
+    try:
+        call = _parse_call(args.call) if args.call else None
+        template = templates.compile_template(args)
+    except UsageError as e:
+        print(f"promptlang compile: {e}", file=sys.stderr)
+        return 2
+    except CompileError as e:
+        print_diagnostics(e.diagnostics, sys.stderr)
+        return 1
+    print_diagnostics(template.diagnostics, sys.stderr)
+    start = template.plan.tail_start
+    if start is not None:
+        print(f"{start}: note: cached up to here; from here on the prompt is computed per "
+              f"request ({template.plan.tail_reason})", file=sys.stderr)
+    if args.plan:
+        return plan.print_plans([template.schema], args.model)
+    outputs = [(f"{template.schema_name}.pml", _pml(template.schema, args))]
+    if call is not None:
+        _, args_, kwargs = call
+        if args_:
+            print("promptlang compile: --call: give a template's variables by name",
+                  file=sys.stderr)
+            return 2
+        try:
+            result = templates.call_template(template, args.documents, kwargs)
+        except UsageError as e:
+            print(f"promptlang compile: {e}", file=sys.stderr)
+            return 2
+        except PromptLangError as e:
+            print(e, file=sys.stderr)
+            return 1
+        outputs.append((f"{template.schema_name}.prompt.pml", _pml(result.doc, args)))
+    return _emit(outputs, args)
+
+
+def _run_pml(args: argparse.Namespace) -> int:
+    from promptlang.pml import nodes
+    from promptlang.pml.parser import parse_file
+
+    if args.call:
+        print("promptlang compile: --call takes a Python file or a template", file=sys.stderr)
+        return 2
+    document = parse_file(args.file)
+    for warning in document.warnings:
+        print(warning, file=sys.stderr)
+    if args.plan:
+        if not isinstance(document, nodes.Schema):
+            print(f"promptlang compile: {args.file} holds a prompt; --plan takes a schema",
+                  file=sys.stderr)
+            return 2
+        return plan.print_plans([document], args.model)
+    name = document.name if isinstance(document, nodes.Schema) else document.schema
+    return _emit([(f"{name}.pml", _pml(document, args))], args)
+
+
+def _pml(node, args: argparse.Namespace) -> str:
+    from promptlang.pml.writer import write, write_pretty
+
+    return write(node) if args.compact else write_pretty(node).rstrip("\n")
+
+
+def _emit(outputs: list[tuple[str, str]], args: argparse.Namespace) -> int:
     if args.output:
         return _write_outputs(args.output, outputs)
-    else:
-        for _, text in outputs:
-            print(text)
+    for _, text in outputs:
+        print(text)
     return 0
 
 

@@ -39,3 +39,11 @@ class UnitKV:
                       move(self.token_ids), move(self.placeholder))
 
 
+
+
+def bytes_per_token(layers: int, kv_heads: int, key_dim: int, value_dim: int,
+                    dtype: torch.dtype) -> int:
+    """The bytes `UnitKV.nbytes` counts per token when keys and values are kept in `dtype`:
+    the keys and values of every layer, plus its position, token id and placeholder flag."""
+    kv = layers * kv_heads * (key_dim + value_dim) * dtype.itemsize
+    return kv + torch.int64.itemsize * 2 + torch.bool.itemsize

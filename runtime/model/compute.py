@@ -99,7 +99,7 @@ class Bf16Compute:
 
 def calibration_file(fingerprint: str) -> Path:
     """Where the switch point for this CPU and model is kept (the home's compute/)."""
-    cpu = _cpu_name()
+    cpu = cpu_name()
     digest = hashlib.sha256(f"{cpu}|{fingerprint}|{torch.__version__}|"
                             f"{torch.get_num_threads()}".encode()).hexdigest()[:24]
     return compute_dir() / f"{digest}.json"
@@ -120,7 +120,7 @@ def read_min_rows(path: Path) -> int | None:
 
 def write_min_rows(path: Path, rows: int, timings: dict) -> None:
     """Keep the switch point (and the timings that chose it) in `path`, privately."""
-    record = {"min_rows": rows, "cpu": _cpu_name(), "torch": torch.__version__,
+    record = {"min_rows": rows, "cpu": cpu_name(), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "timings_ms": timings,
               "date": time.strftime("%Y-%m-%d")}
     write_private(path, json.dumps(record, indent=1).encode())
@@ -150,7 +150,8 @@ def measure_min_rows(time_pass, rows=CALIBRATION_ROWS, repeats: int = 3) -> tupl
     return chosen, timings
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name, which keys what is measured on it."""
     try:
         for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
             if line.startswith("model name"):

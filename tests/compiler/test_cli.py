@@ -10,6 +10,7 @@ import pytest
 
 from promptlang.cli import build_parser
 from promptlang.pml.parser import parse_prompt, parse_schema
+from promptlang.pml.writer import write_pretty
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "compile_demo.py")
 
@@ -46,10 +47,12 @@ def test_compile_writes_files_and_the_prompt_of_a_call(tmp_path, capsys):
     schema = parse_schema((out / "demo.support.pml").read_text())
     prompt = parse_prompt((out / "demo.support.prompt.pml").read_text())
     assert prompt.schema == schema.name
-    assert (out / "demo.support.prompt.pml").read_text() == (
-        '<prompt schema="demo.support"><support><camera-or-doorbell/><plan-basic/><greeting>'
-        '<formal name="Ada"/></greeting></support>Is it on?</user></prompt>\n')
+    compact = ('<prompt schema="demo.support"><support><camera-or-doorbell/><plan-basic/>'
+               '<greeting><formal name="Ada"/></greeting></support>Is it on?</user></prompt>')
+    assert (out / "demo.support.prompt.pml").read_text() == write_pretty(parse_prompt(compact))
     assert capsys.readouterr().out == ""
+    assert run("compile", DEMO, "--call", call, "--compact") == 0
+    assert capsys.readouterr().out.strip().split("\n")[-1] == compact
 
 
 def test_check_reports_no_errors_for_the_demo(capsys):

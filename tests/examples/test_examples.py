@@ -156,3 +156,57 @@ def test_structured_extraction_fills_the_model_from_cached_profiles(llm, example
     assert out["cached_tokens"] > 10 * max(1, out["prefill_tokens"])
     assert out["baseline_prefill_tokens"] == out["cached_tokens"] + out["prefill_tokens"]
     assert_timed(out)
+
+
+def _jinja_messages(name: str, variables: dict) -> list[dict]:
+    """The chat messages Jinja2 itself renders from examples/jinja/NAME.j2: each role block
+    rendered by an environment of its own (an identity `maxlen`), after the top level ran."""
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(EXAMPLES / "jinja")))
+    env.filters["maxlen"] = lambda value, tokens: value
+    template = env.get_template(f"{name}.j2")
+    context = template.new_context(dict(variables))
+    "".join(template.root_render_func(context))
+    return [{"role": role, "content": "".join(template.blocks[role](context))}
+            for role in ("system", "user") if role in template.blocks]
+
+
+def _greedy_at_positions(model, bound, count: int) -> list[int]:
+    """Greedy tokens of the unmodified transformers model over the bound prompt's tokens at
+    their layout positions (the full prefill `exact` answers as), by full forward passes."""
+    import torch
+
+    ids = [token for token, _position, _origin in bound.sequence()]
+    positions = [position for _token, position, _origin in bound.sequence()]
+    out = []
+    with torch.no_grad():
+        for _ in range(count):
+            logits = model(input_ids=torch.tensor([ids]),
+                           position_ids=torch.tensor([positions])).logits[0, -1]
+            token = int(logits.argmax())
+            out.append(token)
+            ids.append(token)
+            positions.append(positions[-1] + 1)
+    return out
+
+
+def test_jinja_templates_answer_as_the_full_prefill_and_render_as_jinja2(llm, example):
+    from promptlang.runtime.model.loading import load_hf_model
+
+    out = example("jinja_templates").main(llm, fast=True)
+    assert set(out) == {"rag", "chat", "tools"}
+    hf = llm.tokenizer.tokenizer
+    reference, _ = load_hf_model(None)
+    for name, result in out.items():
+        expected = hf.apply_chat_template(_jinja_messages(name, result["variables"]),
+                                          tokenize=False, add_generation_prompt=True)
+        assert result["rendered"] == expected, name
+        greedy = _greedy_at_positions(reference, result["bound"], len(result["answer_ids"]))
+        assert result["answer_ids"] == greedy, name
+        assert result["baseline_prefill_tokens"] == (result["cached_tokens"] +
+                                                     result["prefill_tokens"])
+    assert out["rag"]["modules"] == ["rag", "docs-0", "docs-2", "docs-5", "docs-6"]
+    assert out["chat"]["modules"] == ["chat", "persona-teacher", "safe_mode"]
+    assert out["tools"]["modules"] == ["tools", "search-tools", "search", "weather-tools",
+                                       "weather", "rules-JSON"]
