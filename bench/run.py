@@ -271,6 +271,19 @@ def _run_compute(run: _Run):
     return report, parts
 
 
+def _run_plan(run: _Run):
+    from promptlang.bench import plan
+    from promptlang.bench.report import render_markdown, render_text, write_json
+
+    options = plan.PlanOptions.quick() if run.args.quick else plan.PlanOptions()
+    report = plan.run_plan(run.llm, options, model_name=run.model_name, progress=run.progress)
+    parts = plan.sections(report)
+    print(render_text(parts))
+    run.write("plan.json", lambda p: write_json(p, plan.to_json(report)))
+    run.write("plan.md", lambda p: p.write_text(render_markdown(parts)))
+    return report, parts
+
+
 def _run_latency(run: _Run):
     from promptlang.bench import latency, rag
     from promptlang.bench.report import render_markdown, render_text, write_csv, write_json
@@ -418,7 +431,7 @@ COMMANDS = {"latency": _one(_run_latency), "memory": _one(_run_memory),
             "accuracy": _one(_run_accuracy), "serve": _one(_run_serve),
             "structured": _one(_run_structured), "peers": _one(_run_peers),
             "cluster": _one(_run_cluster), "scaling": _one(_run_scaling),
-            "compute": _one(_run_compute),
+            "compute": _one(_run_compute), "plan": _one(_run_plan),
             "all": _all}    # name -> runner(args, command)
 
 

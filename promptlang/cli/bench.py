@@ -14,6 +14,7 @@
     promptlang bench serve    [--clients 1,4,16,32] [--requests N] [--max-tokens N]
     promptlang bench structured  (decode time with and without a JSON Schema constraint)
     promptlang bench compute  (bfloat16 compute against float32, on one adapter)
+    promptlang bench plan     (compile --plan's estimates against a real encode)
     promptlang bench peers    [--gguf FILE]  (beside llama.cpp and transformers' full prefill)
     promptlang bench cluster  [--replicas N] [--cluster-docs N] [--cluster-k K]
                               [--cluster-requests R] [--cluster-clients C]
@@ -231,6 +232,11 @@ def register(subparsers: Any) -> None:
              "(and transformers' float32 prefill of the same tokens), a cold encode of a "
              "~6.4k-token module, decode at that context; first-token agreement and "
              "|delta log-prob| between the two; the bfloat16 goals."),
+            ("plan", [common], _handler("plan"),
+             "compile --plan's estimates against a real encode",
+             "A RAG Jinja2 template compiled at a few document lengths: the cache plan's KV "
+             "bytes and encode seconds (compile --plan) against what an empty store holds "
+             "after encoding the schema and the median encode time; the plan goals."),
             ("all", [common, latency, accuracy], _handler("all"),
              "latency, memory and accuracy into one folder",
              "memory, latency and accuracy in one run (about 20 minutes on 2 cores at the "
