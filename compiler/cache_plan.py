@@ -60,7 +60,8 @@ class CachePlan:
 def plan_schema(schema: nodes.Schema, tokenizer: Tokenizer,
                 bytes_per_token: Mapping[str, int],
                 encode_seconds: Callable[[int], float]) -> CachePlan:
-    """The cache plan of `schema` under `tokenizer`."""
+    """The cache plan of `schema` under `tokenizer`; ContextLengthError (located) where the
+    schema does not fit the model's context."""
     layout = lay_out(schema, tokenizer)
     rows = []
     for unit in layout.units.values():
@@ -73,10 +74,7 @@ def plan_schema(schema: nodes.Schema, tokenizer: Tokenizer,
                             encode_seconds(tokens), unit.cache))
     combinations = _combinations(layout)
     context = tokenizer.max_positions
-    warnings = []
-    if context is not None and layout.end > context:
-        warnings.append(f"the schema reserves {layout.end} positions, past the model's "
-                        f"context of {context}: shorten modules or split the schema")
+    warnings = []                      # (past the context, lay_out has raised already)
     for module in layout.modules.values():
         for slot in module.params:
             if context is not None and slot.length > PARAM_WARN_SHARE * context:
@@ -119,9 +117,9 @@ def format_plan(plan: CachePlan, dtypes: tuple[str, ...], rate_note: str) -> str
     for row in plan.rows:
         name = row.unit + ("" if row.cached else " (cache=false)")
         lines.append([name, str(row.tokens), str(row.params),
-                      *[_size(row.bytes[d]) for d in dtypes], f"{row.seconds:.2f}"])
+                      *[_size(row.bytes[d]) for d in dtypes], f"{row.seconds:.3g}"])
     lines.append(["total cached", str(plan.total_tokens), "",
-                  *[_size(plan.total_bytes(d)) for d in dtypes], f"{plan.total_seconds:.2f}"])
+                  *[_size(plan.total_bytes(d)) for d in dtypes], f"{plan.total_seconds:.3g}"])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(headers)]
     out = [f"Cache plan of schema {plan.schema}",
            "  ".join(h.ljust(w) for h, w in zip(headers, widths)),

@@ -13,7 +13,7 @@ from typing import Sequence
 DTYPES = ("float32", "bfloat16")
 
 
-def print_plans(schemas: Sequence, model: str | None, out=sys.stdout) -> int:
+def print_plans(schemas: Sequence, model: str | None, out=None) -> int:
     import torch
 
     from promptlang.compiler.cache_plan import format_plan, plan_schema
@@ -21,6 +21,7 @@ def print_plans(schemas: Sequence, model: str | None, out=sys.stdout) -> int:
     from promptlang.runtime.kv.unit import bytes_per_token
     from promptlang.runtime.model.encode_rate import encode_rate
 
+    out = sys.stdout if out is None else out
     llm = engine.load(model)
     shape = llm.adapter.kv_shape
     per_token = {d: bytes_per_token(shape.layers, shape.kv_heads, shape.key_dim,
