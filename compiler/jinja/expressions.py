@@ -156,10 +156,22 @@ def holds(environment: jinja2.Environment, test: nodes.Expr, scope: Mapping[str,
 
 
 def column(line_text: str, needle: str) -> int:
-    """The 1-based column of `needle` in a source line (of its tag when it is not found)."""
+    """The 1-based column of `needle` in a source line: first where it opens a `{{ ... }}`
+    or a `{% ... %}`, else anywhere, else the line's first tag."""
+    if needle:
+        opened = re.search(r"(?:\{\{|\{%)[-+]?\s*(" + re.escape(needle) + ")", line_text)
+        if opened:
+            return opened.start(1) + 1
     at = line_text.find(needle) if needle else -1
     if at < 0:
         at = max(line_text.find("{%"), line_text.find("{{"))
     if at < 0:
         at = len(line_text) - len(line_text.lstrip())
     return at + 1
+
+
+def call_column(line_text: str, name: str) -> int:
+    """The 1-based column of a call of `name` inside `{{ ... }}` on a source line (a
+    namespace's `ns.name(` included), else of `name` anywhere."""
+    found = re.search(r"\{\{-?\s*((?:\w+\.)?" + re.escape(name) + r")\s*\(", line_text)
+    return found.start(1) + 1 if found else column(line_text, name)

@@ -22,6 +22,7 @@ when lenient, the start of the tail.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, Mapping, Sequence
@@ -123,15 +124,28 @@ class _Lowerer:
         self.namespaces: dict[str, dict[str, jn.Macro]] = {}
         self.definitions: list[jn.Node] = []       # what the tail's renderers run first
         self.including: list[str] = [name]
+        self.sources: list[tuple[str, list[str]]] = [(file, self.lines)]  # where spans point
+        self.macro_sources: dict[int, tuple[str, list[str]]] = {}      # id(macro) -> its file
         self.tail_start: Uncacheable | None = None
 
     # -- locations and diagnostics ---------------------------------------------------------
 
     def span(self, lineno: int, needle: str = "", file: str | None = None,
              lines: Sequence[str] | None = None) -> Span:
-        lines = self.lines if lines is None else lines
+        """Where `needle` is on line `lineno` of the template being read (or of `file`)."""
+        current_file, current_lines = self.sources[-1]
+        lines = current_lines if lines is None else lines
         text = lines[lineno - 1] if 0 < lineno <= len(lines) else ""
-        return Span(file or self.file, lineno, ex.column(text, needle), text)
+        return Span(file or current_file, lineno, ex.column(text, needle), text)
+
+    @contextlib.contextmanager
+    def reading(self, file: str, lines: list[str]):
+        """Spans point into `file` meanwhile (an included template, a macro's own file)."""
+        self.sources.append((file, lines))
+        try:
+            yield
+        finally:
+            self.sources.pop()
 
     def report(self, code: str, message: str, span: Span, suggestion: str | None = None):
         self.diagnostics.append(Diagnostic(code, message, span, suggestion))
@@ -249,10 +263,21 @@ class _Lowerer:
             raise Uncacheable("unsupported", f"{_describe(item)} cannot be cached",
                               self.span(item.lineno, _needle(item)))
 
-    def _body(self, body: Sequence[jn.Node], scope: dict[str, Any]) -> _Builder:
+    def _body(self, body: Sequence[jn.Node], scope: dict[str, Any], what: str) -> _Builder:
+        """The module built from `body`. What would start the tail inside it (an unbounded
+        value, a loop over a request's list) cannot: the whole of `what` would silently
+        lose its caching, so it is a construct that cannot be cached."""
         builder = _Builder()
-        for node in _split(body):
-            self._cached(node, builder, scope)
+        try:
+            for node in _split(body):
+                self._cached(node, builder, scope)
+        except Uncacheable as reason:
+            if reason.kind == "unsupported":
+                raise
+            raise Uncacheable("unsupported", f"{what} cannot be cached: {reason.message}",
+                              reason.span, "bound the value (`| maxlen(N)`, or params=), or "
+                              "compile with --lenient to compute the whole of it per "
+                              "request") from None
         return builder
 
     def _output(self, piece: jn.Node, into: _Builder, scope: dict[str, Any]) -> None:
@@ -322,7 +347,8 @@ class _Lowerer:
                         self._cached(child, into, scope)
                     return
             return
-        built: list[tuple[jn.Expr | None, _Builder]] = [(test, self._body(body, scope))
+        what = f"the `if` at {self.span(node.lineno, 'if')}"
+        built: list[tuple[jn.Expr | None, _Builder]] = [(test, self._body(body, scope, what))
                                                          for test, body, _ in arms]
         members: list[nodes.Module] = []
         planned: list[Arm] = []
@@ -359,7 +385,8 @@ class _Lowerer:
         members: list[Member] = []
         for index, item in enumerate(corpus):
             name = into.unique(f"{ex.slug(node.iter)}-{index}")
-            body = self._body(node.body, {**scope, node.target.name: item})
+            body = self._body(node.body, {**scope, node.target.name: item},
+                              f"the documents loop over `{corpus_name}` at {span}")
             into.children.append(nodes.Module(name, tuple(body.children)))
             members.append(Member(name, index, tuple(body.steps)))
         into.steps.append(Documents(corpus_name, tuple(corpus), tuple(members), span))
@@ -373,19 +400,23 @@ class _Lowerer:
             raise Uncacheable("unsupported", "an {% include ... without context %} cannot be "
                                              "cached", span)
         name = node.template.value
-        tree = self._load(name, span, node.ignore_missing)
-        if tree is None:
+        loaded = self._load(name, span, node.ignore_missing)
+        if loaded is None:
             return
+        tree, file, lines = loaded
         self.including.append(name)
         try:
-            body = self._body(tree.body, scope)
+            with self.reading(file, lines):
+                body = self._body(tree.body, scope, f"the include of {name!r} at {span}")
         finally:
             self.including.pop()
         module = into.unique(ex.slug(jn.Name(PurePosixPath(name).stem, "load")))
         into.children.append(nodes.Module(module, tuple(body.children)))
         into.steps.append(Nested(module, tuple(body.steps)))
 
-    def _load(self, name: str, span: Span, missing_ok: bool = False) -> jn.Template | None:
+    def _load(self, name: str, span: Span, missing_ok: bool = False
+              ) -> tuple[jn.Template, str, list[str]] | None:
+        """The template `name` parsed, its file and its lines; None (said) where it cannot be."""
         if name in self.including or len(self.including) > MAX_INCLUDE_DEPTH:
             self.report("PL404", f"{name!r} includes itself (through "
                                  f"{' -> '.join(self.including)})", span)
@@ -402,10 +433,10 @@ class _Lowerer:
         except PromptLangError as e:        # too big, not UTF-8, not a regular file
             self.report("PL404", f"{name!r} cannot be read: {e.message}", span)
             return None
+        lines = source.splitlines()
         try:
-            return self.env.parse(source, name, filename)
+            return self.env.parse(source, name, filename), filename or name, lines
         except jinja2.TemplateSyntaxError as e:
-            lines = source.splitlines()
             self.report("PL401", e.message or "syntax error",
                         self.span(e.lineno or 1, file=filename or name, lines=lines))
             return None
@@ -413,13 +444,19 @@ class _Lowerer:
     def _define(self, node, scope: dict[str, Any]) -> None:
         if isinstance(node, jn.Macro):
             self.macros[node.name] = node
+            self.macro_sources[id(node)] = self.sources[-1]
             return
-        span = self.span(node.lineno, "import")
+        span = self.span(node.lineno, "import" if isinstance(node, jn.Import) else "from")
         if not isinstance(node.template, jn.Const):
             raise Uncacheable("unsupported", "an import of a computed name cannot be cached",
                               span)
-        tree = self._load(node.template.value, span)
-        found = {} if tree is None else {m.name: m for m in tree.find_all(jn.Macro)}
+        loaded = self._load(node.template.value, span)
+        found = {}
+        if loaded is not None:
+            tree, file, lines = loaded
+            found = {m.name: m for m in tree.find_all(jn.Macro)}
+            for macro in found.values():
+                self.macro_sources[id(macro)] = (file, lines)
         if isinstance(node, jn.Import):
             self.namespaces[node.target] = found
             return
@@ -453,7 +490,8 @@ class _Lowerer:
 
     def _macro_call(self, call: jn.Call, into: _Builder, scope: dict[str, Any]) -> None:
         macro = self._macro_of(call)
-        span = self.span(call.lineno, macro.name)
+        line = self.lines[call.lineno - 1] if 0 < call.lineno <= len(self.lines) else ""
+        span = Span(self.file, call.lineno, ex.call_column(line, macro.name), line)
         if call.dyn_args is not None or call.dyn_kwargs is not None:
             raise Uncacheable("unsupported", "a macro call with *args or **kwargs cannot be "
                                              "cached", span)
@@ -475,7 +513,9 @@ class _Lowerer:
                                  if param in defaults else None)
         if any(n.name == "caller" for n in macro.find_all(jn.Name)):
             raise Uncacheable("unsupported", f"{macro.name}() uses caller()", span)
-        body = self._body(macro.body, {**self.statics, **values})
+        with self.reading(*self.macro_sources.get(id(macro), self.sources[-1])):
+            body = self._body(macro.body, {**self.statics, **values},
+                              f"the call of {macro.name}() at {span}")
         words = [macro.name, *(str(v) for v in values.values() if isinstance(v, str))][:2]
         module = into.unique(ex.slug(jn.Name("-".join(words), "load")))
         into.children.append(nodes.Module(module, tuple(body.children)))

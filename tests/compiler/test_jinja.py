@@ -274,3 +274,65 @@ def test_untrusted_values_stay_text(tmp_path):
         *TOK.role_affix_ids("assistant")[0]]
     assert p.render(TOK) == oracle(root, "t.j2", {"doc": hostile, "q": hostile})
     assert parse(write_pretty(p.doc)) == p.doc
+
+
+@pytest.mark.parametrize("body, code, needle", [
+    ("{% set tone = mood | upper %}{{ tone }}", "PL402", "tone"),
+    ("{% extends 'base.j2' %}", "PL402", "extends"),
+    ("{% macro m(x) %}{{ x }}{% endmacro %}{{ m(q) }}", "PL402", "m(q)"),
+    ("{% call m() %}x{% endcall %}", "PL402", "call"),
+    ("{% filter upper %}x{% endfilter %}", "PL402", "filter"),
+])
+def test_more_constructs_that_cannot_be_cached(tmp_path, body, code, needle):
+    root = folder(tmp_path, **{"t.j2": "Intro.\n" + body + "\n{% include 'x.j2' %}",
+                               "base.j2": "base", "x.j2": "X"})
+    with pytest.raises(CompileError) as e:
+        from_template(root / "t.j2")
+    diagnostic = e.value.diagnostics[0]
+    assert diagnostic.code == code and diagnostic.span.line == 2
+    assert diagnostic.span.line_text[diagnostic.span.col - 1:].startswith(needle)
+
+
+def test_an_applications_environment_is_used_as_is(tmp_path):
+    env = jinja2.Environment(loader=jinja2.DictLoader({
+        "main": "{{ greeting | shout }} {% include 'part' %}", "part": "for {{ who }}"}),
+        trim_blocks=True)
+    env.filters["shout"] = lambda text: text.upper() + "!"
+    t = from_template("main", environment=env, lenient=True, role=None)
+    assert "maxlen" not in env.filters                    # the application's own is untouched
+    assert t(greeting="hi", who="you").render(TOK) == "HI! for you"
+    with pytest.raises(CompileError) as e:                 # a filter of its own: not cached
+        from_template("main", environment=env)
+    assert e.value.diagnostics[0].code == "PL402"
+    assert str(e.value.diagnostics[0].span).startswith("main:1:")
+
+
+def test_includes_and_documents_nest(tmp_path):
+    root = folder(tmp_path, **{
+        "t.j2": "{% for d in docs %}{% include 'doc.j2' %}{% endfor %}Q: {{ q }}",
+        "doc.j2": "<{{ d.title }}>{% if d.urgent %} URGENT{% endif %}"
+                  "{% if lang %} ({{ lang | maxlen(2) }}){% endif %}\n"})
+    corpus = [{"title": "a", "urgent": True}, {"title": "b", "urgent": False}]
+    t = from_template(root / "t.j2", documents={"docs": corpus}, role=None)
+    first = t.schema.children[0].children[0]
+    assert first.name == "docs-0" and first.children[0].name == "doc"
+    assert first.children[0].children[0] == n.Text("<a> URGENT")
+    for context in ({"docs": corpus, "q": "?", "lang": "fr"}, {"docs": [corpus[1]], "q": "!"}):
+        assert t(**context).render(TOK) == oracle(root, "t.j2", context, role=None)
+
+
+def test_an_unbounded_value_inside_a_cached_construct_is_an_error(tmp_path):
+    root = folder(tmp_path, **{
+        "t.j2": "{% for d in docs %}{% include 'doc.j2' %}{% endfor %}Q: {{ q }}",
+        "doc.j2": "<{{ d }}>{% if lang %} ({{ lang }}){% endif %}\n"})
+    with pytest.raises(CompileError) as e:
+        from_template(root / "t.j2", documents={"docs": ["a", "b"]})
+    [diagnostic] = e.value.diagnostics
+    assert diagnostic.code == "PL402"
+    assert diagnostic.message == (f"the `if` at {root / 'doc.j2'}:1:13 cannot be cached: "
+                                  "`lang` has no length bound")
+    assert str(diagnostic.span) == f"{root / 'doc.j2'}:1:28"
+    lenient = from_template(root / "t.j2", documents={"docs": ["a", "b"]}, lenient=True)
+    assert lenient.plan.tail_start.line == 1
+    context = {"docs": ["b"], "q": "?", "lang": "fr"}
+    assert lenient(**context).render(TOK) == oracle(root, "t.j2", context)
