@@ -214,7 +214,8 @@ class _Lowerer:
             tail.append(TailPiece(item.kind, role=item.role))
             return
         demanded = None if starts else self._cached_construct(item)
-        if demanded is not None and not self.options.lenient:
+        failed = self.tail_start.kind == "unsupported"         # already an error: no cascade
+        if demanded is not None and not self.options.lenient and not failed:
             start = self.tail_start
             self.report("PL403", f"{demanded} would be cached but follows the uncached part, "
                                  f"which starts at {start.span.line}:{start.span.col} "

@@ -33,7 +33,7 @@ from promptlang.errors import UsageError
 def register(subparsers: Any) -> None:
     """Add `compile` to the `promptlang` command's subparsers (check.py adds `check`)."""
     compile_ = subparsers.add_parser(
-        "compile", help="compile a Python file's @prompt functions to PML (runs it)",
+        "compile", help="compile @prompt functions (runs the file) or a template to PML",
         description="Write the PML schema of every @prompt function in FILE (one .pml each "
                     "in DIR, or to stdout); with --call, also the PML prompt of that call. "
                     "FILE is imported: its top-level code runs, as with `python FILE`.")
@@ -70,6 +70,28 @@ def check_file(path: str) -> int:
         return 1
     count = len(compiled.functions)
     print(f"{path}: {count} @prompt function{'s' if count != 1 else ''}, no errors")
+    return 0
+
+
+def check_template(path: str) -> int:
+    """Print the diagnostics of the Jinja2 template `path`; the exit status."""
+    from promptlang.compiler.jinja import from_template
+    from promptlang.compiler.pyfile import print_diagnostics
+    from promptlang.errors import CompileError, SourceFileError
+    from promptlang.pml import nodes
+
+    try:
+        template = from_template(path)
+    except SourceFileError as e:
+        print(f"promptlang check: {e}", file=sys.stderr)
+        return 2
+    except CompileError as e:
+        print_diagnostics(e.diagnostics, sys.stdout)
+        return 1
+    print_diagnostics(template.diagnostics, sys.stdout)
+    modules = sum(1 for _ in nodes.iter_modules(template.schema)) - 1      # not the root
+    print(f"{path}: schema {template.schema_name}, {modules} module"
+          f"{'s' if modules != 1 else ''} under its root, no errors")
     return 0
 
 

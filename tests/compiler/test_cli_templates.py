@@ -94,3 +94,15 @@ def test_plan_prints_every_unit_with_its_bytes_and_time(tmp_path, capsys, monkey
     assert run("compile", str(template), "--documents", f"docs={docs}", "--plan",
                "--model", str(tiny_model_dir)) == 0
     assert "measuring" not in capsys.readouterr().err       # kept from the first run
+
+
+def test_check_reads_templates_beside_other_files(tmp_path, capsys):
+    good = os.path.join(EXAMPLES, "tools.j2")
+    bad = tmp_path / "bad.j2"
+    bad.write_text('x {{ f() }} {% include "a.j2" %}')
+    assert run("check", good) == 0
+    assert "tools.j2: schema tools, 7 modules under its root, no errors" in capsys.readouterr().out
+    assert run("check", good, str(bad)) == 1
+    out = capsys.readouterr().out
+    assert f"{bad}:1:6: error: a call in `{{{{ ... }}}}` cannot be cached [PL402]" in out
+    assert "PL403" not in out                      # no cascade from the first error
