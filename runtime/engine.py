@@ -94,7 +94,8 @@ class _Request:
 class _Retrieved:
     """A request's units, retrieved (`LLM._retrieve`)."""
 
-    keys: dict[str, str]                 # unit id -> its store key
+    keys: dict[str, str]                 # unit id -> its store key (+ the request's side)
+    bf16: bool                           # the prompt's passes on the bfloat16 twin (compute.py)
     context_of: Callable                 # unit id -> the tokens it was encoded after
     missed: dict                         # unit id -> its positions that missed request tokens
     served: dict                         # unit id -> (key, UnitKV) of an exact entry
@@ -344,7 +345,8 @@ class LLM:
         buffer = self.assembler.acquire(len(ids) + room)
         with self._released_on_error(buffer):
             mark = time.perf_counter()
-            logits = baseline_prefill(self.adapter, buffer, ids, request.all_logits)
+            with self.adapter.passes_in(self.adapter.bf16_request(len(ids))):
+                logits = baseline_prefill(self.adapter, buffer, ids, request.all_logits)
             t.prefill = time.perf_counter() - mark
         opened = Opened(buffer=buffer,
                         logits=logits[-1],
@@ -362,7 +364,9 @@ class LLM:
         """Each unit's KV: from an exact entry made by an earlier request with the same tokens
         before it (recompute/exact.py), else from the store, encoded on a miss."""
         layout = bound.layout
-        keys = {unit_id: self.encoder.key(layout, unit_id) for unit_id in bound.units}
+        bf16 = self.adapter.bf16_request(len(bound.token_ids()))
+        side = "|bf16-passes" if bf16 else ""     # exact entries: made on the request's side
+        keys = {unit_id: self.encoder.key(layout, unit_id) + side for unit_id in bound.units}
         context_of = lambda unit_id: self.encoder.context_of(layout.units[unit_id])  # noqa: E731
         missed = candidates(bound, context_of)         # unit -> its tokens that missed some
         served = exact.lookup(self.store, bound, keys, list(missed)) if self.exact_reuse else {}
@@ -374,6 +378,7 @@ class LLM:
         units = [served.get(u, (self.encoder.key(layout, u, primed), kv))
                  for u, kv in by_unit.items() if kv.length]
         return _Retrieved(keys=keys,
+                          bf16=bf16,
                           context_of=context_of,
                           missed=missed,
                           served=served,
@@ -471,10 +476,12 @@ class LLM:
                 opened.logits = whole
                 return opened, whole[None]
             if len(ids) <= request.defer and not request.all_logits and selected.seam is None:
-                opened.pending = PendingPrefill(ids, positions, finish)
+                opened.pending = PendingPrefill(ids, positions, finish, bf16=retrieved.bf16)
                 return opened, None
             mark = time.perf_counter()
-            logits = self._prefill(buffer, ids, positions, request.all_logits, selected.seam)
+            with self.adapter.passes_in(retrieved.bf16):
+                logits = self._prefill(buffer, ids, positions, request.all_logits,
+                                       selected.seam)
             t.prefill = time.perf_counter() - mark
             finish(logits[-1])
         return opened, logits

@@ -297,7 +297,8 @@ class BatchStepper:
                   d.buffer.past(), pending is not None) for _, d, ids, pos, pending in live]
         # the decoders on this model in one pass; one on another view of it (a seam
         # adapter's) runs alone
-        batched = [i for i, (_, d, *_) in enumerate(live) if d.adapter is self.adapter]
+        batched = [i for i, (_, d, _, _, pending) in enumerate(live)
+                   if d.adapter is self.adapter and not (pending is not None and pending.bf16)]
         steps = None
         if len(batched) > 1:
             steps = self.adapter.forward_batch([items[i] for i in batched])
@@ -310,8 +311,9 @@ class BatchStepper:
                 rows[i] = step.logits[-1]
         for i, (_, d, ids, pos, pending) in enumerate(live):   # the rest as each would alone
             if rows[i] is None:
-                rows[i] = extend(d.adapter, d.buffer, ids, pos, False, None,
-                                 pending is None)[-1]
+                with self.adapter.passes_in(pending is not None and pending.bf16):
+                    rows[i] = extend(d.adapter, d.buffer, ids, pos, False, None,
+                                     pending is None)[-1]
         for (key, d, _, _, pending), row in zip(live, rows):
             if pending is not None:              # a prefill: the decoder starts here
                 pending.finish(row)

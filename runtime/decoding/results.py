@@ -109,11 +109,14 @@ class PendingPrefill:
     """An open request's prefill pass, left to run inside a batch (`LLM.start(defer=...)`):
     the tokens to compute at their positions against the request buffer (positions increase;
     each token sees the buffer's keys at positions <= its own and the tokens before it), and
-    `finish(logits)` to call with the last token's logits [V] once their KV is appended."""
+    `finish(logits)` to call with the last token's logits [V] once their KV is appended;
+    `bf16`: the side its request decided (runtime/model/compute.py): it runs there, so a
+    twin-side prefill never joins the float32 batch."""
 
     token_ids: list[int]
     positions: list[int]
     finish: Callable[[torch.Tensor], None]
+    bf16: bool = False           # its request's prompt passes run on the bfloat16 twin
 
 
 @dataclass(kw_only=True)

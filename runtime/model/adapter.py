@@ -191,6 +191,21 @@ class ModelAdapter:
         finally:
             compute.disabled_depth -= 1
 
+    def bf16_request(self, prompt_tokens: int) -> bool:
+        """Whether a request with `prompt_tokens` prompt tokens runs its prompt's passes on
+        the bfloat16 twin (False without one)."""
+        return self.compute is not None and self.compute.for_request(prompt_tokens)
+
+    @contextlib.contextmanager
+    def passes_in(self, bf16: bool) -> Iterator[None]:
+        """Within (this thread): every pass on the bfloat16 twin or in float32, whatever its
+        row count (nothing changes without a twin)."""
+        if self.compute is None:
+            yield
+            return
+        with self.compute.passes(bf16):
+            yield
+
     def empty_kv(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.kv_shape
         shape = (s.layers, s.kv_heads, capacity)
@@ -213,6 +228,8 @@ class ModelAdapter:
         decoder = self.fast.decoder
         if decoder is None or self.sliding_window is not None:
             return None
+        if self.compute is not None and getattr(self.compute.decided, "bf16", None):
+            return None                       # the fused batch is float32 only
         requests = []
         slots = []
         for input_ids, positions, past, by_position in items:

@@ -13,17 +13,27 @@ bfloat16 is stored apart from float32 KV.
 `min_rows` is measured on this machine (`calibrate`): the fewest new tokens for which the
 twin's pass is faster than the float32 one, cached per CPU model and model fingerprint
 under the home's cache (`compute/`), so the measurement runs once per machine.
+
+A request's answer must not depend on what the cache holds or on which requests share a
+pass, so the engine decides per request, from the request alone (`for_request`: its
+whole prompt, cached tokens included, has at least `min_rows` tokens), and runs every pass
+of its prompt on that side (`ModelAdapter.passes_in`); a unit is encoded on the side its
+own length chooses; decode steps stay float32. Only a pass no request decided (a
+measurement, a probe) falls back to its own row count.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
 import platform
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -92,9 +102,29 @@ class Bf16Compute:
     model: torch.nn.Module
     min_rows: int
     disabled_depth: int = 0           # > 0 while a caller needs the float32 model (a seam)
+    decided: threading.local = field(default_factory=threading.local)   # .bf16 per thread
 
     def serves(self, rows: int) -> bool:
-        return self.disabled_depth == 0 and rows >= self.min_rows
+        """Whether a pass of `rows` new tokens runs on the twin: as its request decided
+        (`passes`), else by its row count."""
+        if self.disabled_depth:
+            return False
+        decided = getattr(self.decided, "bf16", None)
+        return rows >= self.min_rows if decided is None else decided
+
+    def for_request(self, prompt_tokens: int) -> bool:
+        """The side every prompt pass of a request with `prompt_tokens` tokens runs on."""
+        return prompt_tokens >= self.min_rows
+
+    @contextlib.contextmanager
+    def passes(self, bf16: bool | None) -> Iterator[None]:
+        """Within (this thread): every pass on the twin (True) or in float32 (False)."""
+        before = getattr(self.decided, "bf16", None)
+        self.decided.bf16 = bf16
+        try:
+            yield
+        finally:
+            self.decided.bf16 = before
 
 
 def calibration_file(fingerprint: str) -> Path:

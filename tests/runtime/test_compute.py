@@ -82,6 +82,20 @@ def test_a_compute_that_serves_nothing_while_turned_off():
     assert not state.serves(1000)
 
 
+def test_a_request_decides_its_passes_side_whatever_their_rows():
+    state = Bf16Compute(model=torch.nn.Identity(), min_rows=16)
+    assert state.for_request(16) and not state.for_request(15)
+    with state.passes(True):
+        assert state.serves(1)
+        with state.passes(False):
+            assert not state.serves(10_000)
+        assert state.serves(1)
+    assert not state.serves(1) and state.serves(16)        # no decision: the row count
+    state.disabled_depth = 1
+    with state.passes(True):
+        assert not state.serves(1)                         # a seam's passes stay float32
+
+
 def _llm(tmp_path, recompute="none") -> LLM:
     model = tiny_model("llama", VOCAB)
     llm = LLM.from_model(model, WordTokenizer(VOCAB, bos=True),
@@ -200,3 +214,73 @@ def test_the_dtype_flag_reaches_load():
     with pytest.raises(SystemExit):
         parser.parse_args(["--dtype", "float16"])
     assert numerics.COMPUTE_CHOICES == compute.CHOICES
+
+
+def _sides(monkeypatch, adapter) -> list[tuple[int, bool]]:
+    """(rows, on the twin) of every pass of `adapter` from now on."""
+    seen = []
+    serves = adapter.compute.serves
+
+    def record(rows):
+        answer = serves(rows)
+        seen.append((rows, answer))
+        return answer
+    monkeypatch.setattr(adapter.compute, "serves", record)
+    return seen
+
+
+@needs_units
+def test_a_requests_passes_take_its_side_whatever_the_cache_holds(tmp_path, monkeypatch):
+    """The side a prompt's passes run on follows the request alone: the same request, its
+    exact entries cached, runs its short remaining pass on the twin as its long first one
+    did (a short pass once ran in float32 there: answers moved with the cache's state);
+    exact entries made on one side are never served to a request of the other."""
+    llm = _llm(tmp_path, recompute="exact")
+    llm.exact_reuse = True
+    prompt = PROMPTS["two modules with a gap"]
+    tokens = len(llm.bind(prompt).token_ids())
+    attach_bf16(llm.adapter, min_rows=tokens)              # this request: the twin
+    seen = _sides(monkeypatch, llm.adapter)
+    first = llm.prefill(prompt)
+    assert len(first.recompute) > 0
+    seen.clear()
+    again = llm.prefill(prompt)                           # its exact entries serve it now
+    assert again.exact and len(again.recompute) == 0
+    assert 0 < len(again.token_ids) - again.cached_length < tokens
+    assert seen and all(twin for _rows, twin in seen)      # short passes, still the twin
+    assert (again.logits[-1] - first.logits[-1]).abs().max() < TOL
+    llm.adapter.compute.min_rows = tokens + 1               # now: float32 for this request
+    seen.clear()
+    third = llm.prefill(prompt)
+    assert not third.exact and len(third.recompute) > 0     # the twin's entries: not its own
+    assert seen and not any(twin for _rows, twin in seen)
+
+
+@needs_units
+def test_a_twin_side_prefill_never_joins_the_float32_batch(tmp_path, monkeypatch):
+    from promptlang.runtime.decoding.decode import BatchStepper, Decoder  # noqa: F401
+    from promptlang.runtime.decoding.sampling import SamplingParams
+
+    llm = _llm(tmp_path, recompute="exact")
+    prompt = PROMPTS["two modules with a gap"]
+    attach_bf16(llm.adapter, min_rows=1)                  # every request: the twin
+    batches = []
+    real = llm.adapter.forward_batch
+    monkeypatch.setattr(llm.adapter, "forward_batch",
+                        lambda items: batches.append(len(items)) or real(items))
+    params = SamplingParams(max_new_tokens=3)
+    alone = llm.generate(prompt, max_new_tokens=3)
+    started = [llm.start(prompt, sampling=params, defer=64) for _ in range(2)]
+    assert all(s.opened.pending is not None and s.opened.pending.bf16 for s in started)
+    stepper = BatchStepper(llm.adapter)
+    for index, s in enumerate(started):
+        stepper.join(index, s.decoder, s.opened.pending)
+    tokens = {0: [], 1: []}
+    for _ in range(10):
+        for key, token, _delta, _done in stepper.step():
+            if token is not None:
+                tokens[key].append(token)
+        if not len(stepper):
+            break
+    assert tokens[0] == tokens[1] == alone.token_ids
+    assert batches and max(batches) >= 2                   # the decode steps were batched
