@@ -226,8 +226,9 @@ class Sampler:
         _check_usable(top)
         if top == math.inf:  # only the +inf tokens can win; softmax would give NaN
             logits = torch.where(logits == math.inf, 0.0, -math.inf)
-        # Shift before scaling so a tiny temperature cannot overflow to inf.
-        logits = (logits - logits.max()) / self.params.temperature
+        # Shift before scaling so a tiny temperature cannot overflow to inf; in float64, so
+        # a temperature below float32's smallest number does not become 0 (0 / 0: NaN).
+        logits = (logits.double() - logits.max()) / self.params.temperature
         top_k = self.params.top_k
         top_p = self.params.top_p
         if not top_k and top_p >= 1.0:

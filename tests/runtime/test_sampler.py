@@ -166,3 +166,13 @@ def test_sampling_never_picks_masked_tokens_and_survives_tiny_temperatures():
 def test_sampler_rejects_unusable_logits(logits, temperature):
     with pytest.raises(PromptLangError):
         Sampler(SamplingParams(temperature=temperature)).pick(logits)
+
+
+def test_a_temperature_below_float32s_range_samples_the_most_likely_token():
+    """A temperature of 1e-300 once became 0 in float32 (0 / 0: NaN): a RuntimeError from
+    torch.multinomial, a 500 in the server (found by tests/server/test_fuzz.py)."""
+    logits = torch.tensor([0.1, 2.0, -1.0, 1.5])
+    for temperature in (1e-300, 5e-324, 1e-46):
+        for top_p in (1.0, 0.5):
+            sampler = Sampler(SamplingParams(temperature=temperature, top_p=top_p, seed=3))
+            assert sampler.pick(logits) == 1
