@@ -23,6 +23,7 @@ transformers is imported inside functions only: `import promptlang` stays light.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import threading
@@ -32,6 +33,7 @@ from typing import Any, Iterable, Sequence
 from promptlang.chat_template import PLAIN_AFFIXES, derive_role_affixes
 from promptlang.errors import ChatTemplateError, ModelError, RoleError
 from promptlang.pml.nodes import ROLES
+from promptlang.tokenizer import PreparedIds
 
 _SANE_MAX_LENGTH = 10_000_000       # tokenizers without a limit report ~1e30
 
@@ -67,6 +69,7 @@ class HFTokenizer:
         self._control_ids = frozenset(self._controls)
         # plain text may need the unk token (a character the vocabulary cannot spell)
         self._forbidden = self._control_ids - {tokenizer.unk_token_id}
+        self.prepared: PreparedIds | None = None   # ids of long texts tokenized ahead
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, *, max_positions: int | None = None,
@@ -170,7 +173,16 @@ class HFTokenizer:
         """Ids of the tokenizer's special and added tokens."""
         return self._control_ids
 
+    def twin(self) -> "HFTokenizer":
+        """A tokenizer giving the same ids with a backend of its own, so that it can run
+        on another thread while this one runs (each serialises its own calls)."""
+        return HFTokenizer(copy.deepcopy(self.tokenizer), max_positions=self._max_positions,
+                           eos_ids=self._eos_ids)
+
     def encode(self, text: str) -> list[int]:
+        ready = None if self.prepared is None else self.prepared.get(text)
+        if ready is not None:
+            return ready
         ids = self._tokenize(text, split_special=True)
         if self._forbidden.isdisjoint(ids):
             return ids

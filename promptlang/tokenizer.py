@@ -15,7 +15,10 @@ tokens, so no input can forge a turn.
 from __future__ import annotations
 
 import re
+import threading
 import zlib
+from array import array
+from collections import OrderedDict
 from typing import Protocol, Sequence, runtime_checkable
 
 from promptlang.errors import InvalidArgumentError
@@ -74,6 +77,49 @@ class Tokenizer(Protocol):
         text whose tokens may be control ids."""
 
 
+class PreparedIds:
+    """Token ids of long texts computed ahead, on another thread (the server tokenizes a
+    request's long texts with a twin of the engine's tokenizer before queueing it, so the
+    engine thread does not stall the others): a tokenizer given one (`tokenizer.prepared`)
+    takes a text's ids from it instead of tokenizing it again, until the text is
+    `discard`ed. Only texts of at least `MIN_CHARS` characters are kept, at most `LIMIT` of
+    them (the oldest go first), their ids packed (8 bytes each)."""
+
+    MIN_CHARS = 4096
+    LIMIT = 32
+
+    def __init__(self):
+        self._ids: OrderedDict[str, array] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, text: str, ids: Sequence[int]) -> None:
+        if len(text) < self.MIN_CHARS:
+            return
+        with self._lock:
+            self._ids[text] = array("q", ids)
+            while len(self._ids) > self.LIMIT:
+                self._ids.popitem(last=False)
+
+    def get(self, text: str) -> list[int] | None:
+        """The ids put for `text`, or None."""
+        if len(text) < self.MIN_CHARS:
+            return None
+        with self._lock:
+            ids = self._ids.get(text)
+        return None if ids is None else ids.tolist()
+
+    def discard(self, texts: Sequence[str]) -> None:
+        with self._lock:
+            for text in texts:
+                self._ids.pop(text, None)
+
+    def __contains__(self, text: object) -> bool:
+        return text in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 def min_token_count(tokenizer: Tokenizer, text: str) -> int:
     """A cheap lower bound on `len(tokenizer.encode(text))`: ceil(n / max_token_chars)
     over the n characters of `text` that are not among the tokenizer's
@@ -113,6 +159,7 @@ class WordTokenizer:
         self._max_positions = max_positions
         self._bos = bos
         self._text_of: dict[int, str] = dict(enumerate(self.SPECIAL_TOKENS))
+        self.prepared: PreparedIds | None = None   # ids of long texts tokenized ahead
 
     @property
     def fingerprint(self) -> str:
@@ -142,7 +189,16 @@ class WordTokenizer:
     def control_ids(self) -> frozenset[int]:
         return frozenset(range(len(self.SPECIAL_TOKENS)))
 
+    def twin(self) -> "WordTokenizer":
+        """A tokenizer giving the same ids, safe to use on another thread at once."""
+        twin = WordTokenizer(self.vocab_size, self._max_positions, self._bos)
+        twin._text_of = self._text_of          # one decoding table for both
+        return twin
+
     def encode(self, text: str) -> list[int]:
+        ids = None if self.prepared is None else self.prepared.get(text)
+        if ids is not None:
+            return ids
         words = len(self.SPECIAL_TOKENS)
         ids = []
         for piece in self._piece.findall(text):

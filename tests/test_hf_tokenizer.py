@@ -405,3 +405,34 @@ def test_from_pretrained_of_a_missing_model_says_not_found_locally(tmp_path):
         HFTokenizer.from_pretrained(tmp_path / "no-such-model")
     with pytest.raises(ModelError, match="not found locally"):
         load_tokenizer("nobody/no-such-model-anywhere")
+
+
+def test_a_twin_tokenizes_alike_and_takes_prepared_ids(default_tokenizer):
+    from promptlang.tokenizer import PreparedIds
+
+    twin = default_tokenizer.twin()
+    assert twin.tokenizer is not default_tokenizer.tokenizer        # a backend of its own
+    assert twin.fingerprint == default_tokenizer.fingerprint
+    text = "Tides <|im_start|> rise and fall. " * 200                # 6,800 characters
+    assert twin.encode(text) == default_tokenizer.encode(text)
+    twin.prepared = PreparedIds()
+    twin.prepared.put(text, [5, 6, 7])                              # not its real ids:
+    assert twin.encode(text) == [5, 6, 7]                           # taken, not tokenized
+    assert twin.encode(text) == [5, 6, 7]                           # until discarded
+    twin.prepared.discard([text])
+    assert twin.encode(text) == default_tokenizer.encode(text)
+    short = "short text"
+    twin.prepared.put(short, [1])                                   # below MIN_CHARS: not kept
+    assert twin.encode(short) == default_tokenizer.encode(short)
+
+
+def test_prepared_ids_keep_the_newest_long_texts():
+    from promptlang.tokenizer import PreparedIds
+
+    prepared = PreparedIds()
+    texts = [f"{i:05d}" + "x" * PreparedIds.MIN_CHARS for i in range(PreparedIds.LIMIT + 2)]
+    for i, text in enumerate(texts):
+        prepared.put(text, [i, i + 1])
+    assert len(prepared) == PreparedIds.LIMIT
+    assert prepared.get(texts[0]) is None and prepared.get(texts[1]) is None
+    assert prepared.get(texts[-1]) == [len(texts) - 1, len(texts)]

@@ -40,7 +40,7 @@ from promptlang.server.prompts import (ChatSchemas, check_extension,
                                        check_messages, completion_prompt, completion_text,
                                        extension_prompt, parse_messages)
 from promptlang.server.worker import EngineWorker, Job
-from promptlang.tokenizer import min_token_count
+from promptlang.tokenizer import PreparedIds, min_token_count
 
 log = logging.getLogger("promptlang.server")
 
@@ -85,6 +85,7 @@ class ServerState:
     api_key: str | None
     on_open: Callable[[Any, Mapping], None] | None = None
     body_timeout: float = BODY_TIMEOUT_S
+    ahead: Any = None                # a twin of llm.tokenizer for request threads, or None
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -103,7 +104,7 @@ def create_app(llm, *, functions: Mapping[str, Any] | None = None,
     take to arrive (then 408, and the connection is closed)."""
     worker = EngineWorker(max_queue=max_queue, max_batch=max_batch)
     state = ServerState(llm, worker, ChatSchemas(llm), dict(functions or {}), model_name,
-                        api_key, on_open, body_timeout)
+                        api_key, on_open, body_timeout, ahead=_tokenize_ahead(llm))
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -362,6 +363,52 @@ def _parse(state: ServerState, body: dict, chat: bool) -> Parsed:
     return parsed
 
 
+def _tokenize_ahead(llm) -> Any:
+    """A twin of the engine's tokenizer for the request threads, the engine's tokenizer
+    given a `PreparedIds` to take their ids from; None where the tokenizer has no twin."""
+    twin = getattr(llm.tokenizer, "twin", None)
+    if twin is None or not hasattr(llm.tokenizer, "prepared"):
+        return None
+    llm.tokenizer.prepared = PreparedIds()
+    return twin()
+
+
+async def _prepare_long_texts(state: ServerState, parsed: Parsed) -> None:
+    """Tokenize a request's long texts on a thread of their own before it is queued (the
+    engine thread then takes their ids, and one long request does not stall the others);
+    a 400 when they alone pass the model's context."""
+    long = [t for t in _texts(parsed) if len(t) >= PreparedIds.MIN_CHARS]
+    if state.ahead is None or not long:
+        return
+    counted = await asyncio.to_thread(_tokenize_texts, state, long)
+    limit = state.llm.max_positions
+    if limit is not None and counted > limit:
+        raise HTTPError(400, f"the prompt holds at least {counted:,} tokens; this model's "
+                             f"context is {limit:,}",
+                        param="messages" if parsed.messages is not None else "prompt")
+
+
+def _texts(parsed: Parsed) -> list[str]:
+    """The free texts of a request: its messages' contents, or its completion prompt."""
+    if parsed.messages is not None:
+        return [m.content for m in parsed.messages]
+    return [parsed.text] if parsed.text is not None else []
+
+
+def _tokenize_texts(state: ServerState, texts: list[str]) -> int:
+    """Tokens of `texts`, each kept for the engine's tokenizer (a text the twin refuses is
+    left to the engine, which refuses it the same way)."""
+    total = 0
+    for text in texts:                   # the twin serialises its own calls
+        try:
+            ids = state.ahead.encode(text)
+        except PromptLangError:
+            continue
+        state.llm.tokenizer.prepared.put(text, ids)
+        total += len(ids)
+    return total
+
+
 def _check_fits(llm, texts: list[str]) -> None:
     """RequestError when `texts` cannot fit the model's context whatever they tokenize to:
     a lower bound on their tokens from their characters alone (`min_token_count`), so a
@@ -420,6 +467,7 @@ async def _complete(state: ServerState, request: Request, chat: bool):
         _authorize(state, request)
         body = await _body(request, state.body_timeout)
         parsed = _parse(state, body, chat)
+        await _prepare_long_texts(state, parsed)
         job = Job(_opener(state, parsed, request.scope.get("extensions") or {}),
                   asyncio.get_running_loop())
         try:
@@ -498,10 +546,15 @@ def _opener(state: ServerState, parsed: Parsed, extensions: Mapping):
             prompt = state.chats.prompt(parsed.messages)
         else:
             prompt = completion_prompt(state.llm, parsed.text)
-        if parsed.max_tokens is not None:
-            _check_room(state.llm, prompt, parsed.max_tokens)
-        opened = state.llm.start(prompt, recompute=parsed.recompute,
-                                 defer=state.worker.prefill_in_step, **parsed.options)
+        try:
+            if parsed.max_tokens is not None:
+                _check_room(state.llm, prompt, parsed.max_tokens)
+            opened = state.llm.start(prompt, recompute=parsed.recompute,
+                                     defer=state.worker.prefill_in_step, **parsed.options)
+        finally:
+            prepared = getattr(state.llm.tokenizer, "prepared", None)
+            if prepared is not None:        # its long texts' ids are no longer needed
+                prepared.discard(_texts(parsed))
         if state.on_open is not None:
             state.on_open(opened, extensions)
         return opened

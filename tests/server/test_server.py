@@ -779,3 +779,44 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tiny_model_d
         assert status == 200
     finally:
         server.stop()
+
+
+def test_long_texts_are_tokenized_before_the_engine_thread_takes_the_request(model,
+                                                                           monkeypatch):
+    """A request's long texts are tokenized on a request thread by a twin of the engine's
+    tokenizer; the engine thread takes their ids and never tokenizes them itself, and texts
+    that alone pass the context are a 400 before anything is queued."""
+    from promptlang.tokenizer import PreparedIds
+
+    llm = make_llm(model)
+    server = Server(create_app(llm, model_name="tiny"))
+    engine_tokenizer = llm.tokenizer
+    assert isinstance(engine_tokenizer.prepared, PreparedIds)
+    tokenized_long = []
+    real = WordTokenizer.encode
+
+    def spy(self, text):
+        long = len(text) >= PreparedIds.MIN_CHARS
+        kept = self is engine_tokenizer and text in engine_tokenizer.prepared
+        if long and not kept:
+            tokenized_long.append(("engine" if self is engine_tokenizer else "twin",
+                                   threading.current_thread().name))
+        return real(self, text)
+    monkeypatch.setattr(WordTokenizer, "encode", spy)
+    try:
+        text = "abcdefghijklmnopqrstuvw " * 180             # 4,320 characters, 180 tokens
+        status, answer = post(server.url + "/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": text, "max_tokens": 1}).encode())
+        assert status == 200, answer
+        assert [who for who, _ in tokenized_long] == ["twin"]
+        assert len(engine_tokenizer.prepared) == 0          # discarded once it was opened
+        tokenized_long.clear()
+        too_long = "wordwordword " * (llm.max_positions + 10)        # over 4,096 characters
+        status, answer = post(server.url + "/v1/chat/completions", json.dumps(
+            {"model": "tiny", "max_tokens": 1,
+             "messages": [{"role": "user", "content": too_long}]}).encode())
+        assert status == 400 and "context" in answer["error"]["message"]
+        assert answer["error"]["param"] == "messages"
+        assert [who for who, _ in tokenized_long] == ["twin"]
+    finally:
+        server.stop()
