@@ -22,6 +22,7 @@ import ctypes
 import os
 import platform
 import threading
+import time
 import warnings
 
 import torch
@@ -35,6 +36,9 @@ REQUIRE_ENV = "PROMPTLANG_REQUIRE_NATIVE"
 _TRUE = ("1", "true", "yes", "on")
 
 _lock = threading.Lock()
+_busy = {"checked": -1.0, "others": 0}   # runnable threads of other processes, when last read
+BUSY_CHECK_S = 0.05                       # how often kernel_threads reads them
+adapt_threads = True                      # False: always torch's thread count
 _lib: ctypes.CDLL | None = None
 _error: "NativeKernelsError | None" = None     # why required kernels are missing
 _tried = False
@@ -198,7 +202,7 @@ def linear_q8(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty(m, blocks.shape[0])
     (_lib or _load()).pl_linear_q8(x.data_ptr(), m, k, blocks.data_ptr(), blocks.shape[0],
-                                   y.data_ptr(), torch.get_num_threads())
+                                   y.data_ptr(), kernel_threads())
     return y
 
 
@@ -246,7 +250,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     y = torch.empty(rows.shape[0], n)
     (_lib or _load()).pl_linear(rows.data_ptr(), rows.shape[0], k, weight.data_ptr(), n,
                                 None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                torch.get_num_threads())
+                                kernel_threads())
     return y.view(*x.shape[:-1], n)
 
 
@@ -294,7 +298,7 @@ def attend(rows: torch.Tensor, pieces, new_tokens: int, scale: float,
     causal = (ctypes.c_int * n)(*[int(bool(p[2])) for p in pieces])
     status = lib.pl_attend(rows.data_ptr(), heads, r, d, float(scale), n, keys, kstride, values,
                            vstride, lens, causal, new_tokens, out.data_ptr(),
-                           None if lse is None else lse.data_ptr(), torch.get_num_threads())
+                           None if lse is None else lse.data_ptr(), kernel_threads())
     if status != 0:
         raise InternalError(f"pl_attend failed ({status})")
     return out, lse
@@ -401,6 +405,47 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
         nseg, keys, kstride, values, vstride, lens, half, newk, new_keys.stride(1), newv,
         new_values.stride(1), kpos, qpos, nreq, (ctypes.c_long * (nreq + 1))(*tok),
         (ctypes.c_long * (nreq + 1))(*seg), ctx, invt, mixc, quantized, quantized_kind, qout,
-        int(bool(bf16_products)), torch.get_num_threads())
+        int(bool(bf16_products)), kernel_threads())
     if status != 0:
         raise InternalError(f"pl_decoder failed ({status})")
+
+
+def kernel_threads() -> int:
+    """Threads for a kernel call: torch's count, less one for each core that threads of
+    other processes are running on now (read from /proc at most every BUSY_CHECK_S).
+    The kernels split each layer into equal static slices with barriers between them, so a
+    thread whose core another process holds makes every barrier wait for the scheduler;
+    with fewer threads than free cores none waits (a busy neighbour once made a decode step
+    37x slower)."""
+    wanted = torch.get_num_threads()
+    if wanted <= 1 or not adapt_threads:
+        return wanted
+    now = time.monotonic()
+    if now - _busy["checked"] > BUSY_CHECK_S:
+        _busy["checked"] = now
+        _busy["others"] = _runnable_elsewhere()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else wanted
+    return max(1, min(wanted, cores - _busy["others"]))
+
+
+def _runnable_elsewhere() -> int:
+    """Runnable threads on the machine that are not this process's (0 where /proc says
+    nothing): /proc/stat's procs_running less this process's threads in state R."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            running = next((int(line.split()[1]) for line in f
+                            if line.startswith(b"procs_running")), None)
+        if running is None:
+            return 0
+        ours = 0
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue                      # the thread ended meanwhile
+            state = stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3]
+            ours += state == b"R"
+    except (OSError, ValueError):
+        return 0
+    return max(0, running - ours)

@@ -352,3 +352,39 @@ def test_required_kernels_that_cannot_be_built_fail_the_kernel_tests_instead_of_
     assert result.returncode not in (0, 5), result.stdout[-2000:]
     assert "NativeKernelsError" in result.stdout
     assert "skipped" not in result.stdout
+
+
+def test_kernel_threads_leave_the_cores_other_processes_hold(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(native.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    others = [0]
+    monkeypatch.setattr(native, "_runnable_elsewhere", lambda: others[0])
+    monkeypatch.setattr(native, "_busy", {"checked": -1.0, "others": 0})
+    assert native.kernel_threads() == 4
+    others[0] = 3
+    assert native.kernel_threads() == 4                 # read again only after BUSY_CHECK_S
+    native._busy["checked"] = -1.0
+    assert native.kernel_threads() == 1
+    others[0] = 9
+    native._busy["checked"] = -1.0
+    assert native.kernel_threads() == 1                 # never fewer than one
+    monkeypatch.setattr(native, "adapt_threads", False)
+    assert native.kernel_threads() == 4
+
+
+def test_runnable_elsewhere_counts_a_busy_neighbour():
+    """A process spinning beside this one is seen (within a bounded wait); this process's own
+    running thread is not counted."""
+    import time
+
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        seen = 0
+        deadline = time.monotonic() + 5
+        while seen == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            seen = native._runnable_elsewhere()
+        assert seen >= 1
+    finally:
+        hog.kill()
+        hog.wait()
