@@ -271,6 +271,21 @@ def _run_compute(run: _Run):
     return report, parts
 
 
+def _run_contention(run: _Run):
+    from promptlang.bench import contention
+    from promptlang.bench.report import render_markdown, render_text, write_json
+
+    options = (contention.ContentionOptions.quick() if run.args.quick
+               else contention.ContentionOptions())
+    report = contention.run_contention(run.llm, options, model_name=run.model_name,
+                                       progress=run.progress)
+    parts = contention.sections(report)
+    print(render_text(parts))
+    run.write("contention.json", lambda p: write_json(p, contention.to_json(report)))
+    run.write("contention.md", lambda p: p.write_text(render_markdown(parts)))
+    return report, parts
+
+
 def _run_plan(run: _Run):
     from promptlang.bench import plan
     from promptlang.bench.report import render_markdown, render_text, write_json
@@ -432,6 +447,7 @@ COMMANDS = {"latency": _one(_run_latency), "memory": _one(_run_memory),
             "structured": _one(_run_structured), "peers": _one(_run_peers),
             "cluster": _one(_run_cluster), "scaling": _one(_run_scaling),
             "compute": _one(_run_compute), "plan": _one(_run_plan),
+            "contention": _one(_run_contention),
             "all": _all}    # name -> runner(args, command)
 
 

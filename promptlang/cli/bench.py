@@ -15,6 +15,7 @@
     promptlang bench structured  (decode time with and without a JSON Schema constraint)
     promptlang bench compute  (bfloat16 compute against float32, on one adapter)
     promptlang bench plan     (compile --plan's estimates against a real encode)
+    promptlang bench contention  (decode and a cached question beside a busy neighbour)
     promptlang bench peers    [--gguf FILE]  (beside llama.cpp and transformers' full prefill)
     promptlang bench cluster  [--replicas N] [--cluster-docs N] [--cluster-k K]
                               [--cluster-requests R] [--cluster-clients C]
@@ -237,6 +238,11 @@ def register(subparsers: Any) -> None:
              "A RAG Jinja2 template compiled at a few document lengths: the cache plan's KV "
              "bytes and encode seconds (compile --plan) against what an empty store holds "
              "after encoding the schema and the median encode time; the plan goals."),
+            ("contention", [common], _handler("contention"),
+             "decode and a cached question beside a busy neighbour process",
+             "Decode and a new question over a ~6k-token cached module, alone and beside "
+             "one other process spinning on a core, with the kernels' thread count adapting "
+             "to the cores others hold and fixed at torch's; the goals (<= 2.5x alone)."),
             ("all", [common, latency, accuracy], _handler("all"),
              "latency, memory and accuracy into one folder",
              "memory, latency and accuracy in one run (about 20 minutes on 2 cores at the "
