@@ -213,7 +213,8 @@ def from_template(template: str | os.PathLike, *,
         (strings or mappings); each is cached as a module of its own.
     params: length bounds in tokens by variable (`{"question": 64}`), beside `| maxlen(N)`.
     role: the chat role around a template with no `{% block system|user|assistant %}`;
-        None for plain text.  generation: end the prompt with the assistant's turn.
+        None for plain text.
+    generation: end the prompt with the assistant's turn.
     lenient: constructs that cannot be cached start the uncached tail instead of being errors.
     Raises CompileError with every diagnostic, located `file:line:col`.
     """
