@@ -63,7 +63,7 @@ def analyze_function(fn, where: Span | None = None) -> Analysis:
     try:
         return _analyze_source(fn, name, source)
     except RecursionError:
-        span = deepest_span(source.text, source.file)
+        span = deepest_span(source.padded_text(), source.file)
         return Analysis(None, [Diagnostic(
             "PL004", f"{name} nests too deeply for the compiler to analyse (a very long "
                      "expression or deeply nested blocks)", span)], source)
@@ -84,7 +84,7 @@ def _analyze_source(fn, name: str, source: FunctionSource) -> Analysis:
     if not isinstance(top, cst.FunctionDef) or top.name.value != fn.__name__:
         return Analysis(None, [Diagnostic(
             "PL002", f"the source found for {name} in {source.file} is not its `def`",
-            source.span(source.start, 0))])
+            source.file_span(source.start, 0))])
     analyzer = _Analyzer(fn, source, module, top, wrapper.resolve(PositionProvider))
     return analyzer.run()
 
@@ -129,7 +129,8 @@ class _Analyzer:
         """`node`'s position as CPython's ast gives it: line and UTF-8 byte column."""
         start = self.positions[node].start
         line = self.lines[start.line - 1]
-        return (kind, start.line, len(line[:start.column].encode("utf-8")), *extra)
+        return (kind, start.line + self.source.offset, len(line[:start.column].encode("utf-8")),
+                *extra)
 
     def code(self, node: cst.CSTNode) -> str:
         return self.module.code_for_node(node)

@@ -112,11 +112,11 @@ class PromptFunction(PlannedFunction):
     def _too_deep(self, error: SyntaxError | None) -> CompileError:
         source = self.analysis.source
         if error is not None and error.lineno:
-            text = source.span(error.lineno, 0).line_text
-            span = source.span(error.lineno, len(text) - len(text.lstrip()))
+            text = source.file_span(error.lineno, 0).line_text
+            span = source.file_span(error.lineno, len(text) - len(text.lstrip()))
             why = f"CPython refuses the compiled body: {error.msg}"
         else:
-            span = deepest_span(source.text, source.file)
+            span = deepest_span(source.padded_text(), source.file)
             why = "a very long expression or deeply nested blocks"
         return CompileError([Diagnostic(
             "PL004", f"{self.__qualname__} nests too deeply for the compiler ({why})", span)])

@@ -71,6 +71,9 @@ CODES: dict[str, Code] = {c.code: c for c in (
          "so that the compiler sees where generation starts"),
     Code("PL111", "error", "@prompt applied twice",
          "decorate the function once; pass name= and params= to that one @prompt"),
+    Code("PL112", "error", "@prompt calls nest too deep",
+         "a schema nests its modules at most MAX_CALL_DEPTH (48) calls deep: flatten the "
+         "chain, calling several functions from one instead of each from the last"),
     # -- text that cannot be cached because of where it is
     Code("PL201", "error", "text emitted in a `for` loop before cached text",
          "move the loop after the last cached text, or give each item its own @prompt call "

@@ -45,6 +45,7 @@ def instrument(fn, analysis: Analysis, plan: FunctionPlan, hooks) -> types.Funct
     """A function with `fn`'s signature, defaults, globals and closure that reports to
     `hooks` while it runs."""
     tree = ast.parse(analysis.source.text, analysis.source.file)
+    ast.increment_lineno(tree, analysis.source.offset)     # the file's lines (source.py)
     node = tree.body[0]
     if analysis.source.indented:
         node = node.body[0]

@@ -25,6 +25,7 @@ when the instrumented body reports the item.
 from __future__ import annotations
 
 import builtins
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,62 @@ class _Source:
 class _Flow:
     sources: tuple[_Source, ...] = ()
     cuts: tuple[ir.ReturnItem, ...] = ()
+
+
+# The most @prompt calls that may nest below one function, itself included: each call is a
+# module inside its caller's, each branch a union and a module, and PML nests elements at
+# most 100 deep (promptlang/pml/parser.py MAX_DEPTH).
+MAX_CALL_DEPTH = 48
+
+
+def call_depth(function) -> int:
+    """The longest chain of @prompt calls from `function` (itself 1; a recursive call adds
+    nothing: PL108 reports it), computed once per function from the analysed calls, without
+    planning and without recursion (a chain of thousands costs no Python stack)."""
+    known = _CALL_DEPTHS.get(function)
+    if known is not None:
+        return known
+    stack = [(function, iter(_callees(function)))]
+    on_path = {function}
+    best = {function: 1}
+    while stack:
+        current, pending = stack[-1]
+        callee = next(pending, None)
+        if callee is None:
+            stack.pop()
+            on_path.discard(current)
+            _CALL_DEPTHS[current] = best[current]
+            if stack:
+                caller = stack[-1][0]
+                best[caller] = max(best[caller], 1 + best[current])
+            continue
+        if callee in on_path:
+            continue
+        done = _CALL_DEPTHS.get(callee)
+        if done is not None:
+            best[current] = max(best[current], 1 + done)
+            continue
+        on_path.add(callee)
+        best[callee] = 1
+        stack.append((callee, iter(_callees(callee))))
+    return _CALL_DEPTHS[function]
+
+
+_CALL_DEPTHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _callees(function) -> list:
+    """The @prompt functions `function`'s call statements name (as resolved now)."""
+    fir = function.analysis.ir
+    if fir is None:
+        return []
+    found = []
+    for item in fir.walk():
+        if isinstance(item, ir.CallItem):
+            target = prompt_function_of(resolve(function, fir, item.path))
+            if target is not None and target not in found:
+                found.append(target)
+    return found
 
 
 def plan_function(function, stack: tuple = ()) -> FunctionPlan:
@@ -173,6 +230,14 @@ class _Planner:
         if target is self.function or target in self.stack:
             chain = " -> ".join(f.__qualname__ for f in (*self.stack, self.function, target))
             self.report("PL108", f"recursive @prompt call: {chain}", item.span)
+            self.notes[item.id]["callee"] = None
+            return
+        depth = call_depth(target)
+        if depth >= MAX_CALL_DEPTH:
+            self.report("PL112", f"@prompt calls nest {depth + 1} deep from "
+                                 f"{self.function.__qualname__} through "
+                                 f"{target.__qualname__}; a schema holds at most "
+                                 f"{MAX_CALL_DEPTH}", item.span)
             self.notes[item.id]["callee"] = None
             return
         try:

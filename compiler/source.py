@@ -1,9 +1,12 @@
 """Where a @prompt function's code comes from: its source text, positioned as in its file.
 
 `inspect` gives the function's lines (decorators included). A method's lines are
-indented, so they are parsed under an `if 1:` header placed on the line above,
-after blank lines: every libcst position is then the position in the file itself,
-and no line is re-indented (re-indenting would change multi-line strings).
+indented, so they are parsed under an `if 1:` header placed on the line above (no line
+is re-indented: re-indenting would change multi-line strings). The text starts at the
+function (its first line is line 1, or 2 under the header); `offset` turns a line of
+the text into the line of the file. Padding the text with the file's earlier lines
+instead would make each function cost as much as the lines above it: a file of n
+functions quadratic.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import ast
 import inspect
 import io
-import itertools
 import linecache
 import os
 import sys
@@ -25,21 +27,31 @@ from promptlang.errors import Span
 class FunctionSource:
     file: str                 # the code object's file name, as tracebacks show it
     start: int                # 1-based line of the first decorator (or of `def`)
-    text: str                 # parses on its own; its line/column numbers are the file's
+    text: str                 # parses on its own; its line + offset is the file's line
     indented: bool            # True when the function sits under the `if 1:` header
     lines: tuple[str, ...]    # the file's lines, for the text shown under a diagnostic
+    offset: int = 0           # file line = text line + offset
 
     def span(self, line: int, column: int) -> Span:
-        """The Span of a libcst position (1-based line, 0-based column)."""
+        """The Span of a position in the text (1-based line, 0-based column)."""
+        return self.file_span(line + self.offset, column)
+
+    def file_span(self, line: int, column: int) -> Span:
+        """The Span of a position in the file (1-based line, 0-based column)."""
         text = self.lines[line - 1].rstrip("\r\n") if 0 < line <= len(self.lines) else ""
         return Span(self.file, line, column + 1, text)
+
+    def padded_text(self) -> str:
+        """The text behind as many blank lines as put its lines at the file's (error paths
+        only: it costs the lines above the function)."""
+        return "\n" * self.offset + self.text
 
 
 def function_source(fn) -> FunctionSource:
     """The source of `fn`; raises OSError or TypeError when inspect cannot find it."""
     block, start = inspect.getsourcelines(fn)
     file = fn.__code__.co_filename
-    lines = tuple(linecache.getlines(file)) or tuple(block)
+    lines = _file_lines(file) or tuple(block)
     first = block[0]
     indent = first[:len(first) - len(first.lstrip(" \t"))]
     body = "".join(block)
@@ -48,10 +60,24 @@ def function_source(fn) -> FunctionSource:
     if indent:
         if start < 2:
             raise OSError(f"an indented function cannot start on line {start}")
-        text = "\n" * (start - 2) + "if 1:\n" + body
-    else:
-        text = "\n" * (start - 1) + body
-    return FunctionSource(file, start, text, bool(indent), lines)
+        return FunctionSource(file, start, "if 1:\n" + body, True, lines, start - 2)
+    return FunctionSource(file, start, body, False, lines, start - 1)
+
+
+_shared_lines: dict[str, tuple[list, tuple[str, ...]]] = {}
+
+
+def _file_lines(file: str) -> tuple[str, ...]:
+    """The file's lines as linecache holds them, one tuple shared by all of the file's
+    functions while linecache keeps the same lines (a copy each would make a file of n
+    functions hold n copies of itself)."""
+    current = linecache.getlines(file)
+    kept = _shared_lines.get(file)
+    if kept is not None and kept[0] is current:
+        return kept[1]
+    lines = tuple(current)
+    _shared_lines[file] = (current, lines)
+    return lines
 
 
 def module_name_for_file(path: str) -> str:
@@ -87,10 +113,24 @@ def caller_span(skip: int = 1) -> Span | None:
 def _frame_column(frame, text: str) -> int:
     """The 1-based column of the expression the frame is running (1 when unknown)."""
     index = frame.f_lasti // 2       # one position per 2-byte code unit
-    position = next(itertools.islice(frame.f_code.co_positions(), index, None), None)
+    positions = _positions(frame.f_code)
+    position = positions[index] if index < len(positions) else None
     if position is not None and position[2] is not None:
         return len(text.encode("utf-8")[:position[2]].decode("utf-8", "replace")) + 1
     return len(text) - len(text.lstrip()) + 1
+
+
+_last_positions: list = [None, ()]   # the code object last asked about, and its positions
+
+
+def _positions(code) -> tuple:
+    """`code.co_positions()` as a tuple, kept for the code object last asked about: a
+    module decorating n functions asks n times about its one code object (walking its
+    positions each time would make the file quadratic)."""
+    if _last_positions[0] is not code:
+        _last_positions[0] = code
+        _last_positions[1] = tuple(code.co_positions())
+    return _last_positions[1]
 
 
 def deepest_span(text: str, file: str, first_line: int = 1) -> Span:

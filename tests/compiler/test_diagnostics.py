@@ -283,3 +283,51 @@ def test_a_lambda_error_is_located_at_the_lambda():
             """)
     (diagnostic,) = found[0].analysis.diagnostics
     assert (diagnostic.code, diagnostic.span.line, diagnostic.span.col) == ("PL101", 2, 12)
+
+
+def _chain(n: int) -> str:
+    """n @prompt functions, each calling the next."""
+    lines = ["from promptlang import prompt", ""]
+    for i in range(n):
+        lines += ["@prompt", f"def f{i}():", f'    "text {i}. "']
+        lines += [f"    f{i + 1}()"] if i + 1 < n else []
+        lines += [""]
+    return "\n".join(lines)
+
+
+def test_calls_nested_deeper_than_a_schema_holds_are_located_errors():
+    from promptlang.compiler.lower import MAX_CALL_DEPTH
+
+    module = load(_chain(MAX_CALL_DEPTH + 2))
+    deepest_ok = getattr(module, "f2")                    # 48 functions below and itself
+    assert deepest_ok.schema.name.endswith(".f2")
+    with pytest.raises(CompileError) as e:
+        module.f0.plan()
+    [diagnostic] = [d for d in e.value.diagnostics if d.code == "PL112"]
+    assert (diagnostic.span.line, diagnostic.span.col) == (6, 5)       # f0's call of f1
+    assert "nest 50 deep from f0 through f1" in diagnostic.message
+    with pytest.raises(CompileError):
+        module.f1.plan()
+
+
+def test_a_long_call_chain_is_refused_without_exhausting_the_stack():
+    """3,000 nested calls once ran into Python's recursion limit (PL004) after minutes."""
+    module = load(_chain(3000))
+    with pytest.raises(CompileError) as e:
+        module.f0.plan()
+    assert {d.code for d in e.value.diagnostics} == {"PL112"}
+    assert module.f2999.plan() is not None and module.f2960.schema is not None
+
+
+def test_a_functions_source_text_starts_at_the_function():
+    """Its libcst parse costs its own lines, not the lines above it (which made a file of n
+    functions quadratic); positions still name the file's lines."""
+    module = load("\n" * 5000 + "from promptlang import prompt\n\n@prompt\ndef late(q):\n"
+                  "    q\n    \"cached text\"\n")
+    source = module.late.analysis.source
+    assert source.offset == 5002 and source.text.startswith("@prompt")
+    with pytest.raises(CompileError) as e:
+        module.late.schema
+    diagnostic = e.value.diagnostics[0]
+    assert (diagnostic.code, diagnostic.span.line, diagnostic.span.col) == ("PL203", 5005, 5)
+    assert diagnostic.span.line_text == "    q"
