@@ -425,7 +425,11 @@ def kernel_threads() -> int:
         _busy["checked"] = now
         _busy["others"] = _runnable_elsewhere()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else wanted
-    return max(1, min(wanted, cores - _busy["others"]))
+    machine = os.cpu_count() or cores
+    # /proc/stat counts the whole machine's runnable threads: where this process may use
+    # only some of its CPUs (a container's cpuset), count the share that falls on ours
+    others = round(_busy["others"] * cores / machine) if machine > cores else _busy["others"]
+    return max(1, min(wanted, cores - others))
 
 
 def _runnable_elsewhere() -> int:

@@ -370,6 +370,11 @@ def test_kernel_threads_leave_the_cores_other_processes_hold(monkeypatch):
     assert native.kernel_threads() == 1                 # never fewer than one
     monkeypatch.setattr(native, "adapt_threads", False)
     assert native.kernel_threads() == 4
+    monkeypatch.setattr(native, "adapt_threads", True)
+    monkeypatch.setattr(native.os, "cpu_count", lambda: 64)   # 4 of a 64-CPU machine's
+    others[0] = 32                                          # 2 of them on our 4 CPUs
+    native._busy["checked"] = -1.0
+    assert native.kernel_threads() == 2
 
 
 def test_runnable_elsewhere_counts_a_busy_neighbour():
