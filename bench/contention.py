@@ -126,10 +126,12 @@ def sections(report: ContentionReport) -> list[Section]:
              "question alone ms": r["question_alone_ms"],
              "question busy ms": r["question_busy_ms"],
              "question busy/alone": r["question_ratio"]} for r in report.rows]
-    lines = [f"a cached module of {report.context_tokens:,} prompt tokens; decode: median of "
-             f"{report.options.decode_rounds} generations of {report.options.decode_tokens} "
-             f"tokens; question: median of {report.options.questions} new questions; the "
-             f"neighbour: one `python -c \"while True: pass\"` process"]
+    options = report.options
+    lines = [f"a cached module of {report.context_tokens:,} prompt tokens",
+             f"decode: median of {options.decode_rounds} generations of "
+             f"{options.decode_tokens} tokens",
+             f"question: median of {options.questions} new questions",
+             "the neighbour: one `python -c \"while True: pass\"` process"]
     return [Section(f"Beside a busy neighbour ({report.model})", rows, lines),
             Section("Goals", (), [str(g) for g in report.goals()])]
 

@@ -364,7 +364,9 @@ class LLM:
         """Each unit's KV: from an exact entry made by an earlier request with the same tokens
         before it (recompute/exact.py), else from the store, encoded on a miss."""
         layout = bound.layout
-        bf16 = self.adapter.bf16_request(len(bound.token_ids()))
+        # the request's side (compute.py); its token count only where there is a twin
+        bf16 = self.adapter.compute is not None and self.adapter.bf16_request(
+            len(bound.token_ids()))
         side = "|bf16-passes" if bf16 else ""     # exact entries: made on the request's side
         keys = {unit_id: self.encoder.key(layout, unit_id) + side for unit_id in bound.units}
         context_of = lambda unit_id: self.encoder.context_of(layout.units[unit_id])  # noqa: E731
