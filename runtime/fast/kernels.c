@@ -1708,18 +1708,20 @@ static void attend_merge(const Plan* p, const Partial* parts, float* out, long h
  * keys/values; segment g of head h starts at keys[g] + h * kstride[g] (rows of d floats).
  * A causal segment holds the request's qlen new tokens: row r sees its keys j <= r % qlen.
  * Every row must see at least one key. lse (optional): [heads][rows] log-sum-exp of the
- * scaled scores. Returns 0, or -1 when the shapes are unsupported. */
+ * scaled scores. threads: the team that runs it; plan_threads: the count the key ranges are
+ * cut for, so the numbers depend on it alone, never on how many threads a busy machine leaves.
+ * Returns 0, or -1 when the shapes are unsupported. */
 int pl_attend(const float* q, long heads, long rows, long d, float scale, long nseg,
               const float* const* keys, const long* kstride, const float* const* values,
               const long* vstride, const long* lens, const int* causal, long qlen,
-              float* out, float* lse, int threads) {
+              float* out, float* lse, int threads, int plan_threads) {
     if (d % 8 || d > MAXD || nseg > 64 || heads <= 0 || rows <= 0 || qlen <= 0
             || rows % qlen)
         return -1;
     long tok[2] = {0, qlen}, seg[2] = {0, nseg};
     Plan plan;
     long floats = attend_plan(&plan, heads, rows / qlen, d, 1, tok, seg, lens, 0, NULL, 0,
-                              threads);
+                              plan_threads);
     Partial* parts = (Partial*)malloc(sizeof(Partial) * plan.tasks);
     float* space = (float*)malloc(sizeof(float) * (floats ? floats : 1));
     float* qs = (float*)malloc(sizeof(float) * heads * rows * d);
@@ -1842,6 +1844,7 @@ static void linear_residual(const float* x, const int16_t* xu, const float* xs, 
  * bf: the attention's products (Q.K and P.V) in bfloat16 for the rows of requests of at
  * least BF_MIN_TOKENS new tokens (only where the CPU has AVX512_BF16, pl_bf16_products, and
  * head_dim % 32 == 0), else float32.
+ * threads, plan_threads: as pl_attend's.
  * Returns 0, -1 for unsupported shapes, -2 when out of memory. */
 int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                const float* const* w, const float* cos, const float* sin,
@@ -1850,7 +1853,8 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                float* const* newk, long nkstride, float* const* newv, long nvstride,
                const int64_t* kpos, const int64_t* qpos, long nreq, const long* tok,
                const long* seg, const int* ctx, float invt, float mixc,
-               const uint8_t* const* qw, int qkind, float* qout, int bf, int threads) {
+               const uint8_t* const* qw, int qkind, float* qout, int bf, int threads,
+               int plan_threads) {
     long hidden = shape[0], heads = shape[1], kvh = shape[2], d = shape[3], inter = shape[4],
          layers = shape[5];
     long tok1[2] = {0, q}, seg1[2] = {0, nseg};
@@ -1876,7 +1880,7 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
     long widest = hidden > inter ? hidden : inter;
     Plan plan;
     long pfloats = attend_plan(&plan, kvh, groups, d, nreq, tok, seg, lens, 1, keys,
-                               kpos == NULL && ctx == NULL, threads)
+                               kpos == NULL && ctx == NULL, plan_threads)
                    * (ctx ? 2 : 1);
     long floats = q * hidden            /* normed input */
                 + q * nqkv              /* q, k, v */

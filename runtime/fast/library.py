@@ -113,9 +113,9 @@ def bind(library: Path) -> ctypes.CDLL:
         raise Unavailable(f"could not load {library} ({exc})") from None
     signatures = {
         "pl_linear": ([_P, _L, _L, _P, _L, _P, _P, _I], None),
-        "pl_attend": ([_P, _L, _L, _L, _F, _L, _P, _P, _P, _P, _P, _P, _L, _P, _P, _I], _I),
+        "pl_attend": ([_P, _L, _L, _L, _F, _L, _P, _P, _P, _P, _P, _P, _L, _P, _P, _I, _I], _I),
         "pl_decoder": ([_P, _L, _P, _F, _F, _P, _P, _P, _L, _P, _P, _P, _P, _P, _P, _P, _L, _P,
-                        _L, _P, _P, _L, _P, _P, _P, _F, _F, _P, _I, _P, _I, _I], _I),
+                        _L, _P, _P, _L, _P, _P, _P, _F, _F, _P, _I, _P, _I, _I, _I], _I),
         "pl_q_dequant": ([_P, _L, _L, _I, _P], None), "pl_wide": ([_I], _I),
         "pl_linear_q8": ([_P, _L, _L, _P, _L, _P, _I], None), "pl_group": ([_I], _I),
         "pl_linear_i8": ([_P, _L, _L, _P, _L, _P], _I), "pl_group_runs": ([], _L),

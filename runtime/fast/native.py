@@ -298,7 +298,8 @@ def attend(rows: torch.Tensor, pieces, new_tokens: int, scale: float,
     causal = (ctypes.c_int * n)(*[int(bool(p[2])) for p in pieces])
     status = lib.pl_attend(rows.data_ptr(), heads, r, d, float(scale), n, keys, kstride, values,
                            vstride, lens, causal, new_tokens, out.data_ptr(),
-                           None if lse is None else lse.data_ptr(), kernel_threads())
+                           None if lse is None else lse.data_ptr(), kernel_threads(),
+                           torch.get_num_threads())
     if status != 0:
         raise InternalError(f"pl_attend failed ({status})")
     return out, lse
@@ -405,7 +406,7 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
         nseg, keys, kstride, values, vstride, lens, half, newk, new_keys.stride(1), newv,
         new_values.stride(1), kpos, qpos, nreq, (ctypes.c_long * (nreq + 1))(*tok),
         (ctypes.c_long * (nreq + 1))(*seg), ctx, invt, mixc, quantized, quantized_kind, qout,
-        int(bool(bf16_products)), kernel_threads())
+        int(bool(bf16_products)), kernel_threads(), torch.get_num_threads())
     if status != 0:
         raise InternalError(f"pl_decoder failed ({status})")
 

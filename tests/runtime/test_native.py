@@ -377,6 +377,25 @@ def test_kernel_threads_leave_the_cores_other_processes_hold(monkeypatch):
     assert native.kernel_threads() == 2
 
 
+def test_attention_numbers_do_not_depend_on_the_threads_a_busy_machine_leaves(monkeypatch):
+    """The key ranges a new token's attention is cut into follow torch's thread count, not the
+    team kernel_threads gives a call: one thread, or four, give the same bits."""
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(2, 3, 64, generator=g)
+    pieces = [(torch.randn(2, 900, 64, generator=g), torch.randn(2, 900, 64, generator=g), False),
+              (torch.randn(2, 1, 64, generator=g), torch.randn(2, 1, 64, generator=g), True)]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    results = []
+    for team in (4, 1):
+        monkeypatch.setattr(native, "kernel_threads", lambda team=team: team)
+        results.append(native.attend(rows, pieces, 1, 0.125, with_lse=True))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    cut_for_one = native.attend(rows, pieces, 1, 0.125, with_lse=True)
+    assert not torch.equal(cut_for_one[0], results[0][0])   # the cut does change the bits
+
+
 def test_runnable_elsewhere_counts_a_busy_neighbour():
     """A process spinning beside this one is seen (within a bounded wait); this process's own
     running thread is not counted."""
