@@ -6,9 +6,10 @@ The three templates in examples/jinja/ are compiled with `from_template`, static
 each retrieved document, each system-text variant and each tool description becomes a
 module, encoded once. Each request here takes a combination no earlier request took
 (4 of 8 documents, a persona with a safety policy, 2 of 3 tools) under the default
-`exact` policy: its answer is the full prefill's of the same tokens at the schema's
-positions (the documents a request leaves out leave gaps there). The baseline computes
-the same tokens at contiguous positions with no reuse; its answer may differ in wording.
+`exact` policy: its answer is the plain prompt's, the full prefill of the same tokens
+(the documents a request leaves out leave gaps in the schema's positions; `exact` numbers
+everything after the first gap contiguously and computes it again). The baseline computes
+the same tokens with no reuse at all.
 """
 
 from __future__ import annotations

@@ -42,6 +42,8 @@ from promptlang.runtime.model.seam import SeamModel, find_seam_adapter, load_sea
 from promptlang.runtime.recompute import (DEFAULT_POLICY, NO_RECOMPUTE, Recompute,
                                           RecomputePlan, candidates, choose_positions, exact,
                                           parallel_contexts, schema_policy)
+from promptlang.runtime.recompute import contiguous
+from promptlang.runtime.recompute.contiguous import Renumbering
 from promptlang.runtime.recompute.primer import primed_units
 from promptlang.runtime.passes.probe import probe_choice
 from promptlang.runtime.passes.prefill import baseline_prefill, prefill, uncached_tokens, with_last
@@ -99,6 +101,7 @@ class _Retrieved:
     context_of: Callable                 # unit id -> the tokens it was encoded after
     missed: dict                         # unit id -> its positions that missed request tokens
     served: dict                         # unit id -> (key, UnitKV) of an exact entry
+    numbers: Renumbering | None          # contiguous positions (recompute/contiguous.py)
     primed: frozenset[str]               # units served primed (recompute/primer.py)
     stats: EncodeStats                   # what encoding the misses cost, and tiers hit
     by_unit: dict[str, UnitKV]           # unit id -> its KV as encoded apart
@@ -272,6 +275,7 @@ class LLM:
                              bound=opened.bound,
                              recompute=opened.recompute,
                              exact=opened.exact,
+                             renumbered=opened.renumbered,
                              approximate_tokens=opened.approximate_tokens,
                              parallel=_context_positions(buffer),
                              primed=opened.primed)
@@ -371,23 +375,44 @@ class LLM:
         keys = {unit_id: self.encoder.key(layout, unit_id) + side for unit_id in bound.units}
         context_of = lambda unit_id: self.encoder.context_of(layout.units[unit_id])  # noqa: E731
         missed = candidates(bound, context_of)         # unit -> its tokens that missed some
-        served = exact.lookup(self.store, bound, keys, list(missed)) if self.exact_reuse else {}
+        numbers, missed, served = self._exact_entries(bound, policy, keys, missed)
         context_of = exact.context_with(context_of, bound, list(served))
         primed = frozenset(primed_units(bound, context_of) if policy.primed else ())
         stats = EncodeStats()
         by_unit = {unit_id: self.encoder.get(layout, unit_id, stats, primed=primed)
                    for unit_id in bound.units}
-        units = [served.get(u, (self.encoder.key(layout, u, primed), kv))
+        units = [served.get(u, (self.encoder.key(layout, u, primed),
+                                kv if numbers is None else numbers.unit(kv)))
                  for u, kv in by_unit.items() if kv.length]
         return _Retrieved(keys=keys,
                           bf16=bf16,
                           context_of=context_of,
                           missed=missed,
                           served=served,
+                          numbers=numbers,
                           primed=primed,
                           stats=stats,
                           by_unit=by_unit,
                           units=units)
+
+    def _exact_entries(self, bound: BoundPrompt, policy: Recompute, keys: dict[str, str],
+                       missed: dict[str, list[int]]
+                       ) -> tuple[Renumbering | None, dict[str, list[int]], dict]:
+        """The request's renumbering (None: its layout positions), the tokens it misses at
+        those positions (unit -> positions), and the units exact entries serve it.
+        `exact` renumbers a request with gaps (recompute/contiguous.py); another policy
+        only where exact entries serve every unit that missed a token or moves (it then
+        computes no approximation)."""
+        numbers = contiguous.renumbering(bound)
+        if numbers is not None:
+            more = contiguous.moved(bound, numbers)
+            everything = contiguous.merged(missed, more)
+            served = (exact.lookup(self.store, bound, keys, list(everything), numbers)
+                      if self.exact_reuse else {})
+            if policy.kind == "exact" or all(unit in served for unit in everything):
+                return numbers, everything, served
+        served = exact.lookup(self.store, bound, keys, list(missed)) if self.exact_reuse else {}
+        return None, missed, served
 
     def _select(self, bound: BoundPrompt, policy: Recompute,
                 retrieved: _Retrieved) -> _Selected:
@@ -401,6 +426,9 @@ class LLM:
             else:
                 chosen = choose_positions(self.adapter, bound, retrieved.by_unit, policy,
                                           retrieved.context_of)
+            if retrieved.numbers is not None:     # what moved is computed again
+                chosen = sorted({*chosen, *(p for unit, found in retrieved.missed.items()
+                                            if unit not in retrieved.served for p in found)})
             plan = RecomputePlan.of(bound, chosen)
         seam = None
         if policy.kind == "tuned":
@@ -432,13 +460,19 @@ class LLM:
         contexts = selected.contexts
         units = retrieved.units
         ids, positions = uncached_tokens(plan.uncached(bound))
+        numbers = retrieved.numbers
+        if numbers is not None:
+            positions = numbers.positions(positions)
         tail = None
         if not plan and contexts is None and not request.all_logits and selected.seam is None:
             tail = plan_tail(self.tails, self.adapter.numerics, units, ids, positions)
         cached = sum(int((~kv.placeholder).sum()) for _, kv in units)
-        buffer = self.assembler.acquire(cached + len(ids) + room, request_keys(units, plan))
+        # the assembler names tokens by the positions the units hold (renumbered with them)
+        left_out = plan if numbers is None else RecomputePlan(
+            frozenset(numbers.positions(plan.positions)))
+        buffer = self.assembler.acquire(cached + len(ids) + room, request_keys(units, left_out))
         with self._released_on_error(buffer):
-            self.assembler.assemble(buffer, units, plan)
+            self.assembler.assemble(buffer, units, left_out)
             if tail is not None:
                 ids, positions = tail.place(buffer, ids, positions)
             if contexts is not None:
@@ -452,7 +486,7 @@ class LLM:
             t.assemble = time.perf_counter() - mark
             opened = Opened(buffer=buffer,
                             logits=None,
-                            position=bound.end,
+                            position=bound.end if numbers is None else numbers.end,
                             bound=bound,
                             timings=t,
                             prefill_tokens=len(ids),
@@ -461,6 +495,7 @@ class LLM:
                             started=request.started,
                             recompute=plan,
                             exact=tuple(retrieved.served),
+                            renumbered=numbers is not None,
                             approximate_tokens=selected.approximate,
                             healed=healed,
                             units=dict(retrieved.stats.tiers),
@@ -517,7 +552,7 @@ class LLM:
         before them (recompute/exact.py)."""
         made = exact.made_exact(bound, retrieved.missed, plan.positions, list(retrieved.served))
         exact.remember(self.store, bound, buffer, retrieved.keys, made,
-                       bound.layout.schema.name)
+                       bound.layout.schema.name, retrieved.numbers)
 
     @contextlib.contextmanager
     def _released_on_error(self, buffer: KVBuffer):

@@ -89,6 +89,7 @@ class Opened:
     started: float = 0.0         # time.perf_counter() when the request was made
     recompute: RecomputePlan = NO_RECOMPUTE   # the cached tokens computed again
     exact: tuple[str, ...] = ()  # units served from exact entries (recompute/exact.py)
+    renumbered: bool = False     # at contiguous positions, not the layout's (contiguous.py)
     approximate_tokens: int = 0  # as Result.approximate_tokens
     healed: str = ""             # the prompt's last token's text, given back (healing.py)
     pending: PendingPrefill | None = None     # a prefill left to the caller (logits None)
@@ -134,6 +135,7 @@ class Prefilled:
     bound: BoundPrompt | None = None   # what was bound
     recompute: RecomputePlan = NO_RECOMPUTE   # the cached tokens computed again
     exact: tuple[str, ...] = ()  # units served from exact entries (recompute/exact.py)
+    renumbered: bool = False     # as Opened.renumbered
     approximate_tokens: int = 0  # as Result.approximate_tokens
     parallel: frozenset[int] = frozenset()   # APE's context positions (policy "ape"; else none)
     primed: tuple[str, ...] = ()  # units served primed (recompute/primer.py)

@@ -33,21 +33,25 @@ from promptlang.errors import InternalError
 from promptlang.pml.binding import BoundPrompt
 from promptlang.pml.layout import Segment
 from promptlang.runtime.kv.unit import UnitKV
+from promptlang.runtime.recompute.contiguous import Renumbering
 
-EXACT_VERSION = "promptlang-exact-v1"
+EXACT_VERSION = "promptlang-exact-v2"
 
 
 def exact_key(unit_key: str, segments: Sequence[tuple[Segment, str]], unit_id: str) -> str | None:
     """The store key of `unit_id`'s exact KV in a request made of `segments`
-    (BoundPrompt.segments(): (segment, origin), position order): a digest of the unit's own
-    key and every other token (id and position) of the request below the unit's last
-    position. None for a unit with no token in the request."""
+    (BoundPrompt.segments(), or renumbered: contiguous.py; position order): a digest of the
+    unit's own key, the positions of its own tokens, and every other token (id and position)
+    of the request below the unit's last position. None for a unit with no token in the
+    request."""
     mine = [seg for seg, origin in segments if origin == unit_id and seg.token_ids]
     if not mine:
         return None
     last = max(seg.end for seg in mine) - 1
     h = hashlib.sha256()
     h.update(EXACT_VERSION.encode() + b"\0" + unit_key.encode() + b"\0")
+    h.update(array("q", [n for seg in mine for n in (seg.start, len(seg.token_ids))]).tobytes())
+    h.update(b"\0")
     for seg, origin in segments:
         if seg.start >= last:
             break
@@ -58,13 +62,14 @@ def exact_key(unit_key: str, segments: Sequence[tuple[Segment, str]], unit_id: s
     return h.hexdigest()
 
 
-def lookup(store, bound: BoundPrompt, keys: dict[str, str],
-           missed: Sequence[str]) -> dict[str, tuple[str, UnitKV]]:
+def lookup(store, bound: BoundPrompt, keys: dict[str, str], missed: Sequence[str],
+           numbers: Renumbering | None = None) -> dict[str, tuple[str, UnitKV]]:
     """The units of `missed` (ids with candidates) whose exact entry `store` holds, as
-    unit id -> (entry key, KV). `keys`: each unit's own store key."""
+    unit id -> (entry key, KV). `keys`: each unit's own store key; `numbers`: the request's
+    renumbering where it is computed at contiguous positions."""
     if not missed:
         return {}
-    segments = bound.segments()
+    segments = bound.segments() if numbers is None else numbers.segments(bound.segments())
     found = {}
     for unit_id in missed:
         key = exact_key(keys[unit_id], segments, unit_id)
@@ -104,12 +109,13 @@ def made_exact(bound: BoundPrompt, missed: dict[str, list[int]], recomputed: fro
 
 @torch.inference_mode()
 def remember(store, bound: BoundPrompt, buffer, keys: dict[str, str], units: Sequence[str],
-             schema: str) -> int:
+             schema: str, numbers: Renumbering | None = None) -> int:
     """Store the exact KV of `units` (made exact by the request: `made_exact`) from the
-    request's `buffer` after its prefill; returns how many entries were written."""
+    request's `buffer` after its prefill (at the positions of `numbers` where the request
+    was renumbered); returns how many entries were written."""
     if not units:
         return 0
-    segments = bound.segments()
+    segments = bound.segments() if numbers is None else numbers.segments(bound.segments())
     sequence = bound.sequence()
     n = buffer.length
     slots_by_position = torch.argsort(buffer.positions[:n])
@@ -122,7 +128,8 @@ def remember(store, bound: BoundPrompt, buffer, keys: dict[str, str], units: Seq
         key = exact_key(keys[unit_id], segments, unit_id)
         if key is None or store.contains(key):
             continue
-        positions = torch.tensor([p for _, p, origin in sequence if origin == unit_id],
+        mine = [p for _, p, origin in sequence if origin == unit_id]
+        positions = torch.tensor(mine if numbers is None else numbers.positions(mine),
                                  dtype=torch.int64, device=buffer.positions.device)
         at = torch.searchsorted(sorted_positions, positions)
         slots = slots_by_position[at]

@@ -61,7 +61,7 @@ from __future__ import annotations
 import copy
 import weakref
 from dataclasses import dataclass
-from typing import Collection
+from typing import Callable, Collection
 
 import torch
 import transformers
@@ -87,14 +87,17 @@ class OracleResult:
 def oracle_prefill(adapter, bound: BoundPrompt, isolate: bool = False,
                    recomputed: Collection[int] = frozenset(),
                    parallel: "Parallel | None" = None,
-                   attention: str | None = None, primed: bool = False) -> OracleResult:
+                   attention: str | None = None, primed: bool = False,
+                   renumber: Callable[[int], int] | None = None) -> OracleResult:
     """The reference prefill of `bound` for the model behind `adapter` (a ModelAdapter or
     the transformers model itself; only its weights and config are read). `recomputed`:
     positions of served tokens the request computes again (their uncached copies).
     `parallel`: APE (see `Parallel`) -- every uncached token attends to the request's served
     tokens at `parallel.positions` as contexts. `attention`: the reference's attention
     implementation where `parallel` is None (a test's recording one; default: stock).
-    `primed`: the request's modules are primed (see the module docstring)."""
+    `primed`: the request's modules are primed (see the module docstring). `renumber`: the
+    position each token computed per request is at (a request at contiguous positions:
+    its served tokens all come before its first gap, where numbers do not change)."""
     layout = bound.layout
     units: list[str] = []
 
@@ -143,6 +146,8 @@ def oracle_prefill(adapter, bound: BoundPrompt, isolate: bool = False,
         placeholder.append(False)
         request = [i for i in request if i != last] + [len(ids) - 1]
 
+    if renumber is not None:
+        pos = [renumber(p) if owner[i] == uncached else p for i, p in enumerate(pos)]
     leads = _leads(bound, units, served, ids, pos, owner, placeholder) if primed and not isolate else []
     for unit, (token, at) in enumerate(leads, start=1):
         ids.append(token)

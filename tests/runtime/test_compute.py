@@ -149,13 +149,13 @@ def test_bfloat16_prefill_equals_the_oracle_in_bfloat16(tmp_path, case):
 @needs_units
 def test_exact_in_bfloat16_equals_one_causal_pass_in_bfloat16(tmp_path):
     """`exact` over modules encoded apart, on the twin, equals one causal pass of the twin
-    over the request's tokens at their positions (the float32 contract, in bfloat16)."""
+    over the request's tokens at contiguous positions (the float32 contract, in bfloat16)."""
     llm = _llm(tmp_path, recompute="exact")
     attach_bf16(llm.adapter, min_rows=1)
     prompt = PROMPTS["two modules with a gap"]
     sequence = llm.bind(prompt).sequence()
     full = llm.adapter.forward(torch.tensor([t for t, _, _ in sequence]),
-                               torch.tensor([p for _, p, _ in sequence]), None, None,
+                               torch.arange(len(sequence)), None, None,
                                torch.tensor([len(sequence) - 1]))
     exact = llm.prefill(prompt)
     assert len(exact.recompute) > 0 and exact.approximate_tokens == 0

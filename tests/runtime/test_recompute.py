@@ -22,6 +22,7 @@ from promptlang.runtime import engine as engine_module
 from promptlang.runtime import recompute
 from promptlang.runtime.engine import LLM
 from promptlang.errors import RecomputeSpecError
+from promptlang.runtime.recompute import contiguous
 from promptlang.runtime.recompute import (Recompute, RecomputePlan,
                                           first_tokens, schema_policy)
 from promptlang.runtime.store import ModuleStore
@@ -41,8 +42,12 @@ def assert_matches_oracle(llm: LLM, prompt: str, isolate: bool, **options):
     # units served from exact entries (an earlier `exact` request's) saw every token before
     # them, as recomputed tokens do
     exact = {p for _, p, origin in cached.bound.sequence() if origin in cached.exact}
+    # a request renumbered (recompute/contiguous.py) computes every token after its first
+    # gap at its rank among the request's tokens
+    numbers = contiguous.renumbering(cached.bound) if cached.renumbered else None
     expected = oracle_prefill(llm.adapter, cached.bound, isolate=isolate,
-                              recomputed=cached.recompute.positions | exact)
+                              recomputed=cached.recompute.positions | exact,
+                              renumber=None if numbers is None else numbers.map)
     order = torch.argsort(cached.positions)
     assert torch.equal(cached.positions[order], expected.positions)
     computed = expected.positions[~expected.cached]              # the oracle's logits rows
@@ -110,6 +115,9 @@ def test_recomputed_prefill_equals_one_masked_pass(models, tmp_path, kind, isola
     llm = make_llm(models[kind], tmp_path, isolate=isolate)
     for case in CASES:
         cached = assert_matches_oracle(llm, PROMPTS[case], isolate, recompute=policy)
+        if policy == "exact":                   # at contiguous positions wherever gaps are
+            gaps = contiguous.renumbering(cached.bound) is not None
+            assert cached.renumbered == gaps
         # nothing left to recompute only where earlier requests made every unit exact, or
         # (seams) where the only thing missed is an argument
         arguments_only = policy == "seams" and case == "shorter argument" and not isolate
@@ -151,10 +159,14 @@ def test_recomputing_every_token_that_missed_something_gives_the_full_prefill(mo
     assert (cached.logits[-1] - full.logits[-1]).abs().max() < TOL
     none = llm.prefill(prompt, recompute="none")
     assert (none.logits[-1] - full.logits[-1]).abs().max() > 1e-3   # the test can fail
-    exact = llm.prefill(prompt, recompute="exact")             # the same, without the pass
-    assert exact.recompute.positions == cached.recompute.positions
+    # exact: the same candidates without the pass, and -- the request has a gap (b left
+    # out) -- every token after it again at contiguous positions: the plain prompt's prefill
+    exact = llm.prefill(prompt, recompute="exact")
+    assert exact.recompute.positions >= cached.recompute.positions and exact.renumbered
     assert exact.timings.select < cached.timings.select
-    assert (exact.logits[-1] - full.logits[-1]).abs().max() < TOL
+    plain = llm.prefill(prompt, baseline=True)
+    assert (exact.logits[-1] - plain.logits[-1]).abs().max() < TOL
+    assert (plain.logits[-1] - full.logits[-1]).abs().max() > 1e-3  # the positions matter
 
 
 # --- selection ------------------------------------------------------------------------------
@@ -182,7 +194,8 @@ def test_seams_recomputes_what_missed_a_module_but_not_what_missed_only_an_argum
     shorter = PROMPTS["shorter argument"]
     seams, every = (llm.prefill(shorter, recompute=p) for p in ("seams", "exact"))
     assert 0 < len(seams.recompute) < len(every.recompute)
-    assert seams.approximate_tokens == len(every.recompute) - len(seams.recompute)
+    assert seams.recompute.positions < every.recompute.positions
+    assert seams.approximate_tokens > 0 == every.approximate_tokens
     # <a/><live/><last/>: the cache="false" module is text computed per request, a seam
     live = llm.prefill(PROMPTS["cache false"], recompute="seams")
     assert live.approximate_tokens == 0 and len(live.recompute) > 0
@@ -193,7 +206,9 @@ def test_the_default_policy_is_exact_and_makes_every_request_one_causal_pass(mod
                                                                             case):
     """No policy anywhere: exact. A request whose modules were encoded apart -- and one
     whose module holds an argument its encoding did not see (seams would serve the tokens
-    after it as stored) -- then equals one causal pass over its tokens at their positions."""
+    after it as stored) -- then equals one causal pass over its tokens at contiguous
+    positions: the plain prompt's own prefill (both have gaps: a module left out, an
+    argument shorter than its bound)."""
     llm = LLM.from_model(models["llama"], WordTokenizer(VOCAB, bos=True),
                          store=ModuleStore(disk_dir=tmp_path / "kv"), exact_reuse=False)
     llm.add_schema(SCHEMA)
@@ -201,7 +216,7 @@ def test_the_default_policy_is_exact_and_makes_every_request_one_causal_pass(mod
     prompt = PROMPTS[case]
     sequence = llm.bind(prompt).sequence()
     full = llm.adapter.forward(torch.tensor([t for t, _, _ in sequence]),
-                               torch.tensor([p for _, p, _ in sequence]), None, None,
+                               torch.arange(len(sequence)), None, None,
                                torch.tensor([len(sequence) - 1]))
     default = llm.prefill(prompt)
     assert len(default.recompute) > 0 and default.approximate_tokens == 0

@@ -106,4 +106,5 @@ def test_generation_stops_at_the_end_of_the_context(llm):
     bound = llm.bind(prompt)
     result = llm.generate(prompt, max_new_tokens=100)
     assert result.finish_reason in ("length", "eos")
-    assert bound.end + len(result.token_ids) <= CONTEXT + 1
+    # the request is at contiguous positions (exact): its tokens, then the generated ones
+    assert len(bound.token_ids()) + len(result.token_ids) <= CONTEXT + 1
