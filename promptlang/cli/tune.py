@@ -39,6 +39,12 @@ def register(subparsers: Any) -> None:
     tune.add_argument("--written-docs", type=int, default=48, metavar="N",
                       help="documents the model writes for the corpus (default 48)")
     tune.add_argument("--rank", type=int, default=8, metavar="R", help="LoRA rank (default 8)")
+    tune.add_argument("--replay", type=int, default=3, metavar="K",
+                      help="steps on earlier samples after each new one (default 3; a new "
+                           "sample costs several steps)")
+    tune.add_argument("--answer-weight", type=float, default=4.0, metavar="W",
+                      help="the loss's weight on the rows that predict the answer, against "
+                           "1 on the question's (default 4)")
     tune.add_argument("--out", metavar="DIR",
                       help="output folder (default: the home's adapters/<model fingerprint>)")
     tune.set_defaults(func=_tune)
@@ -55,6 +61,9 @@ def _tune(args: argparse.Namespace) -> int:
         print("promptlang tune: --minutes, --written-docs and --rank must be positive",
               file=sys.stderr)
         return 2
+    if args.replay < 0 or not args.answer_weight > 0:
+        print("promptlang tune: --replay must be >= 0 and --answer-weight > 0", file=sys.stderr)
+        return 2
     schemas = []
     if args.sources:
         from promptlang.server.load import read_sources
@@ -63,7 +72,8 @@ def _tune(args: argparse.Namespace) -> int:
     llm = engine.load(args.model)
     out = Path(args.out) if args.out else adapter_folder(llm.adapter.weights_fingerprint)
     options = TuneOptions(minutes=args.minutes, seed=args.seed, resume=args.resume,
-                          written_docs=args.written_docs, rank=args.rank)
+                          written_docs=args.written_docs, rank=args.rank,
+                          replay=args.replay, answer_weight=args.answer_weight)
     bar = _Bar()
     writing = _Writing()
     try:

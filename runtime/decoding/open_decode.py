@@ -72,6 +72,7 @@ class Generation:
                       cached_tokens=opened.cached_tokens,
                       recomputed_tokens=opened.recomputed_tokens,
                       exact_units=len(opened.exact),
+                      renumbered=opened.renumbered,
                       approximate_tokens=opened.approximate_tokens,
                       complete=None if self.constraint is None else self.constraint.complete,
                       units=dict(opened.units),

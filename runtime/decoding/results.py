@@ -57,6 +57,7 @@ class Result:
     cached_tokens: int           # tokens served from cached units
     recomputed_tokens: int = 0   # cached tokens computed again (the recompute policy)
     exact_units: int = 0         # units served from exact entries (recompute/exact.py)
+    renumbered: bool = False     # at contiguous positions, not the layout's (contiguous.py)
     # cached tokens served as encoded apart although they missed request tokens before them
     # (0: the prefill is the full prefill's, up to rounding; docs/RECOMPUTE.md)
     approximate_tokens: int = 0
@@ -89,7 +90,7 @@ class Opened:
     started: float = 0.0         # time.perf_counter() when the request was made
     recompute: RecomputePlan = NO_RECOMPUTE   # the cached tokens computed again
     exact: tuple[str, ...] = ()  # units served from exact entries (recompute/exact.py)
-    renumbered: bool = False     # at contiguous positions, not the layout's (contiguous.py)
+    renumbered: bool = False     # as Result.renumbered
     approximate_tokens: int = 0  # as Result.approximate_tokens
     healed: str = ""             # the prompt's last token's text, given back (healing.py)
     pending: PendingPrefill | None = None     # a prefill left to the caller (logits None)
@@ -135,7 +136,7 @@ class Prefilled:
     bound: BoundPrompt | None = None   # what was bound
     recompute: RecomputePlan = NO_RECOMPUTE   # the cached tokens computed again
     exact: tuple[str, ...] = ()  # units served from exact entries (recompute/exact.py)
-    renumbered: bool = False     # as Opened.renumbered
+    renumbered: bool = False     # as Result.renumbered
     approximate_tokens: int = 0  # as Result.approximate_tokens
     parallel: frozenset[int] = frozenset()   # APE's context positions (policy "ape"; else none)
     primed: tuple[str, ...] = ()  # units served primed (recompute/primer.py)

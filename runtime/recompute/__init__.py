@@ -14,6 +14,9 @@ choose_positions). The positions chosen become a `RecomputePlan` (runtime/kv/pla
 request's extra uncached segments, and the stored copies the assembler leaves out).
 exact.py    exact reuse: units a request made exact, stored under the request's
             tokens before them and served as they are to any request with the same ones
+contiguous.py  `exact` at contiguous positions: a request with gaps in its layout
+            positions numbered by rank from its first gap on, everything there computed
+            again
 
 Data flow (runtime/engine.py): exact.lookup (units seen before with the same tokens before
 them, served exactly); request policy, else `schema_policy(schema)`, else the LLM's ->

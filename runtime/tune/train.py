@@ -1,9 +1,10 @@
 """`promptlang tune`'s loop: the seam adapter learned by self-distillation.
 
-Each step draws a new combination (a schema of `schema_docs` training documents, a prompt
+Each round draws a new combination (a schema of `schema_docs` training documents, a prompt
 importing 2-4 of them and asking one's question), makes its teacher and student
 (samples.py), and takes one AdamW step on KL(teacher || student) over the tokens after the
-documents. Documents are split once into training and held-out ones; the held-out
+documents (the rows that predict the answer weighted `answer_weight`), then `replay` steps
+on samples of earlier rounds (a sample costs several steps to make). Documents are split once into training and held-out ones; the held-out
 combinations measure the KL and the teacher's answer log-probability with the adapter and
 without (the untrained student is the runtime's `none` policy). Checkpoints (adapter,
 optimizer, step, random state) are written every `checkpoint_minutes`; `resume` continues
@@ -49,6 +50,9 @@ class TuneOptions:
     schema_docs: int = 8             # documents in each step's schema
     docs_per_request: tuple[int, ...] = (2, 3, 4)
     answer_tokens: int = 16          # the teacher's greedy answer, at most
+    answer_weight: float = 4.0       # the loss's weight on rows that predict the answer
+    replay: int = 3                  # steps on earlier samples after each new one
+    replay_samples: int = 32         # the most recent samples those are drawn from
     held_out: int = 16               # held-out combinations for the evaluation
     checkpoint_minutes: float = 5.0
     max_steps: int | None = None     # stop after this many steps (tests); None: the budget
@@ -143,6 +147,7 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
             f"{options.minutes:g} minutes spent)")
     log = _private_log(adapter_dir / LOG_FILE)
     losses: list[float] = []
+    replay = Replay(options.replay_samples, random.Random(options.seed + 1 + step))
     budget = options.minutes * 60
     started = time.perf_counter() - spent
     saved = time.perf_counter()
@@ -151,17 +156,25 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
             if options.max_steps is not None and step >= options.max_steps:
                 break
             sample = _draw(engine, model, train_docs, rng, options, end_ids, f"tune-{step}")
-            student = student_logprobs(model, sample, adapter)
-            loss = kl_per_row(sample.teacher, student).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            step += 1
-            losses.append(float(loss.detach()))
-            log.write(json.dumps({"step": step, "loss": float(loss.detach()),
-                                  "seconds": round(time.perf_counter() - started, 2)}) + "\n")
-            if bar is not None:
-                bar(step, float(loss.detach()), time.perf_counter() - started, budget)
+            earlier = replay.draw(options.replay)
+            replay.add(sample)
+            for trained in (sample, *earlier):
+                if options.max_steps is not None and step >= options.max_steps:
+                    break
+                loss = weighted_kl(sample=trained,
+                                   student=student_logprobs(model, trained, adapter),
+                                   answer_weight=options.answer_weight)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                step += 1
+                losses.append(float(loss.detach()))
+                log.write(json.dumps({"step": step, "loss": float(loss.detach()),
+                                      "replayed": trained is not sample,
+                                      "seconds": round(time.perf_counter() - started, 2)})
+                          + "\n")
+                if bar is not None:
+                    bar(step, float(loss.detach()), time.perf_counter() - started, budget)
             if time.perf_counter() - saved > options.checkpoint_minutes * 60:
                 _checkpoint(state_path, adapter, optimizer, step,
                             time.perf_counter() - started, rng)
@@ -180,6 +193,42 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
     adapter.save(path, meta)
     return TuneReport(adapter_path=path, steps=step, seconds=seconds, evaluation=evaluation,
                       losses=losses)
+
+
+class Replay:
+    """The most recent `size` samples, of which each step after a new one draws some again: a
+    sample (a teacher's full prefill and greedy answer, the documents served as encoded
+    apart) costs several times a student's step, so each is trained on more than once.
+    Not checkpointed: a resumed run starts with none."""
+
+    def __init__(self, size: int, rng: random.Random):
+        self.size = size
+        self.rng = rng
+        self.samples: list[Sample] = []
+
+    def add(self, sample: Sample) -> None:
+        if self.size <= 0:
+            return
+        self.samples.append(sample)
+        if len(self.samples) > self.size:
+            self.samples.pop(0)
+
+    def draw(self, count: int) -> list[Sample]:
+        """Up to `count` distinct samples held (none when empty)."""
+        return self.rng.sample(self.samples, min(count, len(self.samples)))
+
+
+def weighted_kl(*, sample: Sample, student: torch.Tensor, answer_weight: float) -> torch.Tensor:
+    """KL(teacher || student) per row, averaged with `answer_weight` on the rows that predict
+    the teacher's answer (the row after the prompt's last token, then each answer token's
+    but the last) and 1 on the rest (the question's and the assistant affix's rows)."""
+    rows = kl_per_row(sample.teacher, student)
+    weights = torch.ones_like(rows)
+    k = sample.answer_length
+    if k:
+        first = len(sample.ids) - k - 1
+        weights[first:first + k] = answer_weight
+    return (rows * weights).sum() / weights.sum()
 
 
 @torch.no_grad()

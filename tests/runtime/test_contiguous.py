@@ -59,6 +59,7 @@ def test_exact_answers_as_transformers_does_on_the_plain_prompt(model, tmp_path,
         assert got.renumbered == gaps
         assert (got.logits[-1] - want).abs().max() < TOL
     answer = llm.generate(PROMPTS[case], max_new_tokens=6)
+    assert answer.renumbered == gaps
     assert answer.token_ids == plain_greedy(model, ids, len(answer.token_ids))
     assert len(answer.token_ids) > 0
 

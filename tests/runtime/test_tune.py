@@ -16,7 +16,7 @@ from promptlang.runtime.tune import corpus
 from promptlang.runtime.model.lora import AdapterFileError, SeamLoRA, attached, shape_of
 from promptlang.runtime.tune.samples import (kl_per_row, make_sample, rag_prompt, rag_schema,
                                              student_logprobs)
-from promptlang.runtime.tune.train import TuneOptions, plain_copy, tune
+from promptlang.runtime.tune.train import Replay, TuneOptions, plain_copy, tune, weighted_kl
 
 from .tiny import Words, tiny_llama
 
@@ -124,6 +124,40 @@ def test_training_steps_lower_the_kl_of_the_sample_they_train_on():
         optimizer.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_the_loss_weighs_the_rows_that_predict_the_answer():
+    """Rows: the question's, then the one after the prompt (predicts answer token 1), then
+    each answer token's but the last (predicts the next), then the last one's."""
+    from promptlang.runtime.tune.samples import Sample
+
+    generator = torch.Generator().manual_seed(0)
+    teacher = torch.log_softmax(torch.randn(7, 11, generator=generator), dim=-1)
+    student = torch.log_softmax(torch.randn(7, 11, generator=generator), dim=-1)
+    sample = Sample(cached_keys=torch.zeros(1), cached_values=torch.zeros(1),
+                    ids=torch.arange(7), positions=torch.arange(7), teacher=teacher,
+                    answer_length=3)                  # ids 4, 5, 6: the answer
+    rows = [float((teacher[r].exp() * (teacher[r] - student[r])).sum()) for r in range(7)]
+    weights = [1, 1, 1, 5, 5, 5, 1]                   # rows 3, 4, 5 predict ids 4, 5, 6
+    expected = sum(w * r for w, r in zip(weights, rows)) / sum(weights)
+    got = weighted_kl(sample=sample, student=student, answer_weight=5.0)
+    assert abs(float(got) - expected) < 1e-5
+    plain = weighted_kl(sample=sample, student=student, answer_weight=1.0)
+    assert abs(float(plain) - sum(rows) / 7) < 1e-5
+
+
+def test_replay_draws_distinct_recent_samples():
+    replay = Replay(3, random.Random(0))
+    assert replay.draw(2) == []
+    for n in range(5):
+        replay.add(n)
+    assert replay.samples == [2, 3, 4]
+    drawn = replay.draw(2)
+    assert len(set(drawn)) == 2 and set(drawn) <= {2, 3, 4}
+    assert sorted(replay.draw(9)) == [2, 3, 4]
+    off = Replay(0, random.Random(0))
+    off.add(1)
+    assert off.draw(3) == []
 
 
 def test_tune_runs_end_to_end_writes_its_files_and_resumes(tmp_path):
