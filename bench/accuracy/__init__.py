@@ -109,4 +109,5 @@ from promptlang.bench.accuracy.seams import (SEAM_NAME, SEAM_NATS, SEAM_POINTS, 
                                              seam_goals)
 from promptlang.bench.accuracy.cost import seen_before, cost_item, measure_cost
 from promptlang.bench.accuracy.tables import (accuracy_table, recovery_table, paired_table,
-                                              cost_table, store16_effect, sections, plot, to_json)
+                                              nats_recovery_table, settings_table, cost_table,
+                                              store16_effect, sections, plot, to_json)

@@ -42,6 +42,15 @@ def accuracy_table(report: AccuracyReport, count: str = "correct") -> list[dict[
     return rows
 
 
+def settings_table(report: AccuracyReport) -> list[dict[str, Any]]:
+    """Per setting: its mean TTFT and recomputed tokens over all items (what the exact-match
+    table shows beside its counts, for runs where those counts are all zero)."""
+    cells = {s.setting: s for s in report.scores if s.kind == "all"}
+    return [{"setting": setting, "mean TTFT s": round(cells[setting].ttft, 3),
+             "recomputed": round(cells[setting].recomputed, 1)}
+            for setting in report.settings]
+
+
 def _recovered(r: Recovery, interval: bool = False) -> str:
     if r.recovery is None:
         return "no gap"
@@ -68,6 +77,19 @@ def recovery_table(report: AccuracyReport) -> list[dict[str, Any]]:
         if report.cost is not None:
             speed = report.cost.speedup(setting)
             row["x faster at ~6k"] = None if speed is None else round(speed, 1)
+        rows.append(row)
+    return rows
+
+
+def nats_recovery_table(report: AccuracyReport) -> list[dict[str, Any]]:
+    """Per recompute setting and kind: the share of the gold answer's log-probability gap
+    (baseline - cached, in nats) it recovers, with its 95% paired bootstrap interval."""
+    rows = []
+    for setting in recompute_settings(report):
+        row: dict[str, Any] = {"setting": setting}
+        for kind in [*report.options.kinds, "all"]:
+            r = recovery(report, setting, kind, "gold_logprob")
+            row[kind] = "n/a" if r is None else _recovered(r, interval=True)
         rows.append(row)
     return rows
 
@@ -137,17 +159,24 @@ def sections(report: AccuracyReport) -> list[Section]:
     o = report.options
     words = "default lengths" if o.doc_words is None else f"{o.doc_words} words each"
     specs = ", ".join(o.recompute) or "none"
+    notes = [
+        f"items per kind: {o.items_per_kind}; documents per item: {o.docs_per_item} "
+        f"({words}), seed {o.seed}, greedy, at most {o.max_new_tokens} new tokens; "
+        f"model {report.model}; recompute policies: {specs}",
+        *(f"{name}: {text}" for name, text in DESCRIPTIONS.items()),
+        "mean TTFT includes encoding the item's documents where a setting encodes them "
+        "(each prompt is used once); recomputed: mean cached tokens computed again",
+        f"wall time {report.seconds / 60:.1f} min" + (
+            f"; items answered by {report.workers} worker processes (their TTFTs include "
+            "each other's contention)" if report.workers > 1 else "")]
+    if any(score.correct for score in report.scores):
+        first = Section("Exact match by question kind", accuracy_table(report), notes)
+    else:
+        first = Section("Settings", settings_table(report), [
+            "exact match: 0 items for every setting and kind (the answers are sentences; "
+            "the counts are in the JSON)", *notes])
     parts = [
-        Section("Exact match by question kind", accuracy_table(report), [
-            f"items per kind: {o.items_per_kind}; documents per item: {o.docs_per_item} "
-            f"({words}), seed {o.seed}, greedy, at most {o.max_new_tokens} new tokens; "
-            f"model {report.model}; recompute policies: {specs}",
-            *(f"{name}: {text}" for name, text in DESCRIPTIONS.items()),
-            "mean TTFT includes encoding the item's documents where a setting encodes them "
-            "(each prompt is used once); recomputed: mean cached tokens computed again",
-            f"wall time {report.seconds / 60:.1f} min" + (
-                f"; items answered by {report.workers} worker processes (their TTFTs include "
-                "each other's contention)" if report.workers > 1 else "")]),
+        first,
         Section("Answer in the output, before any distractor's",
                 accuracy_table(report, "found"),
                 ["the answer as whole words in the generated text, with no distractor answer "
@@ -176,6 +205,12 @@ def sections(report: AccuracyReport) -> list[Section]:
             "bootstrap interval (-inf: resamples without a gap); exact match's recovery in "
             "brackets; 'no gap' where cached is not worse than the baseline",
             "isolate+SPEC is measured against the same cached (guaranteed context) gap"]))
+        parts.append(Section("Recompute: the gold answer's log-probability gap won back",
+                             nats_recovery_table(report), [
+            "per kind: the share of the gap in the gold answer's teacher-forced "
+            "log-probability (baseline - cached, nats, summed over its tokens) the setting "
+            "recovers, with its 95% paired bootstrap interval; 'no gap' where cached is not "
+            "below the baseline"]))
     if report.cost is not None:
         c = report.cost
         parts.append(Section(f"Recompute cost at ~{c.prompt_tokens:,} tokens", cost_table(c), [

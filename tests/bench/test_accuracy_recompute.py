@@ -202,6 +202,25 @@ def test_tables_show_recovery_with_intervals_and_cost_verdicts():
     assert table[2]["recomputed"] == 4
 
 
+def test_the_exact_match_table_is_left_out_where_it_reads_zero_everywhere():
+    zero = fake_report(SCORES, exact={s: 0 for s in SCORES})
+    first = accuracy.sections(zero)[0]
+    assert first.title == "Settings" and "exact match: 0 items" in first.lines[0]
+    assert set(first.rows[0]) == {"setting", "mean TTFT s", "recomputed"}
+    assert accuracy.sections(fake_report(SCORES))[0].title == "Exact match by question kind"
+
+
+def test_the_nats_gap_won_back_per_kind_with_its_interval():
+    """Gold log-prob -1 where found, -3 elsewhere: cached+first:4 finds 70 of 100 against the
+    baseline's 80 and cached's 40, so it wins back 30 of the 40 items' 2 nats: 75%."""
+    report = fake_report(SCORES)
+    rows = {r["setting"]: r for r in accuracy.nats_recovery_table(report)}
+    cell = rows["cached+first:4"]["dependent"]
+    assert cell.startswith("+75% [+") and cell.endswith("]")
+    titles = [s.title for s in accuracy.sections(report)]
+    assert "Recompute: the gold answer's log-probability gap won back" in titles
+
+
 def test_paired_table_gives_deltas_and_kl_with_intervals_per_kind_and_setting():
     report = fake_report(SCORES)
     rows = {(r["kind"], r["setting"]): r for r in accuracy.paired_table(report)}
