@@ -4,7 +4,8 @@
                      [--schemas DIR_OR_FILE ...] [--api-key KEY] [--max-queue N] [--max-batch N]
                      [--recompute POLICY] [--model-name NAME]
                      [--memory-budget SIZE] [--disk-budget SIZE]
-                     [--max-connections N] [--keep-alive S] [--body-timeout S]
+                     [--max-connections N] [--keep-alive S] [--header-timeout S]
+                     [--body-timeout S]
                      [--ray [--replicas N] [--store DIR] [--router affinity|pow2|prefix]
                             [--threads N] [--replica-memory BYTES]]
 
@@ -66,6 +67,9 @@ def register(subparsers: Any) -> None:
                             "no limit.")
     serve.add_argument("--keep-alive", type=int, default=None, metavar="S",
                        help="seconds an idle keep-alive connection stays open (default 5)")
+    serve.add_argument("--header-timeout", type=float, default=None, metavar="S",
+                       help="seconds a request's line and headers may take to arrive, then "
+                            "408 and the connection closes. Default 10.")
     serve.add_argument("--body-timeout", type=float, default=None, metavar="S",
                        help="seconds a request's body may take to arrive, then 408 and the "
                             "connection closes. Default 30.")
@@ -105,7 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     limits = {"--max-connections": args.max_connections, "--keep-alive": args.keep_alive,
-              "--body-timeout": args.body_timeout}
+              "--body-timeout": args.body_timeout, "--header-timeout": args.header_timeout}
     for flag, value in limits.items():
         if value is not None and (value < 0 or (value == 0 and flag != "--max-connections")):
             print(f"promptlang serve: {flag} must be positive, not {value}", file=sys.stderr)
@@ -192,6 +196,8 @@ def connection_limits(args: argparse.Namespace) -> dict[str, Any]:
         limits["timeout_keep_alive"] = args.keep_alive
     if args.body_timeout is not None:
         limits["body_timeout"] = args.body_timeout
+    if args.header_timeout is not None:
+        limits["header_timeout"] = args.header_timeout
     return limits
 
 

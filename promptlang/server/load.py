@@ -84,13 +84,16 @@ def serve(llm, *, functions=None, host: str = DEFAULT_HOST, port: int = DEFAULT_
           max_batch: int = 16, log_level: str = "info",
           limit_concurrency: int | None = LIMIT_CONCURRENCY,
           timeout_keep_alive: int = TIMEOUT_KEEP_ALIVE_S, body_timeout: float | None = None,
-          max_header_bytes: int = MAX_HEADER_BYTES) -> None:
+          max_header_bytes: int = MAX_HEADER_BYTES,
+          header_timeout: float | None = None) -> None:
     """Serve `llm` over HTTP until SIGINT/SIGTERM (in-flight requests finish first).
 
     The connection limits are uvicorn's own settings (docs/SERVING.md, *Connections*):
     `limit_concurrency` connections or tasks at once (503 beyond; None: no limit),
     `timeout_keep_alive` seconds before an idle keep-alive connection is closed, and
-    `max_header_bytes` of request line and headers (h11's incomplete-event limit).
+    `max_header_bytes` of request line and headers (h11's incomplete-event limit), which
+    must arrive within `header_timeout` seconds (None: 10; 408 and closed after:
+    server/protocol.py).
     `body_timeout`: seconds a request's body may take to arrive (None: the app's default,
     30 s; then 408 and the connection is closed)."""
     import uvicorn
@@ -106,12 +109,20 @@ def serve(llm, *, functions=None, host: str = DEFAULT_HOST, port: int = DEFAULT_
     uvicorn.run(app, host=host, port=port, log_level=log_level,
                 timeout_graceful_shutdown=60, **uvicorn_limits(
                     limit_concurrency=limit_concurrency, timeout_keep_alive=timeout_keep_alive,
-                    max_header_bytes=max_header_bytes))
+                    max_header_bytes=max_header_bytes, header_timeout=header_timeout))
 
 
 def uvicorn_limits(limit_concurrency: int | None = LIMIT_CONCURRENCY,
                    timeout_keep_alive: int = TIMEOUT_KEEP_ALIVE_S,
-                   max_header_bytes: int = MAX_HEADER_BYTES) -> dict:
-    """uvicorn.Config's keyword arguments for the server's connection limits."""
+                   max_header_bytes: int = MAX_HEADER_BYTES,
+                   header_timeout: float | None = None) -> dict:
+    """uvicorn.Config's keyword arguments for the server's connection limits: its own, and
+    the h11 protocol with a deadline on each request's headers (server/protocol.py; None:
+    its HEADER_TIMEOUT_S)."""
+    from promptlang.server.protocol import HEADER_TIMEOUT_S, with_header_timeout
+
+    if header_timeout is None:
+        header_timeout = HEADER_TIMEOUT_S
     return {"limit_concurrency": limit_concurrency, "timeout_keep_alive": timeout_keep_alive,
-            "h11_max_incomplete_event_size": max_header_bytes}
+            "h11_max_incomplete_event_size": max_header_bytes,
+            "http": with_header_timeout(header_timeout)}

@@ -114,13 +114,16 @@ def test_the_command_line_s_limits_reach_the_server_and_are_checked(monkeypatch,
     served = []
     monkeypatch.setattr(load_mod, "serve", lambda llm, **options: served.append((llm, options)))
     assert main(["serve", "--max-connections", "0", "--keep-alive", "9", "--body-timeout",
-                 "2.5", "--memory-budget", "64MiB", "--disk-budget", "0"]) == 0
+                 "2.5", "--header-timeout", "4", "--memory-budget", "64MiB",
+                 "--disk-budget", "0"]) == 0
     options, server = served[-1]
     assert (options["memory_budget_bytes"], options["disk_budget_bytes"]) == (64 << 20, 0)
     assert server["limit_concurrency"] is None and server["timeout_keep_alive"] == 9
-    assert server["body_timeout"] == 2.5
+    assert server["body_timeout"] == 2.5 and server["header_timeout"] == 4
     assert "module store budgets: memory 64.0 MiB, disk 0 B" in capsys.readouterr().err
     assert main(["serve"]) == 0
     assert "limit_concurrency" not in served[-1][1]                 # serve()'s default
     assert main(["serve", "--keep-alive", "0"]) == 2
     assert "--keep-alive must be positive, not 0" in capsys.readouterr().err
+    assert main(["serve", "--header-timeout", "0"]) == 2
+    assert "--header-timeout must be positive, not 0" in capsys.readouterr().err

@@ -722,6 +722,52 @@ def test_the_servers_connection_limits_are_uvicorns(model):
         server.stop()
 
 
+def test_headers_that_trickle_in_past_the_deadline_get_408_and_the_connection_closes(model):
+    """uvicorn arms no timer while a request's headers arrive (server/protocol.py): a
+    client sending them a byte at a time is answered 408 once the header deadline passes,
+    on a new connection and on a keep-alive one after its first response; other clients are
+    served meanwhile, and headers past max_header_bytes are refused (h11 enforces it)."""
+    from promptlang.server.load import uvicorn_limits
+
+    server = Server(create_app(make_llm(model), model_name="tiny"),
+                    **uvicorn_limits(header_timeout=1.0, timeout_keep_alive=30))
+    try:
+        def trickle(conn: socket.socket) -> bytes:
+            began = time.monotonic()
+            received = b""
+            for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200:
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    break                              # closed on us: the deadline passed
+                time.sleep(0.05)
+                if time.monotonic() - began > 8:
+                    break
+            conn.settimeout(TIMEOUT)
+            while chunk := conn.recv(65536):
+                received += chunk
+            assert time.monotonic() - began < 8
+            return received
+
+        with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as slow:
+            with urllib.request.urlopen(server.url + "/health", timeout=TIMEOUT) as response:
+                assert response.status == 200          # others are served meanwhile
+            received = trickle(slow)
+        assert received.startswith(b"HTTP/1.1 408"), received[:200]
+        assert b"did not arrive within 1 s" in received
+        with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as kept:
+            kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = kept.recv(65536)
+            assert first.startswith(b"HTTP/1.1 200")
+            assert trickle(kept).startswith(b"HTTP/1.1 408")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as big:
+            big.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (32 << 10)
+                        + b"\r\n\r\n")
+            assert big.recv(65536).startswith(b"HTTP/1.1 431")
+    finally:
+        server.stop()
+
+
 def test_a_bounded_store_stays_under_its_budgets_over_many_distinct_chat_prefixes(model,
                                                                                   tmp_path):
     memory_budget = 24_000
