@@ -39,12 +39,12 @@ def register(subparsers: Any) -> None:
     tune.add_argument("--written-docs", type=int, default=48, metavar="N",
                       help="documents the model writes for the corpus (default 48)")
     tune.add_argument("--rank", type=int, default=8, metavar="R", help="LoRA rank (default 8)")
-    tune.add_argument("--replay", type=int, default=3, metavar="K",
-                      help="steps on earlier samples after each new one (default 3; a new "
+    tune.add_argument("--replay", type=int, default=0, metavar="K",
+                      help="steps on earlier samples after each new one (default 0; a new "
                            "sample costs several steps)")
-    tune.add_argument("--answer-weight", type=float, default=4.0, metavar="W",
+    tune.add_argument("--answer-weight", type=float, default=1.0, metavar="W",
                       help="the loss's weight on the rows that predict the answer, against "
-                           "1 on the question's (default 4)")
+                           "1 on the question's (default 1)")
     tune.add_argument("--out", metavar="DIR",
                       help="output folder (default: the home's adapters/<model fingerprint>)")
     tune.set_defaults(func=_tune)

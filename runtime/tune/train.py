@@ -50,8 +50,8 @@ class TuneOptions:
     schema_docs: int = 8             # documents in each step's schema
     docs_per_request: tuple[int, ...] = (2, 3, 4)
     answer_tokens: int = 16          # the teacher's greedy answer, at most
-    answer_weight: float = 4.0       # the loss's weight on rows that predict the answer
-    replay: int = 3                  # steps on earlier samples after each new one
+    answer_weight: float = 1.0       # the loss's weight on rows that predict the answer
+    replay: int = 0                  # steps on earlier samples after each new one
     replay_samples: int = 32         # the most recent samples those are drawn from
     held_out: int = 16               # held-out combinations for the evaluation
     checkpoint_minutes: float = 5.0

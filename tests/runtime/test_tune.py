@@ -3,6 +3,7 @@ runtime's own `none` prefill, and `tune` end to end on a tiny random model."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from pathlib import Path
@@ -174,10 +175,17 @@ def test_tune_runs_end_to_end_writes_its_files_and_resumes(tmp_path):
     assert meta["model_fingerprint"] == llm.adapter.fingerprint
     assert report.evaluation.kl_before > 0
     resumed = tune(llm, tmp_path / "adapter",
-                   TuneOptions(**{**options.__dict__, "max_steps": 5, "resume": True}),
+                   TuneOptions(**{**options.__dict__, "max_steps": 6, "resume": True,
+                                  "replay": 1, "answer_weight": 2.0}),
                    say=said.append)
-    assert resumed.steps == 5
+    assert resumed.steps == 6
     assert any("resumed at step 3" in line for line in said)
+    steps = [json.loads(line) for line in
+             (tmp_path / "adapter" / "tune-log.jsonl").read_text().splitlines()
+             if '"step"' in line]
+    # a resumed run's replay starts empty: steps 4 and 5 new samples, 6 step 5's again
+    assert [(s["step"], s["replayed"]) for s in steps[-3:]] == [(4, False), (5, False),
+                                                                (6, True)]
 
 
 def test_the_corpus_shares_no_eight_words_with_the_benchmark_items():
