@@ -45,6 +45,9 @@ CODES: dict[str, Code] = {c.code: c for c in (
          "inner branches into @prompt functions of their own"),
     Code("PL005", "error", "the file is not text the compiler reads",
          "save the file as UTF-8 (a UTF-8 BOM is fine)"),
+    Code("PL006", "error", "the file is over the size cap for Python sources",
+         "split the @prompt functions over several files, or raise "
+         "PROMPTLANG_MAX_PYTHON_BYTES"),
     # -- constructs the compiler does not accept anywhere
     Code("PL101", "error", "unsupported kind of function",
          "make it a plain `def` (not async, not a generator)"),

@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import io
 import os
+import stat
 import sys
 import tokenize
 import traceback
@@ -24,7 +25,7 @@ from promptlang.compiler.decorator import PromptFunction, collecting
 from promptlang.compiler.diagnostics import Diagnostic
 from promptlang.compiler.source import deepest_span, module_name_for_file
 from promptlang.errors import CompileError, InputFileError, Span, diagnostic_order, span_in
-from promptlang.inputs import decode_utf8, read_bytes
+from promptlang.inputs import decode_utf8, max_python_bytes, read_bytes
 
 
 @dataclass
@@ -92,7 +93,16 @@ def compile_file(path: str) -> Compiled:
 def _read_source(path: str, compiled: Compiled) -> str | None:
     """The file's text, decoded as Python decodes it (UTF-8, a BOM dropped, or the
     encoding its coding line declares); None, with a PL005 diagnostic, when it is not.
-    A file that cannot be read at all raises InputFileError."""
+    A file over the cap for Python sources is a PL006 before it is read. A file that cannot
+    be read at all raises InputFileError."""
+    cap = max_python_bytes()
+    size = _regular_file_size(path)
+    if size is not None and size > cap:
+        compiled.diagnostics.append(Diagnostic(
+            "PL006", f"the file is {size:,} bytes; Python files are compiled up to "
+                     f"{cap:,} bytes (PROMPTLANG_MAX_PYTHON_BYTES sets the cap)",
+            Span(path, 1, 1)))
+        return None
     data = read_bytes(path)          # InputFileError: the caller's to report
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
@@ -110,6 +120,16 @@ def _read_source(path: str, compiled: Compiled) -> str | None:
         compiled.diagnostics.append(Diagnostic(
             "PL005", f"not valid {encoding}, as its coding line declares", span))
     return None
+
+
+def _regular_file_size(path: str) -> int | None:
+    """The size of the regular file at `path`; None for anything else (read_bytes then
+    says what it is)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_size if stat.S_ISREG(info.st_mode) else None
 
 
 def _compiles(source: str, path: str, compiled: Compiled) -> bool:

@@ -1,6 +1,7 @@
 """Where a @prompt function's code comes from: its source text, positioned as in its file.
 
-`inspect` gives the function's lines (decorators included). A method's lines are
+`inspect` finds the function's lines (decorators included); only they are read
+(`source_lines`). A method's lines are
 indented, so they are parsed under an `if 1:` header placed on the line above (no line
 is re-indented: re-indenting would change multi-line strings). The text starts at the
 function (its first line is line 1, or 2 under the header); `offset` turns a line of
@@ -49,7 +50,7 @@ class FunctionSource:
 
 def function_source(fn) -> FunctionSource:
     """The source of `fn`; raises OSError or TypeError when inspect cannot find it."""
-    block, start = inspect.getsourcelines(fn)
+    block, start = source_lines(fn)
     file = fn.__code__.co_filename
     lines = _file_lines(file) or tuple(block)
     first = block[0]
@@ -62,6 +63,33 @@ def function_source(fn) -> FunctionSource:
             raise OSError(f"an indented function cannot start on line {start}")
         return FunctionSource(file, start, "if 1:\n" + body, True, lines, start - 2)
     return FunctionSource(file, start, body, False, lines, start - 1)
+
+
+def source_lines(fn) -> tuple[list[str], int]:
+    """`inspect.getsourcelines(fn)` for a function, reading only the function's lines:
+    inspect copies the file's lines from the function to the end of the file for each
+    function, which makes a file of n functions cost n times its length."""
+    fn = inspect.unwrap(fn)
+    lines, index = inspect.findsource(fn)
+    return inspect.getblock(LinesFrom(lines, index)), index + 1
+
+
+class LinesFrom:
+    """The lines of `lines` from `start` on, not copied: what `inspect.getblock` reads of
+    the lines it is given (an iteration, then a slice from the first line)."""
+
+    def __init__(self, lines: list[str], start: int):
+        self.lines = lines
+        self.start = start
+
+    def __iter__(self):
+        return map(self.lines.__getitem__, range(self.start, len(self.lines)))
+
+    def __getitem__(self, part: slice) -> list[str]:
+        if not isinstance(part, slice) or part.start not in (None, 0) \
+                or part.step not in (None, 1) or part.stop is None or part.stop < 0:
+            raise TypeError(f"LinesFrom takes a slice from the first line, not {part!r}")
+        return self.lines[self.start:self.start + part.stop]
 
 
 _shared_lines: dict[str, tuple[list, tuple[str, ...]]] = {}
@@ -101,20 +129,28 @@ def caller_span(skip: int = 1) -> Span | None:
     frame = sys._getframe(skip)
     while frame is not None:
         file = frame.f_code.co_filename
-        line = frame.f_lineno or 1
         if not os.path.abspath(file).startswith(_PACKAGE + os.sep):
+            position = _frame_position(frame)
+            line = position[0] if position is not None and position[0] else frame.f_lineno or 1
             text = linecache.getline(file, line).rstrip("\r\n")
             if text:
-                return Span(file, line, _frame_column(frame, text), text)
+                return Span(file, line, _frame_column(position, text), text)
         frame = frame.f_back
     return None
 
 
-def _frame_column(frame, text: str) -> int:
-    """The 1-based column of the expression the frame is running (1 when unknown)."""
+def _frame_position(frame) -> tuple | None:
+    """(line, end line, column, end column) of the instruction the frame is running, from
+    the positions kept for its code (`frame.f_lineno` walks the code's line table from its
+    start each time: a module decorating n functions would be quadratic); None when unknown."""
     index = frame.f_lasti // 2       # one position per 2-byte code unit
     positions = _positions(frame.f_code)
-    position = positions[index] if index < len(positions) else None
+    return positions[index] if 0 <= index < len(positions) else None
+
+
+def _frame_column(position: tuple | None, text: str) -> int:
+    """The 1-based column of `position` (a frame's) in its line `text` (the first
+    non-blank when unknown)."""
     if position is not None and position[2] is not None:
         return len(text.encode("utf-8")[:position[2]].decode("utf-8", "replace")) + 1
     return len(text) - len(text.lstrip()) + 1

@@ -5,7 +5,9 @@ PML schemas and prompts, `src=` documents and Python sources all come through
 read, a file over the cap before it is loaded, and bytes that are not UTF-8 get the
 line and column where they start.
 
-The cap is `PROMPTLANG_MAX_INPUT_BYTES` (default 64 MiB), or the `max_bytes` argument.
+The cap is `PROMPTLANG_MAX_INPUT_BYTES` (default 64 MiB), or the `max_bytes` argument; a
+Python file compiled for its @prompt functions has a lower one of its own
+(`max_python_bytes`, checked by the compiler).
 """
 
 from __future__ import annotations
@@ -16,16 +18,27 @@ import stat
 from promptlang.errors import ConfigError, InputFileError, PromptLangError, Span, span_in
 
 DEFAULT_MAX_INPUT_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_PYTHON_BYTES = 4 * 1024 * 1024
 
 
 def max_input_bytes() -> int:
     """The input-file cap in bytes: `PROMPTLANG_MAX_INPUT_BYTES`, else 64 MiB."""
-    text = os.environ.get("PROMPTLANG_MAX_INPUT_BYTES", "").strip()
+    return _bytes_setting("PROMPTLANG_MAX_INPUT_BYTES", DEFAULT_MAX_INPUT_BYTES)
+
+
+def max_python_bytes() -> int:
+    """The cap on a Python file compiled for its @prompt functions, in bytes:
+    `PROMPTLANG_MAX_PYTHON_BYTES`, else 4 MiB. Each function is analysed on its own, at
+    a cost per byte far above CPython's compile of the file (docs/SECURITY.md)."""
+    return _bytes_setting("PROMPTLANG_MAX_PYTHON_BYTES", DEFAULT_MAX_PYTHON_BYTES)
+
+
+def _bytes_setting(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
     if not text:
-        return DEFAULT_MAX_INPUT_BYTES
+        return default
     if not text.isdigit() or len(text) > 18 or int(text) <= 0:
-        raise ConfigError(
-            f"PROMPTLANG_MAX_INPUT_BYTES must be a positive whole number of bytes, not {text!r}")
+        raise ConfigError(f"{name} must be a positive whole number of bytes, not {text!r}")
     return int(text)
 
 

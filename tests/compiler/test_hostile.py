@@ -213,6 +213,30 @@ def test_a_fifo_or_a_file_over_the_cap_is_a_usage_error(tmp_path, capsys, monkey
     assert "over the input cap" in capsys.readouterr().err
 
 
+def test_a_python_file_over_its_cap_is_PL006_at_line_1_before_it_runs(tmp_path, capsys,
+                                                                      monkeypatch):
+    marker = tmp_path / "ran"
+    source = f"open({str(marker)!r}, 'w').close()\n" + "x = 1\n" * 100
+    monkeypatch.setenv("PROMPTLANG_MAX_PYTHON_BYTES", "256")
+    status, out, path = check(tmp_path, capsys, "big_prompts.py", source)
+    assert status == 1 and out.startswith(f"{path}:1:1: error: the file is ")
+    assert "up to 256 bytes" in out and "[PL006]" in out
+    assert not marker.exists()                       # refused before it was imported
+    monkeypatch.setenv("PROMPTLANG_MAX_PYTHON_BYTES", str(len(source)))
+    status, out, _ = check(tmp_path, capsys, "big_prompts.py", source)
+    assert status == 0 and marker.exists()            # at the cap: compiled
+
+
+def test_a_malformed_python_cap_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    from promptlang.cli import main
+
+    monkeypatch.setenv("PROMPTLANG_MAX_PYTHON_BYTES", "4MiB")
+    assert main(["check", write(tmp_path, "small_app.py", "x = 1\n")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("PROMPTLANG_MAX_PYTHON_BYTES must be a positive whole number of "
+                          "bytes, not '4MiB'") and "Traceback" not in err
+
+
 # -- functions that cannot be compiled, located ---------------------------------------------
 
 
