@@ -20,6 +20,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -70,15 +71,16 @@ def chain_file(n: int) -> str:
 def measure(script: str, path: Path) -> dict:
     """Elapsed seconds, peak resident MB, exit status and the first line of stderr of
     `python -c script path`, run alone."""
-    started = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-c", script, str(path)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(child.pid, 0)
-    seconds = time.perf_counter() - started
-    err = child.stderr.read().decode("utf-8", "replace")
-    child.stderr.close()
-    child.returncode = os.waitstatus_to_exitcode(status)
-    first = next((line for line in err.splitlines() if line.strip()), "")
+    with tempfile.TemporaryFile() as stderr:      # a pipe could fill while nobody reads
+        started = time.perf_counter()
+        child = subprocess.Popen([sys.executable, "-c", script, str(path)],
+                                 stdout=subprocess.DEVNULL, stderr=stderr)
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - started
+        child.returncode = os.waitstatus_to_exitcode(status)
+        stderr.seek(0)
+        head = stderr.read(64 * 1024).decode("utf-8", "replace")
+    first = next((line for line in head.splitlines() if line.strip()), "")
     return {"seconds": round(seconds, 3), "peak_mb": round(usage.ru_maxrss / 1024, 1),
             "status": child.returncode, "first_line": first[:200]}
 
@@ -122,8 +124,10 @@ def format_report(result: dict) -> str:
              f"{'python MB':>11}{'time x':>8}{'mem x':>7}  result"]
     for row in result["rows"]:
         ours, python = row["ours"], row["python"]
-        outcome = ("refused: " + row["ours"]["first_line"].split(": error: ")[-1][:60]
-                   if rejected(row) else f"exit {ours['status']}")
+        code = re.search(r"\[(PL\d+)\]", ours["first_line"])
+        outcome = ("refused: " + ours["first_line"].split(": error: ")[-1][:60]
+                   if rejected(row) else f"exit {ours['status']}"
+                   + (f", first diagnostic {code.group(1)}" if code else ""))
         lines.append(f"{row['what']:<16}{row['bytes']:>12,}{ours['seconds']:>9.2f}"
                      f"{ours['peak_mb']:>9.0f}{python['seconds']:>10.2f}{python['peak_mb']:>11.0f}"
                      f"{ours['seconds'] / python['seconds']:>8.1f}"
