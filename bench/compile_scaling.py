@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 OURS = ("import sys\nfrom promptlang.cli import main\n"
         "sys.exit(main(['compile', sys.argv[1]]))\n")
@@ -36,10 +36,13 @@ TIME_RATIO = 10.0           # the largest size against CPython's compile
 MEMORY_RATIO = 2.0
 
 
-def prompt_file(megabytes: float) -> str:
-    """A module of @prompt functions, `megabytes` MB of source (1 MB = 10**6 bytes)."""
-    parts = ["from promptlang import MaxTokens, prompt\n\n"]
-    size = len(parts[0])
+def prompt_blocks(megabytes: float) -> Iterator[str]:
+    """A module of @prompt functions, `megabytes` MB of source (1 MB = 10**6 bytes), a
+    piece at a time: the measuring process stays small, and a child's peak memory counts
+    its parent's at the fork."""
+    head = "from promptlang import MaxTokens, prompt\n\n"
+    yield head
+    size = len(head)
     i = 0
     while size < megabytes * 1e6:
         block = (f"@prompt\n"
@@ -51,10 +54,9 @@ def prompt_file(megabytes: float) -> str:
                  f'        case "long":\n'
                  f'            "Answer in a sentence. "\n'
                  f'    f"Question: {{q}}"\n\n')
-        parts.append(block)
+        yield block
         size += len(block)
         i += 1
-    return "".join(parts)
 
 
 def chain_file(n: int) -> str:
@@ -93,7 +95,9 @@ def run(sizes: Sequence[float], chains: Sequence[int], folder: Path, say=print) 
     rows = []
     for megabytes in sizes:
         path = folder / f"prompts_{str(megabytes).replace('.', '_')}mb.py"
-        path.write_text(prompt_file(megabytes))
+        with path.open("w") as out:
+            for block in prompt_blocks(megabytes):
+                out.write(block)
         say(f"compile_scaling: {megabytes:g} MB ({path.stat().st_size:,} bytes)...")
         row = {"what": f"{megabytes:g} MB", "bytes": path.stat().st_size,
                "ours": measure(OURS, path), "python": measure(PYTHONS, path)}

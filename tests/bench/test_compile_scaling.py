@@ -10,7 +10,7 @@ from promptlang.bench import compile_scaling
 
 
 def test_the_written_files_are_python_of_the_asked_size():
-    text = compile_scaling.prompt_file(0.01)
+    text = "".join(compile_scaling.prompt_blocks(0.01))
     assert 10_000 <= len(text) < 10_400
     ast.parse(text)
     chain = compile_scaling.chain_file(3)
