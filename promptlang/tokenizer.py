@@ -120,17 +120,26 @@ class PreparedIds:
         return len(self._ids)
 
 
-def min_token_count(tokenizer: Tokenizer, text: str) -> int:
+def min_token_count(tokenizer: Tokenizer, text: str, enough: int | None = None) -> int:
     """A cheap lower bound on `len(tokenizer.encode(text))`: ceil(n / max_token_chars)
     over the n characters of `text` that are not among the tokenizer's
     `vanishing_chars` (dropped without a token), or 1 for non-empty text when the
-    tokenizer gives no bound (or predates `max_token_chars`)."""
+    tokenizer gives no bound (or predates `max_token_chars`). With `enough`, the text is
+    counted a piece at a time and the count stops once the bound passes `enough` (a
+    request of megabytes is known to pass a context from its first piece)."""
     if not text:
         return 0
     chars = getattr(tokenizer, "max_token_chars", None)
     if not isinstance(chars, int) or isinstance(chars, bool) or chars < 1:
         return 1
-    n = len(text) - sum(text.count(c) for c in getattr(tokenizer, "vanishing_chars", ()))
+    vanishing = tuple(getattr(tokenizer, "vanishing_chars", ()))
+    step = len(text) if enough is None else max(chars * (enough + 1), 1 << 16)
+    n = 0
+    for start in range(0, len(text), step):
+        end = min(start + step, len(text))
+        n += end - start - sum(text.count(c, start, end) for c in vanishing)
+        if enough is not None and -(-n // chars) > enough:
+            break
     return -(-n // chars)
 
 

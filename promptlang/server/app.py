@@ -416,7 +416,11 @@ def _check_fits(llm, texts: list[str]) -> None:
     limit = llm.max_positions
     if limit is None:
         return
-    least = sum(min_token_count(llm.tokenizer, text) for text in texts)
+    least = 0
+    for text in texts:
+        least += min_token_count(llm.tokenizer, text, enough=limit - least)
+        if least > limit:
+            break
     if least > limit:
         raise RequestError(f"the prompt holds at least {least:,} tokens; this model's context "
                            f"is {limit:,}")

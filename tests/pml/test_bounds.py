@@ -64,6 +64,22 @@ def test_tokenizers_offer_a_bound(default_tokenizer):
                                                       + 1)) == 4
 
 
+class _FourChars:
+    max_token_chars = 4
+    vanishing_chars = ("\x06",)
+
+
+def test_a_bound_asked_only_past_enough_stops_counting_early_and_stays_a_bound():
+    text = "ab\x06" * 100_000 + "cd" * 7                  # 200,014 kept: 50,004 tokens at least
+    full = min_token_count(_FourChars(), text)
+    assert full == 50_004
+    early = min_token_count(_FourChars(), text, enough=10)
+    assert 10 < early < full                               # stopped after its first piece
+    assert min_token_count(_FourChars(), text, enough=full) == full
+    assert min_token_count(_FourChars(), text, enough=full - 1) == full
+    assert min_token_count(_FourChars(), "abcdefghi", enough=0) == 3
+
+
 _runs = st.lists(st.tuples(st.sampled_from(" \n\t0123456789-=_#*.a\x04\x06"),
                            st.integers(1, 400)), max_size=8).map(
     lambda parts: "".join(c * n for c, n in parts))
