@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from promptlang.cli import numerics
+from promptlang.cli.tune import hint_when_untuned
 
 
 def register(subparsers: Any) -> None:
@@ -74,6 +75,7 @@ def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     llm = engine.load(args.model, isolate=args.isolate, **numerics.load_options(args))
     loaded = time.perf_counter() - started
+    hint_when_untuned(llm, args.model)
     llm.add_schema(schema)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    seed=args.seed, baseline=args.baseline, recompute=args.recompute)

@@ -24,6 +24,7 @@ import sys
 from typing import Any
 
 from promptlang.cli import numerics
+from promptlang.cli.tune import hint_when_untuned
 
 API_KEY_ENV = "PROMPTLANG_API_KEY"
 
@@ -147,6 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
           f"{format_size(budgets['memory_budget_bytes'])}, disk "
           f"{format_size(budgets['disk_budget_bytes'])} ({kv_dir()})", file=sys.stderr)
     llm = engine.load(args.model, **options, **numerics.load_options(args))
+    hint_when_untuned(llm, args.model)
     functions = load_schemas(llm, args.schemas)
     name = args.model_name or _model_name(args.model)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None

@@ -129,3 +129,16 @@ class _Bar:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def hint_when_untuned(llm, model: str | None) -> None:
+    """On stderr, once per model (per home): how to tune a seam adapter, where the model
+    `run` or `serve` loaded has none."""
+    from promptlang.runtime.model.seam import tune_hint_once
+
+    adapter = getattr(llm, "adapter", None)
+    if adapter is None or getattr(llm, "seam", None) is not None:
+        return
+    hint = tune_hint_once(adapter.weights_fingerprint, model)
+    if hint is not None:
+        print(hint, file=sys.stderr)

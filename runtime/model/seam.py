@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 
 from promptlang.errors import AdapterFileError
-from promptlang.home import ADAPTER_FILE, adapter_folder, untrusted_reason
+from promptlang.home import ADAPTER_FILE, adapter_folder, untrusted_reason, write_private
 from promptlang.runtime.fast import fused
 from promptlang.runtime.model.adapter import ModelAdapter, Step
 from promptlang.runtime.model.lora import SeamLoRA, fitted_projections
@@ -101,6 +101,29 @@ def find_seam_adapter(fingerprint: str) -> Path | None:
         return tuned
     shipped = SHIPPED / fingerprint[:16] / ADAPTER_FILE
     return shipped if shipped.is_file() else None
+
+
+HINT_MARKER = "no-adapter-hint-shown"
+
+
+def tune_hint_once(fingerprint: str, model: str | None) -> str | None:
+    """The line that tells a user how to tune a seam adapter for a model that has none, the
+    first time a command loads that model (per home); None once it was shown, or where the
+    home cannot be written (the hint is then left out rather than repeated). A marker file
+    in the model's adapter folder remembers it."""
+    marker = adapter_folder(fingerprint) / HINT_MARKER
+    if marker.exists():
+        return None
+    try:
+        write_private(marker, b"")
+    except OSError:
+        return None
+    named = f" --model {model}" if model else ""
+    return (f"promptlang: this model has no seam adapter, so a new combination of cached "
+            f"modules is computed again under `exact` (the full prefill's answers, at "
+            f"prefill speed); `promptlang tune{named}` learns one on this CPU with no labels "
+            f"and no downloads, and `--recompute tuned` then serves it (docs/RECOMPUTE.md). "
+            f"Said once per model.")
 
 
 def load_seam(base: ModelAdapter, path: str | Path) -> SeamModel:

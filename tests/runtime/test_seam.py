@@ -213,3 +213,41 @@ def test_tuned_passes_stay_float32_beside_bfloat16_compute(tmp_path):
     assert not torch.allclose(served.logits[-tail:], bf16_units.logits[-tail:], atol=1e-2)
     # against the float32 engine, only the units' bfloat16 rounding differs
     assert torch.allclose(served.logits[-tail:], expected.logits[-tail:], atol=0.1)
+
+
+def test_a_model_without_an_adapter_says_how_to_tune_one_once_per_home(tmp_path, monkeypatch,
+                                                                       capsys):
+    from promptlang.cli.tune import hint_when_untuned
+
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    llm = _engine(tiny_llama(3, VOCAB))
+    assert llm.seam is None
+    hint_when_untuned(llm, "my-model.gguf")
+    err = capsys.readouterr().err
+    assert "no seam adapter" in err and "`promptlang tune --model my-model.gguf`" in err
+    marker = (tmp_path / "home" / "adapters" / llm.adapter.weights_fingerprint[:16]
+              / seam_mod.HINT_MARKER)
+    assert marker.exists() and marker.stat().st_mode & 0o077 == 0       # private
+    hint_when_untuned(llm, "my-model.gguf")
+    assert capsys.readouterr().err == ""                                 # said once
+    assert find_seam_adapter(llm.adapter.weights_fingerprint) is None    # still none
+
+
+def test_a_model_with_an_adapter_gets_no_hint(tmp_path, monkeypatch, capsys):
+    from promptlang.cli.tune import hint_when_untuned
+
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    base = tiny_llama(3, VOCAB)
+    llm = _engine(base)
+    llm.use_seam_adapter(_adapter_file(tmp_path, llm, SeamLoRA(shape_of(plain_copy(base)),
+                                                              seed=0)))
+    hint_when_untuned(llm, None)
+    assert capsys.readouterr().err == ""
+    assert not (tmp_path / "home" / "adapters").exists()
+
+
+def test_an_unwritable_home_leaves_the_hint_out(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.write_text("a file where the home folder should be")
+    monkeypatch.setenv("PROMPTLANG_HOME", str(home))
+    assert seam_mod.tune_hint_once("ab" * 32, "m") is None
