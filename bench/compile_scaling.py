@@ -98,10 +98,10 @@ def run(sizes: Sequence[float], chains: Sequence[int], folder: Path, say=print) 
         with path.open("w") as out:
             for block in prompt_blocks(megabytes):
                 out.write(block)
-        say(f"compile_scaling: {megabytes:g} MB ({path.stat().st_size:,} bytes)...")
-        row = {"what": f"{megabytes:g} MB", "bytes": path.stat().st_size,
-               "ours": measure(OURS, path), "python": measure(PYTHONS, path)}
-        rows.append(row)
+        size = path.stat().st_size
+        say(f"compile_scaling: {megabytes:g} MB ({size:,} bytes)...")
+        rows.append({"what": f"{megabytes:g} MB", "bytes": size,
+                     "ours": measure(OURS, path), "python": measure(PYTHONS, path)})
         path.unlink()
     for n in chains:
         path = folder / f"chain{n}.py"
@@ -127,18 +127,29 @@ def format_report(result: dict) -> str:
              f"{'input':<16}{'bytes':>12}{'ours s':>9}{'ours MB':>9}{'python s':>10}"
              f"{'python MB':>11}{'time x':>8}{'mem x':>7}  result"]
     for row in result["rows"]:
-        ours, python = row["ours"], row["python"]
-        code = re.search(r"\[(PL\d+)\]", ours["first_line"])
-        outcome = ("refused: " + ours["first_line"].split(": error: ")[-1][:60]
-                   if rejected(row) else f"exit {ours['status']}"
-                   + (f", first diagnostic {code.group(1)}" if code else ""))
-        lines.append(f"{row['what']:<16}{row['bytes']:>12,}{ours['seconds']:>9.2f}"
-                     f"{ours['peak_mb']:>9.0f}{python['seconds']:>10.2f}{python['peak_mb']:>11.0f}"
-                     f"{ours['seconds'] / python['seconds']:>8.1f}"
-                     f"{ours['peak_mb'] / python['peak_mb']:>7.1f}  {outcome}")
+        lines.append(_row_line(row))
     lines.append("")
     lines.extend(goals(result))
     return "\n".join(lines)
+
+
+def _row_line(row: dict) -> str:
+    ours = row["ours"]
+    python = row["python"]
+    return (f"{row['what']:<16}{row['bytes']:>12,}{ours['seconds']:>9.2f}"
+            f"{ours['peak_mb']:>9.0f}{python['seconds']:>10.2f}{python['peak_mb']:>11.0f}"
+            f"{ours['seconds'] / python['seconds']:>8.1f}"
+            f"{ours['peak_mb'] / python['peak_mb']:>7.1f}  {_outcome(row)}")
+
+
+def _outcome(row: dict) -> str:
+    """`refused: ...` for a PL006, else the exit status and the first diagnostic's code."""
+    first = row["ours"]["first_line"]
+    if rejected(row):
+        return "refused: " + first.split(": error: ")[-1][:60]
+    code = re.search(r"\[(PL\d+)\]", first)
+    outcome = f"exit {row['ours']['status']}"
+    return outcome + (f", first diagnostic {code.group(1)}" if code else "")
 
 
 def goals(result: dict) -> list[str]:
@@ -154,7 +165,8 @@ def goals(result: dict) -> list[str]:
                    f"{small['what']} to {large['what']} (goal <= {LINEAR_EXPONENT})")
     if sized:
         largest = sized[-1]
-        ours, python = largest["ours"], largest["python"]
+        ours = largest["ours"]
+        python = largest["python"]
         time_x = ours["seconds"] / python["seconds"]
         memory_x = ours["peak_mb"] / python["peak_mb"]
         done = ours["status"] == 0 or rejected(largest)

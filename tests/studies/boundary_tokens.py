@@ -86,10 +86,13 @@ def main(out_path: str) -> None:
         ours_mean = sum(r["ours_tokens"] for r in group) / n
         whole_mean = sum(r["whole_tokens"] for r in group) / n
         kls = [r["first_token_kl"] for r in group]
-        print(f"{kind}: {n} prompts; same tokens {sum(r['same_tokens'] for r in group)}/{n}; "
+        same_tokens = sum(r["same_tokens"] for r in group)
+        same_answer = sum(r["same_answer"] for r in group)
+        same_first = sum(r["same_first"] for r in group)
+        print(f"{kind}: {n} prompts; same tokens {same_tokens}/{n}; "
               f"tokens ours/whole {ours_mean:.1f}/{whole_mean:.1f} (mean); "
-              f"same {NEW_TOKENS}-token greedy answer {sum(r['same_answer'] for r in group)}/{n}; "
-              f"same first token {sum(r['same_first'] for r in group)}/{n}; "
+              f"same {NEW_TOKENS}-token greedy answer {same_answer}/{n}; "
+              f"same first token {same_first}/{n}; "
               f"first-token KL(whole||ours) mean {sum(kls) / n:.4f}, max {max(kls):.4f}")
     print(f"wall {time.time() - started:.0f} s")
     Path(out_path).write_text(json.dumps(rows, indent=1) + "\n")
