@@ -1,7 +1,7 @@
 """`promptlang tune`: learn a model's seam adapter by self-distillation, on this machine.
 
     promptlang tune [--model PATH] [--minutes N] [--seed S] [--resume] [--out DIR]
-                    [SOURCE ...]
+                    [--same-shape SHARE] [SOURCE ...]
 
 SOURCEs (PML schemas, folders of them, or Python files of @prompt functions) add their
 cached modules' text to the documents the model writes itself; nothing is downloaded and
@@ -45,6 +45,10 @@ def register(subparsers: Any) -> None:
     tune.add_argument("--answer-weight", type=float, default=1.0, metavar="W",
                       help="the loss's weight on the rows that predict the answer, against "
                            "1 on the question's (default 1)")
+    tune.add_argument("--same-shape", type=float, default=0.0, metavar="SHARE",
+                      help="the share of rounds (0-1) on same-shaped records: documents "
+                           "that say the same things in the same words about different "
+                           "places, told apart only by names and facts (default 0)")
     tune.add_argument("--out", metavar="DIR",
                       help="output folder (default: the home's adapters/<model fingerprint>)")
     tune.set_defaults(func=_tune)
@@ -64,6 +68,9 @@ def _tune(args: argparse.Namespace) -> int:
     if args.replay < 0 or not args.answer_weight > 0:
         print("promptlang tune: --replay must be >= 0 and --answer-weight > 0", file=sys.stderr)
         return 2
+    if not 0 <= args.same_shape <= 1:
+        print("promptlang tune: --same-shape must be between 0 and 1", file=sys.stderr)
+        return 2
     schemas = []
     if args.sources:
         from promptlang.server.load import read_sources
@@ -73,7 +80,8 @@ def _tune(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else adapter_folder(llm.adapter.weights_fingerprint)
     options = TuneOptions(minutes=args.minutes, seed=args.seed, resume=args.resume,
                           written_docs=args.written_docs, rank=args.rank,
-                          replay=args.replay, answer_weight=args.answer_weight)
+                          replay=args.replay, answer_weight=args.answer_weight,
+                          same_shape=args.same_shape)
     bar = _Bar()
     writing = _Writing()
     try:
@@ -88,6 +96,11 @@ def _tune(args: argparse.Namespace) -> int:
           f"steps {report.steps} in {report.seconds / 60:.1f} min; held-out KL "
           f"{e.kl_before:.4f} -> {e.kl_after:.4f} ({e.kl_recovered:.0%} removed); answer "
           f"log-prob gap {e.answer_gap_before:.3f} -> {e.answer_gap_after:.3f} nats")
+    shaped = report.same_shape_evaluation
+    if shaped is not None:
+        print(f"held-out same-shaped records: KL {shaped.kl_before:.4f} -> "
+              f"{shaped.kl_after:.4f} ({shaped.kl_recovered:.0%} removed); answer log-prob "
+              f"gap {shaped.answer_gap_before:.3f} -> {shaped.answer_gap_after:.3f} nats")
     return 0
 
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 from promptlang.pml import nodes
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 PLACES = ("a harbour town", "a mountain village", "an island ferry line", "a desert observatory",
           "a river delta", "a railway junction", "a market square", "a coastal lighthouse",
@@ -33,6 +36,81 @@ SYSTEMS = ("You answer questions using only the documents the user gives you.",
            "Answer from the provided context. Be short and precise.")
 LABELS = ("Documents:\n\n", "Here are some notes.\n\n", "Context:\n\n")
 QUESTION_FORMS = ("Question: {q}", "{q}", "Using the notes above: {q}")
+
+# Same-shaped records: one group's documents say the same things in the same words about
+# different places (a made-up name, a kind from THINGS), so only the names and the facts tell
+# them apart.
+NAME_HEADS = ("Bram", "Cask", "Del", "Ferr", "Gorse", "Hask", "Lum", "Marl", "Nock", "Pell",
+              "Rook", "Sedge", "Tarn", "Wold", "Yew", "Quarn")
+NAME_TAILS = ("by", "field", "hithe", "ing", "low", "mouth", "ney", "shaw", "ton", "wardine")
+MANAGERS = ("Agathe Brennock", "Bartholomew Sley", "Constance Irwell", "Desmond Hay",
+            "Eugenie Tarrant", "Fitzroy Amble", "Gwendolyn Pask", "Horace Quenby",
+            "Imelda Rusk", "Jasper Oldroyd", "Leopold Finch", "Marguerite Cobb",
+            "Oswin Thackeray", "Philippa Dunstable", "Reginald Moss", "Sybil Harrow")
+WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+
+
+@dataclass(frozen=True)
+class RecordField:
+    """One fact a record states: its phrasings (`{s}` the subject, `{v}` the value), the
+    question that asks it, and how a value is drawn."""
+
+    phrasings: tuple[str, ...]
+    question: str
+    draw: Callable[[random.Random], str]
+
+
+RECORD_FIELDS = (
+    RecordField(("{s} opened its doors in {v}.", "The year {s} was set up was {v}."),
+                "In which year did {s} open?", lambda rng: str(rng.randint(1850, 2019))),
+    RecordField(("{s} keeps {v} people on its payroll.", "A staff of {v} works at {s}."),
+                "How many people work at {s}?", lambda rng: str(rng.randint(3, 480))),
+    RecordField(("{s} is managed by {v}.", "The person in charge of {s} is {v}."),
+                "Who is in charge of {s}?", lambda rng: rng.choice(MANAGERS)),
+    RecordField(("{s} stays shut every {v}.", "Each week {s} closes on {v}."),
+                "On which day of the week is {s} closed?", lambda rng: rng.choice(WEEKDAYS)),
+)
+
+
+@dataclass(frozen=True)
+class Record:
+    """A same-shaped document and the questions its facts answer."""
+
+    text: str
+    questions: tuple[str, ...]
+
+
+def same_shape_group(rng: random.Random, filler: str, count: int,
+                     facts: tuple[int, int] = (2, 3)) -> list[Record]:
+    """`count` records about different places, all built from one template: the same
+    sentences of `filler` (a corpus document) with the same fields, phrased the same way,
+    at the same places; only the subjects' names and the facts' values differ."""
+    sentences = _sentences(filler)
+    fields = rng.sample(RECORD_FIELDS, rng.randint(*facts))
+    phrasings = [rng.choice(f.phrasings) for f in fields]
+    slots = sorted(rng.randint(0, len(sentences)) for _ in fields)
+    kind = rng.choice(THINGS).split(" ", 1)[1]
+    names = rng.sample([h + t for h in NAME_HEADS for t in NAME_TAILS], count)
+    records = []
+    for name in names:
+        subject = f"the {name} {kind}"
+        text = list(sentences)
+        for shift, (slot, field, phrasing) in enumerate(zip(slots, fields, phrasings)):
+            text.insert(slot + shift, _capital(phrasing.format(s=subject, v=field.draw(rng))))
+        body = " ".join(text)
+        records.append(Record(f"About {subject}. {body}",
+                              tuple(_capital(f.question.format(s=subject)) for f in fields)))
+    return records
+
+
+def _sentences(text: str) -> list[str]:
+    """`text`'s sentences (split after ". ", "! ", "? "), each stripped; at least one."""
+    parts = [p.strip() for p in _SENTENCE_END.split(text.replace("\n", " ")) if p.strip()]
+    return parts or [text.strip()]
+
+
+def _capital(sentence: str) -> str:
+    return sentence[:1].upper() + sentence[1:]
 
 
 @dataclass(frozen=True)

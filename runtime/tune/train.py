@@ -1,12 +1,15 @@
 """`promptlang tune`'s loop: the seam adapter learned by self-distillation.
 
 Each round draws a new combination (a schema of `schema_docs` training documents, a prompt
-importing 2-4 of them and asking one's question), makes its teacher and student
+importing 2-4 of them and asking one's question; a `same_shape` share of rounds instead a
+schema of same-shaped records, corpus.same_shape_group), makes its teacher and student
 (samples.py), and takes one AdamW step on KL(teacher || student) over the tokens after the
 documents (the rows that predict the answer weighted `answer_weight`), then `replay` steps
-on samples of earlier rounds (a sample costs several steps to make). Documents are split once into training and held-out ones; the held-out
-combinations measure the KL and the teacher's answer log-probability with the adapter and
-without (the untrained student is the runtime's `none` policy). Checkpoints (adapter,
+on samples of earlier rounds (a sample costs several steps to make). Documents are split
+once into training and held-out ones; the held-out combinations (and, where records are
+trained on, records built on held-out documents, measured apart) measure the KL and the
+teacher's answer log-probability with the adapter and without (the untrained student is
+the runtime's `none` policy). Checkpoints (adapter,
 optimizer, step, random state) are written every `checkpoint_minutes`; `resume` continues
 from the last one. Everything lands in one folder (`adapter_dir`): the adapter, its log
 (one JSON line per step and per evaluation) and the corpus it was trained on.
@@ -53,7 +56,9 @@ class TuneOptions:
     answer_weight: float = 1.0       # the loss's weight on rows that predict the answer
     replay: int = 0                  # steps on earlier samples after each new one
     replay_samples: int = 32         # the most recent samples those are drawn from
-    held_out: int = 16               # held-out combinations for the evaluation
+    same_shape: float = 0.0          # the share of rounds on same-shaped records
+    held_out: int = 16               # held-out combinations for the evaluation (of each kind
+                                     # trained on: the corpus's, and records where same_shape)
     checkpoint_minutes: float = 5.0
     max_steps: int | None = None     # stop after this many steps (tests); None: the budget
     resume: bool = False
@@ -82,6 +87,7 @@ class TuneReport:
     steps: int
     seconds: float
     evaluation: Evaluation
+    same_shape_evaluation: Evaluation | None = None   # held-out records, where trained on
     losses: list[float] = field(default_factory=list)
 
 
@@ -131,6 +137,12 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
     end_ids = set(llm.tokenizer.eos_ids)
     held_out = [_draw(engine, model, val_docs, random.Random(options.seed + 7 + i), options,
                       end_ids, f"tune-val-{i}") for i in range(options.held_out)]
+    held_shaped = []
+    if options.same_shape > 0:
+        held_shaped = [_draw_same_shape(engine, model, val_docs,
+                                        random.Random(options.seed + 700 + i), options,
+                                        end_ids, f"tune-val-shaped-{i}")
+                       for i in range(options.held_out)]
     adapter = SeamLoRA(shape_of(model, options.rank, options.alpha), seed=options.seed)
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=options.lr, weight_decay=0.0)
     step = 0
@@ -155,7 +167,10 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
         while time.perf_counter() - started < budget:
             if options.max_steps is not None and step >= options.max_steps:
                 break
-            sample = _draw(engine, model, train_docs, rng, options, end_ids, f"tune-{step}")
+            draw = _draw
+            if options.same_shape > 0 and rng.random() < options.same_shape:
+                draw = _draw_same_shape
+            sample = draw(engine, model, train_docs, rng, options, end_ids, f"tune-{step}")
             earlier = replay.draw(options.replay)
             replay.add(sample)
             for trained in (sample, *earlier):
@@ -182,7 +197,11 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
         seconds = time.perf_counter() - started
         _checkpoint(state_path, adapter, optimizer, step, seconds, rng)
         evaluation = evaluate(model, held_out, adapter)
-        log.write(json.dumps({"evaluation": asdict(evaluation), "steps": step}) + "\n")
+        shaped = evaluate(model, held_shaped, adapter) if held_shaped else None
+        line = {"evaluation": asdict(evaluation), "steps": step}
+        if shaped is not None:
+            line["same_shape_evaluation"] = asdict(shaped)
+        log.write(json.dumps(line) + "\n")
     finally:
         log.close()
     path = adapter_dir / ADAPTER_FILE
@@ -190,9 +209,11 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
             "steps": str(step), "minutes": f"{seconds / 60:.1f}",
             "options": json.dumps(asdict(options), default=str),
             "evaluation": json.dumps(asdict(evaluation))}
+    if shaped is not None:
+        meta["same_shape_evaluation"] = json.dumps(asdict(shaped))
     adapter.save(path, meta)
     return TuneReport(adapter_path=path, steps=step, seconds=seconds, evaluation=evaluation,
-                      losses=losses)
+                      same_shape_evaluation=shaped, losses=losses)
 
 
 class Replay:
@@ -255,12 +276,31 @@ def _draw(engine, model, docs: list[corpus_mod.Document], rng: random.Random,
     """One combination: a schema of `schema_docs` documents, a prompt importing k of them
     (schema order) and asking one's question; its teacher and student."""
     chosen = rng.sample(docs, options.schema_docs)
+    return _combination(engine, model, [d.text for d in chosen],
+                        [(d.question,) for d in chosen], rng, options, end_ids, name)
+
+
+def _draw_same_shape(engine, model, docs: list[corpus_mod.Document], rng: random.Random,
+                     options: TuneOptions, end_ids: set[int], name: str) -> Sample:
+    """One combination of same-shaped records (corpus.same_shape_group, one of `docs` as
+    their shared sentences): the schema, the prompt and the question as `_draw`'s."""
+    records = corpus_mod.same_shape_group(rng, rng.choice(docs).text, options.schema_docs)
+    return _combination(engine, model, [r.text for r in records],
+                        [r.questions for r in records], rng, options, end_ids, name)
+
+
+def _combination(engine, model, texts: list[str], questions: list[tuple[str, ...]],
+                 rng: random.Random, options: TuneOptions, end_ids: set[int],
+                 name: str) -> Sample:
+    """`texts` as a schema's documents, a prompt importing k of them and asking one of an
+    imported document's `questions`; its teacher and student."""
     schema = rag_schema(name, rng.choice(corpus_mod.SYSTEMS), rng.choice(corpus_mod.LABELS),
-                        [d.text for d in chosen])
-    k = min(rng.choice(options.docs_per_request), len(chosen))
-    imported = sorted(rng.sample(range(len(chosen)), k))
-    asked = chosen[rng.choice(imported)]
-    question = rng.choice(corpus_mod.QUESTION_FORMS).format(q=asked.question)
+                        texts)
+    k = min(rng.choice(options.docs_per_request), len(texts))
+    imported = sorted(rng.sample(range(len(texts)), k))
+    asks = questions[rng.choice(imported)]
+    asked = asks[0] if len(asks) == 1 else rng.choice(asks)    # one: the stream as before
+    question = rng.choice(corpus_mod.QUESTION_FORMS).format(q=asked)
     engine.add_schema(schema)
     try:
         return make_sample(engine, model, rag_prompt(name, imported, question),

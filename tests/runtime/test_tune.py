@@ -198,8 +198,57 @@ def test_the_corpus_shares_no_eight_words_with_the_benchmark_items():
     ours = " ".join(corpus.PLACES + corpus.THINGS + corpus.ASPECTS + corpus.SYSTEMS
                     + corpus.LABELS + corpus.QUESTION_FORMS)
     ours += " " + " ".join(corpus.subjects(random.Random(0), 50))
+    for field in corpus.RECORD_FIELDS:
+        ours += " " + " ".join(field.phrasings) + " " + field.question
+    ours += " " + " ".join(corpus.MANAGERS)
     words = re.findall(r"[a-z]+", ours.lower())
     assert not [words[i:i + 8] for i in range(len(words) - 7) if tuple(words[i:i + 8]) in grams]
+
+
+def test_same_shaped_records_differ_only_in_their_names_and_facts():
+    filler = ("The pier is long. Boats leave at six! Fish is sold in the hall.\n\n"
+              "Prices change daily?")
+    for seed in range(20):
+        records = corpus.same_shape_group(random.Random(seed), filler, 5)
+        assert len({r.text for r in records}) == 5
+        shapes = set()
+        for record in records:
+            subject = re.match(r"About (the \w+ [\w ]+?)\. ", record.text).group(1)
+            assert all(subject in q and q.endswith("?") for q in record.questions)
+            assert 2 <= len(record.questions) <= 3
+            shape = re.sub(re.escape(subject), "S", record.text, flags=re.IGNORECASE)
+            shape = re.sub(r"\b(\d+|" + "|".join(corpus.MANAGERS + corpus.WEEKDAYS) + r")\b",
+                           "V", shape)
+            shapes.add(shape)
+            assert all(s in record.text for s in ("The pier is long.", "Boats leave at six!",
+                                                  "Fish is sold in the hall.",
+                                                  "Prices change daily?"))
+        assert len(shapes) == 1, shapes          # one template, only names and values differ
+
+
+def test_tune_names_are_not_the_benchmark_s_names():
+    from promptlang.bench import qa
+
+    bench = {n.lower() for n in qa.FEMALE_NAMES + qa.MALE_NAMES + qa.SURNAMES + qa.CITIES}
+    ours = {w.lower() for m in corpus.MANAGERS for w in m.split()}
+    ours |= {(h + t).lower() for h in corpus.NAME_HEADS for t in corpus.NAME_TAILS}
+    assert not ours & bench
+
+
+def test_tune_on_same_shaped_records_measures_them_apart(tmp_path):
+    llm = _engine(tiny_llama(0, VOCAB))
+    options = TuneOptions(minutes=5, max_steps=2, written_docs=16, doc_tokens=12,
+                          schema_docs=4, docs_per_request=(2,), answer_tokens=3, held_out=2,
+                          same_shape=1.0)
+    report = tune(llm, tmp_path / "adapter", options, say=lambda line: None)
+    assert report.steps == 2
+    shaped = report.same_shape_evaluation
+    assert shaped is not None and shaped.kl_before > 0
+    assert shaped.kl_before != report.evaluation.kl_before
+    last = json.loads((tmp_path / "adapter" / "tune-log.jsonl").read_text().splitlines()[-1])
+    assert last["same_shape_evaluation"]["kl_before"] == shaped.kl_before
+    _, meta = SeamLoRA.load(report.adapter_path)
+    assert json.loads(meta["same_shape_evaluation"])["kl_after"] == shaped.kl_after
 
 
 def test_cache_ls_lists_the_adapters_tune_wrote(tmp_path, monkeypatch, capsys):
