@@ -37,6 +37,7 @@ class Sample:
     positions: torch.Tensor        # [R]: their positions as the runtime serves them
     teacher: torch.Tensor          # [R, V]: the teacher's log-probabilities after each
     answer_length: int             # of `ids`, the last answer_length are the answer
+    records: bool = False          # a combination of same-shaped records (corpus.py)
 
 
 def rag_schema(name: str, system: str, label: str, texts: list[str]) -> nodes.Schema:

@@ -18,6 +18,7 @@ from the last one. Everything lands in one folder (`adapter_dir`): the adapter, 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import random
@@ -186,6 +187,7 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
                 losses.append(float(loss.detach()))
                 log.write(json.dumps({"step": step, "loss": float(loss.detach()),
                                       "replayed": trained is not sample,
+                                      "records": trained.records,
                                       "seconds": round(time.perf_counter() - started, 2)})
                           + "\n")
                 if bar is not None:
@@ -285,8 +287,9 @@ def _draw_same_shape(engine, model, docs: list[corpus_mod.Document], rng: random
     """One combination of same-shaped records (corpus.same_shape_group, one of `docs` as
     their shared sentences): the schema, the prompt and the question as `_draw`'s."""
     records = corpus_mod.same_shape_group(rng, rng.choice(docs).text, options.schema_docs)
-    return _combination(engine, model, [r.text for r in records],
-                        [r.questions for r in records], rng, options, end_ids, name)
+    sample = _combination(engine, model, [r.text for r in records],
+                          [r.questions for r in records], rng, options, end_ids, name)
+    return dataclasses.replace(sample, records=True)
 
 
 def _combination(engine, model, texts: list[str], questions: list[tuple[str, ...]],

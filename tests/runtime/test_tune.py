@@ -245,8 +245,11 @@ def test_tune_on_same_shaped_records_measures_them_apart(tmp_path):
     shaped = report.same_shape_evaluation
     assert shaped is not None and shaped.kl_before > 0
     assert shaped.kl_before != report.evaluation.kl_before
-    last = json.loads((tmp_path / "adapter" / "tune-log.jsonl").read_text().splitlines()[-1])
-    assert last["same_shape_evaluation"]["kl_before"] == shaped.kl_before
+    lines = [json.loads(line) for line in
+             (tmp_path / "adapter" / "tune-log.jsonl").read_text().splitlines()]
+    assert [line["records"] for line in lines if "step" in line and "loss" in line] == [True,
+                                                                                        True]
+    assert lines[-1]["same_shape_evaluation"]["kl_before"] == shaped.kl_before
     _, meta = SeamLoRA.load(report.adapter_path)
     assert json.loads(meta["same_shape_evaluation"])["kl_after"] == shaped.kl_after
 

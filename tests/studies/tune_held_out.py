@@ -1,0 +1,61 @@
+"""Study (not a test): seam adapters on `promptlang tune`'s own held-out combinations.
+
+    python tests/studies/tune_held_out.py CORPUS.json OUT.json ADAPTER [ADAPTER ...]
+
+Rebuilds the held-out sets a `promptlang tune --seed 0` run on CORPUS.json measures (the
+same split of the documents and the same draws: 16 combinations of the held-out documents,
+and 16 of same-shaped records built on them, as with `--same-shape`) and measures each
+ADAPTER (a seam-lora.safetensors) on both: the mean next-token KL from the full prefill and
+the teacher's answer log-probability gap, with the adapter and without. On the default
+model, from the repository root.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from promptlang.runtime import engine
+from promptlang.runtime.engine import LLM
+from promptlang.runtime.model.lora import SeamLoRA
+from promptlang.runtime.store import ModuleStore
+from promptlang.runtime.tune import corpus
+from promptlang.runtime.tune.train import (TuneOptions, _draw, _draw_same_shape, evaluate,
+                                           plain_copy)
+
+
+def main(corpus_path: str, out_path: str, adapters: list[str]) -> None:
+    llm = engine.load(None, seam_adapter=False)
+    options = TuneOptions(seed=0, same_shape=0.5)
+    docs = corpus.load_corpus(Path(corpus_path))
+    order = list(range(len(docs)))
+    random.Random(options.seed).shuffle(order)          # tune's split
+    held = max(options.schema_docs, len(docs) // 6)
+    val_docs = [docs[i] for i in order[:held]]
+    served = LLM(llm.adapter, llm.tokenizer,
+                 ModuleStore(device=llm.adapter.device, device_budget_bytes=512 << 20),
+                 recompute="none", exact_reuse=False, tail_budget_bytes=0)
+    model = plain_copy(llm.adapter.model)
+    end_ids = set(llm.tokenizer.eos_ids)
+    documents = [_draw(served, model, val_docs, random.Random(options.seed + 7 + i), options,
+                       end_ids, f"held-{i}") for i in range(options.held_out)]
+    records = [_draw_same_shape(served, model, val_docs,
+                                random.Random(options.seed + 700 + i), options, end_ids,
+                                f"held-records-{i}") for i in range(options.held_out)]
+    results = {}
+    for path in adapters:
+        adapter, _ = SeamLoRA.load(Path(path))
+        results[path] = {"documents": asdict(evaluate(model, documents, adapter)),
+                         "records": asdict(evaluate(model, records, adapter))}
+        print(path, json.dumps(results[path]))
+    Path(out_path).write_text(json.dumps({"corpus": corpus_path, "seed": options.seed,
+                                          "adapters": results}, indent=1))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 4:
+        sys.exit(__doc__)
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
