@@ -9,10 +9,10 @@ on samples of earlier rounds (a sample costs several steps to make). Documents a
 once into training and held-out ones; the held-out combinations (and, where records are
 trained on, records built on held-out documents, measured apart) measure the KL and the
 teacher's answer log-probability with the adapter and without (the untrained student is
-the runtime's `none` policy). Checkpoints (adapter,
-optimizer, step, random state) are written every `checkpoint_minutes`; `resume` continues
-from the last one. Everything lands in one folder (`adapter_dir`): the adapter, its log
-(one JSON line per step and per evaluation) and the corpus it was trained on.
+the runtime's `none` policy). Checkpoints (adapter, optimizer, step, random state) are
+written every `checkpoint_minutes`; `resume` continues from the last one. Everything lands
+in one folder (`adapter_dir`): the adapter, its log (one JSON line per step and per
+evaluation) and the corpus it was trained on.
 """
 
 from __future__ import annotations
