@@ -93,15 +93,17 @@ def _tune(args: argparse.Namespace) -> int:
         bar.close()
     e = report.evaluation
     print(f"{report.adapter_path}\n"
-          f"steps {report.steps} in {report.seconds / 60:.1f} min; held-out KL "
-          f"{e.kl_before:.4f} -> {e.kl_after:.4f} ({e.kl_recovered:.0%} removed); answer "
-          f"log-prob gap {e.answer_gap_before:.3f} -> {e.answer_gap_after:.3f} nats")
+          f"steps {report.steps} in {report.seconds / 60:.1f} min; held-out KL {_gains(e)}")
     shaped = report.same_shape_evaluation
     if shaped is not None:
-        print(f"held-out same-shaped records: KL {shaped.kl_before:.4f} -> "
-              f"{shaped.kl_after:.4f} ({shaped.kl_recovered:.0%} removed); answer log-prob "
-              f"gap {shaped.answer_gap_before:.3f} -> {shaped.answer_gap_after:.3f} nats")
+        print(f"held-out same-shaped records: KL {_gains(shaped)}")
     return 0
+
+
+def _gains(e) -> str:
+    """An evaluation's KL and answer gap, without the adapter and with it."""
+    return (f"{e.kl_before:.4f} -> {e.kl_after:.4f} ({e.kl_recovered:.0%} removed); answer "
+            f"log-prob gap {e.answer_gap_before:.3f} -> {e.answer_gap_after:.3f} nats")
 
 
 class _Writing:

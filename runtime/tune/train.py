@@ -18,13 +18,12 @@ evaluation) and the corpus it was trained on.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -115,35 +114,15 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
     """Train the seam adapter of `llm`'s model and write it to `adapter_dir`. `bar(step,
     loss, seconds, budget)` hears of every step; `writing(done, total)` of every corpus
     document written."""
-    from promptlang.runtime.engine import LLM
-    from promptlang.runtime.store import ModuleStore
-
     private_dir(adapter_dir)
     rng = random.Random(options.seed)
     torch.manual_seed(options.seed)
     docs = _corpus(llm, adapter_dir, options, schemas, say, writing)
-    order = list(range(len(docs)))
-    rng.shuffle(order)
-    held = max(options.schema_docs, len(docs) // 6)
-    if len(docs) - held < options.schema_docs:
-        raise TuneError(f"the corpus has {len(docs)} documents; tune needs at least "
-                        f"{options.schema_docs + held} (--written-docs or more sources)")
-    val_docs = [docs[i] for i in order[:held]]
-    train_docs = [docs[i] for i in order[held:]]
-    # a private engine on the same model: a bounded store, no exact entries, no tails
-    engine = LLM(llm.adapter, llm.tokenizer, ModuleStore(device=llm.adapter.device,
-                                                         device_budget_bytes=512 << 20),
-                 recompute="none", exact_reuse=False, tail_budget_bytes=0)
+    val_docs, train_docs = split_corpus(docs, rng, options)
+    engine = private_engine(llm)
     model = plain_copy(llm.adapter.model)
     end_ids = set(llm.tokenizer.eos_ids)
-    held_out = [_draw(engine, model, val_docs, random.Random(options.seed + 7 + i), options,
-                      end_ids, f"tune-val-{i}") for i in range(options.held_out)]
-    held_shaped = []
-    if options.same_shape > 0:
-        held_shaped = [_draw_same_shape(engine, model, val_docs,
-                                        random.Random(options.seed + 700 + i), options,
-                                        end_ids, f"tune-val-shaped-{i}")
-                       for i in range(options.held_out)]
+    held_out, held_shaped = held_out_sets(engine, model, val_docs, options, end_ids)
     adapter = SeamLoRA(shape_of(model, options.rank, options.alpha), seed=options.seed)
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=options.lr, weight_decay=0.0)
     step = 0
@@ -218,6 +197,45 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
                       same_shape_evaluation=shaped, losses=losses)
 
 
+def split_corpus(docs: list[corpus_mod.Document], rng: random.Random,
+                 options: TuneOptions) -> tuple[list, list]:
+    """The held-out documents (a sixth, at least a schema's worth) and the training ones,
+    drawn with `rng`; TuneError where too few are left to train on."""
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    held = max(options.schema_docs, len(docs) // 6)
+    if len(docs) - held < options.schema_docs:
+        raise TuneError(f"the corpus has {len(docs)} documents; tune needs at least "
+                        f"{options.schema_docs + held} (--written-docs or more sources)")
+    return [docs[i] for i in order[:held]], [docs[i] for i in order[held:]]
+
+
+def private_engine(llm):
+    """An engine on `llm`'s model for tune's own combinations: a bounded store, no exact
+    entries, no tails."""
+    from promptlang.runtime.engine import LLM
+    from promptlang.runtime.store import ModuleStore
+
+    store = ModuleStore(device=llm.adapter.device, device_budget_bytes=512 << 20)
+    return LLM(llm.adapter, llm.tokenizer, store, recompute="none", exact_reuse=False,
+               tail_budget_bytes=0)
+
+
+def held_out_sets(engine, model, val_docs: list[corpus_mod.Document], options: TuneOptions,
+                  end_ids: set[int]) -> tuple[list[Sample], list[Sample]]:
+    """The held-out combinations of `val_docs`, and (where `options.same_shape`) as many of
+    same-shaped records built on them; each drawn with a seed of its own."""
+    documents = [_draw(engine, model, val_docs, random.Random(options.seed + 7 + i), options,
+                       end_ids, f"tune-val-{i}") for i in range(options.held_out)]
+    records = []
+    if options.same_shape > 0:
+        records = [_draw_same_shape(engine, model, val_docs,
+                                    random.Random(options.seed + 700 + i), options, end_ids,
+                                    f"tune-val-shaped-{i}")
+                   for i in range(options.held_out)]
+    return documents, records
+
+
 class Replay:
     """The most recent `size` samples, of which each step after a new one draws some again: a
     sample (a teacher's full prefill and greedy answer, the documents served as encoded
@@ -289,7 +307,7 @@ def _draw_same_shape(engine, model, docs: list[corpus_mod.Document], rng: random
     records = corpus_mod.same_shape_group(rng, rng.choice(docs).text, options.schema_docs)
     sample = _combination(engine, model, [r.text for r in records],
                           [r.questions for r in records], rng, options, end_ids, name)
-    return dataclasses.replace(sample, records=True)
+    return replace(sample, records=True)
 
 
 def _combination(engine, model, texts: list[str], questions: list[tuple[str, ...]],

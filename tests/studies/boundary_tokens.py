@@ -89,11 +89,13 @@ def main(out_path: str) -> None:
         same_tokens = sum(r["same_tokens"] for r in group)
         same_answer = sum(r["same_answer"] for r in group)
         same_first = sum(r["same_first"] for r in group)
-        print(f"{kind}: {n} prompts; same tokens {same_tokens}/{n}; "
-              f"tokens ours/whole {ours_mean:.1f}/{whole_mean:.1f} (mean); "
-              f"same {NEW_TOKENS}-token greedy answer {same_answer}/{n}; "
-              f"same first token {same_first}/{n}; "
-              f"first-token KL(whole||ours) mean {sum(kls) / n:.4f}, max {max(kls):.4f}")
+        parts = [f"{n} prompts",
+                 f"same tokens {same_tokens}/{n}",
+                 f"tokens ours/whole {ours_mean:.1f}/{whole_mean:.1f} (mean)",
+                 f"same {NEW_TOKENS}-token greedy answer {same_answer}/{n}",
+                 f"same first token {same_first}/{n}",
+                 f"first-token KL(whole||ours) mean {sum(kls) / n:.4f}, max {max(kls):.4f}"]
+        print(f"{kind}: " + "; ".join(parts))
     print(f"wall {time.time() - started:.0f} s")
     Path(out_path).write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -19,32 +19,20 @@ from dataclasses import asdict
 from pathlib import Path
 
 from promptlang.runtime import engine
-from promptlang.runtime.engine import LLM
 from promptlang.runtime.model.lora import SeamLoRA
-from promptlang.runtime.store import ModuleStore
 from promptlang.runtime.tune import corpus
-from promptlang.runtime.tune.train import (TuneOptions, _draw, _draw_same_shape, evaluate,
-                                           plain_copy)
+from promptlang.runtime.tune.train import (TuneOptions, evaluate, held_out_sets, plain_copy,
+                                           private_engine, split_corpus)
 
 
 def main(corpus_path: str, out_path: str, adapters: list[str]) -> None:
     llm = engine.load(None, seam_adapter=False)
     options = TuneOptions(seed=0, same_shape=0.5)
     docs = corpus.load_corpus(Path(corpus_path))
-    order = list(range(len(docs)))
-    random.Random(options.seed).shuffle(order)          # tune's split
-    held = max(options.schema_docs, len(docs) // 6)
-    val_docs = [docs[i] for i in order[:held]]
-    served = LLM(llm.adapter, llm.tokenizer,
-                 ModuleStore(device=llm.adapter.device, device_budget_bytes=512 << 20),
-                 recompute="none", exact_reuse=False, tail_budget_bytes=0)
+    val_docs, _ = split_corpus(docs, random.Random(options.seed), options)
     model = plain_copy(llm.adapter.model)
-    end_ids = set(llm.tokenizer.eos_ids)
-    documents = [_draw(served, model, val_docs, random.Random(options.seed + 7 + i), options,
-                       end_ids, f"held-{i}") for i in range(options.held_out)]
-    records = [_draw_same_shape(served, model, val_docs,
-                                random.Random(options.seed + 700 + i), options, end_ids,
-                                f"held-records-{i}") for i in range(options.held_out)]
+    documents, records = held_out_sets(private_engine(llm), model, val_docs, options,
+                                       set(llm.tokenizer.eos_ids))
     results = {}
     for path in adapters:
         adapter, _ = SeamLoRA.load(Path(path))
