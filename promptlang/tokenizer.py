@@ -143,6 +143,46 @@ def min_token_count(tokenizer: Tokenizer, text: str, enough: int | None = None) 
     return -(-n // chars)
 
 
+# A letter standing for the text that follows a run: pre-tokenizers split whitespace before
+# a word differently from whitespace at the end of a text (GPT-2's "\n\n" alone is one
+# token, before a word two).
+_NEXT_WORD = "a"
+_TAIL_TRIES = 8                 # tokens dropped from the end, at most, to find the run's end
+_joins_memo: dict[str, bool] = {}
+
+
+def encode_run(tokenizer: Tokenizer, text: str, *, followed: bool) -> list[int]:
+    """Token ids of `text`, one run of a prompt (a module's text, an argument, the text
+    between them), as the whole prompt's text tokenizes those characters when `followed`
+    by more text: a run ending in whitespace is tokenized with a letter after it, and the
+    tokens up to the run's end kept (the rest of the run, where the letter's token took
+    some of its whitespace, tokenized alone). Where no token ends exactly there, or
+    nothing follows (`followed` false: the prompt's end, a control token), `encode`."""
+    if not followed or not text or not text[-1].isspace():
+        return tokenizer.encode(text)
+    ids = tokenizer.encode(text + _NEXT_WORD)
+    for keep in range(len(ids) - 1, max(len(ids) - 1 - _TAIL_TRIES, 0), -1):
+        head = tokenizer.decode(ids[:keep])
+        if text.startswith(head):
+            rest = text[len(head):]
+            return ids[:keep] + (tokenizer.encode(rest) if rest else [])
+    return tokenizer.encode(text)
+
+
+def joins_space_to_word(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer writes a space before a word into the word's token ("x y" is
+    "x" + " y", not "x " + "y"): the layout then gives a parameter the space before it,
+    so that an argument's first word is tokenized as in the whole text."""
+    key = tokenizer.fingerprint
+    known = _joins_memo.get(key)
+    if known is None:
+        whole = tokenizer.encode("x y")
+        known = (whole == tokenizer.encode("x") + tokenizer.encode(" y")
+                 and whole != tokenizer.encode("x ") + tokenizer.encode("y"))
+        _joins_memo[key] = known
+    return known
+
+
 class WordTokenizer:
     """Deterministic test tokenizer: one token per word with its leading spaces.
 

@@ -191,9 +191,10 @@ def test_format_layout_table_with_positions_worked_out_by_hand(wordtok):
                           '</union></schema>')
     rows = {line.split()[0]: line.split() for line in
             cli.format_layout(lay_out(schema, wordtok), wordtok).splitlines()[2:]}
-    # root "Hello world" = 2 tokens; a = "one", " two", " " + 3 slots + " three"
+    # root "Hello world" = 2 tokens; a = "one", " two", then the slot: the space before
+    # the parameter and its 3 positions, then " three"
     assert rows["a"][1:5] == ["2", "9", "(7)", "7"]
-    assert rows["a"][-1] == "x@5+3"
+    assert rows["a"][-1] == "x@4+4"
     # union members share start 9; the union reserves the longest member (2 tokens)
     assert rows["b"][1:6] == ["9", "11", "(2)", "2", "0@9"]
     assert rows["c"][1:6] == ["9", "10", "(1)", "1", "0@9"]
@@ -221,7 +222,7 @@ def test_check_prints_the_layout_table_of_a_schema(files, default_tokenizer, cap
     assert table["trip-plan/paris"][1:3] == [str(paris.start), str(paris.end)]
     assert table["trip-plan/paris"][5] == f"{paris.union}@{layout.unions[paris.union].start}"
     slot = layout.module(("trip-plan",)).params[0]
-    assert table["trip-plan"][-1] == f"duration@{slot.start}+4"
+    assert table["trip-plan"][-1] == f"duration@{slot.start}+5"     # 4, and the space before
     assert table["extra"][7] == "no"
     assert table["doc-a"][6] == "docs"
     assert f"{layout.end} positions of 8192" in out

@@ -23,8 +23,8 @@ from promptlang.errors import (ArgumentTooLongError, ContextLengthError, Duplica
                                UnknownParameterError, UnknownSchemaError)
 from promptlang.pml import nodes
 from promptlang.pml.layout import (ModuleLayout, ModulePath, SchemaLayout, Segment,
-                                   module_unit_id, role_segment, scaffold_unit_id)
-from promptlang.tokenizer import Tokenizer, min_token_count
+                                   module_unit_id, role_segment, scaffold_unit_id, text_follows)
+from promptlang.tokenizer import Tokenizer, encode_run, min_token_count
 
 
 @dataclass(frozen=True)
@@ -94,15 +94,24 @@ class _Binder:
             raise UnknownSchemaError(
                 f"prompt names schema {prompt.schema!r}, but it is bound against "
                 f"{layout.schema.name!r}", prompt.span)
+        for child in prompt.children:
+            if isinstance(child, nodes.ModuleRef):
+                self._import(child, ())
+            elif isinstance(child, nodes.ScaffoldRef):
+                self._import_scaffold(child)
         pos = layout.end
         run: list[nodes.Text] = []
+        # the space the schema's last text gave up starts the prompt's own text
+        lead = ["".join(layout.modules[path].tail_lead for path in self.imported)]
 
-        def flush(pos: int) -> int:
-            if not run:
+        def flush(pos: int, followed: bool) -> int:
+            text = lead[0] + "".join(t.text for t in run)
+            lead[0] = ""
+            if not text:
                 return pos
-            text = "".join(t.text for t in run)
-            ids = tuple(self.tok.encode(text))
-            self.uncached.append(Segment(ids, pos, "prompt", text=text, span=run[0].span))
+            ids = tuple(encode_run(self.tok, text, followed=followed))
+            where = run[0].span if run else prompt.span
+            self.uncached.append(Segment(ids, pos, "prompt", text=text, span=where))
             run.clear()
             return pos + len(ids)
 
@@ -110,16 +119,13 @@ class _Binder:
             if isinstance(child, nodes.Text):
                 run.append(child)
             elif isinstance(child, (nodes.RoleOpen, nodes.RoleClose)):
-                pos = flush(pos)
+                pos = flush(pos, text_follows(self.tok, child))
                 segment = role_segment(self.tok, child, pos, kind="prompt")
                 self.uncached.append(segment)
                 pos = segment.end
-            elif isinstance(child, nodes.ModuleRef):
-                self._import(child, ())
-            elif isinstance(child, nodes.ScaffoldRef):
-                self._import_scaffold(child)
-        pos = flush(pos)
-        if len(self.imported) == 1 and not self.uncached:
+        pos = flush(pos, followed=False)          # the answer follows
+        adds = any(seg.text != layout.modules[()].tail_lead or seg.role for seg in self.uncached)
+        if len(self.imported) == 1 and not adds:
             raise EmptyPromptError("the prompt is empty: it imports no module and adds no text",
                                    prompt.span)
 
@@ -193,26 +199,35 @@ class _Binder:
                 raise UnknownParameterError(
                     f"module {ref.name!r} has no parameter {arg.name!r} (parameters: {known})",
                     arg.span)
+            bound = slot.length - len(slot.lead)       # the parameter's own, as declared
             least = min_token_count(self.tok, arg.value)
-            if least > slot.length:             # cannot fit: fail before tokenizing
+            if least > bound:                   # cannot fit: fail before tokenizing
                 raise ArgumentTooLongError(
                     f"argument for parameter {arg.name!r} is at least {least} tokens long; "
-                    f"the parameter allows {slot.length}", arg.span,
-                    parameter=arg.name, bound=slot.length, count=least)
-            ids = tuple(self.tok.encode(arg.value))
-            if len(ids) > slot.length:
+                    f"the parameter allows {bound}", arg.span,
+                    parameter=arg.name, bound=bound, count=least)
+            text = slot.lead + arg.value
+            ids = tuple(encode_run(self.tok, text, followed=True))
+            count = len(ids) - self._lead_alone(ids, slot.lead)
+            if count > bound:
                 raise ArgumentTooLongError(
-                    f"argument for parameter {arg.name!r} is {len(ids)} tokens long; "
-                    f"the parameter allows {slot.length}", arg.span,
-                    parameter=arg.name, bound=slot.length, count=len(ids))
+                    f"argument for parameter {arg.name!r} is {count} tokens long; "
+                    f"the parameter allows {bound}", arg.span,
+                    parameter=arg.name, bound=bound, count=count)
             given.add(arg.name)
             self.uncached.append(Segment(ids, slot.start, "argument", param=arg.name,
-                                         text=arg.value, span=arg.span))
+                                         text=text, span=arg.span))
         missing = [name for name in slots if name not in given]
         if missing:
             raise MissingArgumentError(
                 f"module {ref.name!r} needs an argument for parameter {missing[0]!r}",
                 ref.span)
+
+    def _lead_alone(self, ids: tuple[int, ...], lead: str) -> int:
+        """1 where the argument's first token is the lead alone (a space the tokenizer did
+        not join to the argument's first word), which the parameter's bound does not count;
+        else 0."""
+        return int(bool(lead) and bool(ids) and self.tok.decode(ids[:1]) == lead)
 
     def _units(self, modules: tuple[ModulePath, ...]) -> tuple[str, ...]:
         layout = self.layout

@@ -31,7 +31,7 @@ from typing import Literal, Mapping
 
 from promptlang.errors import ContextLengthError, SchemaError, Span
 from promptlang.pml import nodes
-from promptlang.tokenizer import Tokenizer, min_token_count
+from promptlang.tokenizer import Tokenizer, encode_run, joins_space_to_word, min_token_count
 
 ModulePath = tuple[str, ...]          # () is the schema root (its anonymous text)
 # prefix: the tokenizer's BOS; text/role: schema text and chat-role affixes; param:
@@ -62,10 +62,15 @@ class Segment:
 
 @dataclass(frozen=True)
 class ParamSlot:
+    """A parameter's positions. `lead` is text taken from before the parameter (a space,
+    where the tokenizer joins it to the next word): an argument is tokenized with it, and
+    `length` counts one position for it beyond the parameter's own bound."""
+
     name: str
     start: int
     length: int
     span: Span | None = field(default=None, compare=False)
+    lead: str = ""
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,10 @@ class ModuleLayout:
     union: int | None                 # index into SchemaLayout.unions when a union member
     scaffold: str | None              # the scaffold it belongs to, if any
     span: Span | None = field(default=None, compare=False)
+    # a space taken from the end of its text where the schema ends there: the prompt's own
+    # text after the schema starts with it (a tokenizer that joins a space to the next word
+    # then tokenizes that word as the whole text does)
+    tail_lead: str = ""
 
     @property
     def name(self) -> str:
@@ -142,6 +151,14 @@ def role_segment(tokenizer: Tokenizer, marker: nodes.RoleOpen | nodes.RoleClose,
                    role=marker.role if opening else "/" + marker.role, span=marker.span)
 
 
+def text_follows(tokenizer: Tokenizer, marker: nodes.RoleOpen | nodes.RoleClose) -> bool:
+    """Whether the role marker's text starts as plain text (a plain format's "User: "),
+    not with a control token, before which the text of a run ends as at the prompt's end."""
+    prefix_ids, suffix_ids = tokenizer.role_affix_ids(marker.role)
+    ids = prefix_ids if isinstance(marker, nodes.RoleOpen) else suffix_ids
+    return not ids or ids[0] not in tokenizer.control_ids
+
+
 _memo: dict[tuple[int, str], tuple[nodes.Schema, SchemaLayout]] = {}
 _MEMO_SIZE = 64
 
@@ -175,6 +192,7 @@ class _Walker:
         self.scaffolds: dict[str, tuple[ModulePath, ...]] = {}
         self.schema_name = ""
         self.first_over: Span | None = None     # the first segment's past the limit
+        self.tail_leads: dict[ModulePath, str] = {}
 
     def run(self, schema: nodes.Schema) -> SchemaLayout:
         self.schema_name = schema.name
@@ -184,9 +202,9 @@ class _Walker:
         params: list[ParamSlot] = []
         children: list[ModulePath] = []
         end = self._lay_children(schema.children, (), len(prefix), own, params, children,
-                                 cache=True)
+                                 cache=True, at_end=True)
         root = ModuleLayout((), 0, end, tuple(own), (), tuple(children), True, None, None,
-                            schema.span)
+                            schema.span, tail_lead=self.tail_leads.get((), ""))
         modules = {(): root, **self.modules}
         if end > self.limit:
             over = next((seg.span for m in modules.values() for seg in m.segments
@@ -198,12 +216,15 @@ class _Walker:
 
     def _lay_children(self, children, path: ModulePath, pos: int, own: list[Segment],
                       params: list[ParamSlot], child_paths: list[ModulePath],
-                      cache: bool, scaffold: str | None = None) -> int:
-        """Lay out `children` of the module at `path` from `pos`; return the end position."""
+                      cache: bool, scaffold: str | None = None, at_end: bool = False) -> int:
+        """Lay out `children` of the module at `path` from `pos`; return the end position.
+        `at_end`: nothing of the schema follows these children."""
         run: list[str] = []                       # pending text of the current run
         span: list[Span | None] = [None]          # where the pending run starts
+        last = max((i for i, c in enumerate(children) if not isinstance(c, nodes.Comment)),
+                   default=-1)
 
-        def flush(pos: int) -> int:
+        def flush(pos: int, followed: bool = True) -> int:
             text = "".join(run)
             run.clear()
             if not text:
@@ -213,12 +234,13 @@ class _Walker:
                 raise ContextLengthError(
                     f"schema {self.schema_name!r} needs at least {least} positions; "
                     f"{self.limit_text}", self.first_over or span[0])
-            ids = tuple(self.tok.encode(text))
+            ids = tuple(encode_run(self.tok, text, followed=followed))
             self._note_over(pos + len(ids), span[0])
             own.append(Segment(ids, pos, "text", text=text, span=span[0]))
             return pos + len(ids)
 
-        for child in children:
+        for index, child in enumerate(children):
+            ends = at_end and index == last       # the schema ends with this child
             if isinstance(child, nodes.Text):
                 if not run:
                     span[0] = child.span
@@ -226,29 +248,31 @@ class _Walker:
             elif isinstance(child, nodes.Comment):
                 continue
             elif isinstance(child, (nodes.RoleOpen, nodes.RoleClose)):
-                pos = flush(pos)
+                pos = flush(pos, text_follows(self.tok, child))
                 segment = role_segment(self.tok, child, pos)
                 self._note_over(segment.end, segment.span)
                 own.append(segment)
                 pos = segment.end
             elif isinstance(child, nodes.Param):
+                lead = self._take_lead(run)
                 pos = flush(pos)
-                if pos + child.length > self.limit:
+                length = child.length + len(lead)
+                if pos + length > self.limit:
                     raise ContextLengthError(
-                        f"parameter {child.name!r} reserves {child.length} positions from "
-                        f"position {pos}, to {pos + child.length}; {self.limit_text}",
+                        f"parameter {child.name!r} reserves {length} positions from "
+                        f"position {pos}, to {pos + length}; {self.limit_text}",
                         child.span)
-                ids = self._placeholder(child)
+                ids = self._placeholder(child, lead)
                 own.append(Segment(ids, pos, "param", param=child.name, span=child.span))
-                params.append(ParamSlot(child.name, pos, child.length, child.span))
-                pos += child.length
+                params.append(ParamSlot(child.name, pos, length, child.span, lead))
+                pos += length
             elif isinstance(child, nodes.Module):
                 pos = flush(pos)
                 child_paths.append(path + (child.name,))
-                pos = self._lay_module(child, path, pos, cache, None, scaffold)
+                pos = self._lay_module(child, path, pos, cache, None, scaffold, ends)
             elif isinstance(child, nodes.Union):
                 pos = flush(pos)
-                pos = self._lay_union(child, path, pos, child_paths, cache)
+                pos = self._lay_union(child, path, pos, child_paths, cache, ends)
             elif isinstance(child, nodes.Scaffold):
                 pos = flush(pos)
                 members = []
@@ -260,23 +284,28 @@ class _Walker:
             else:  # pragma: no cover - the parser admits nothing else
                 raise SchemaError(f"unexpected {type(child).__name__} in a schema",
                                   getattr(child, "span", None))
+        if at_end:
+            self.tail_leads[path] = self._take_lead(run)
         return flush(pos)
 
     def _lay_module(self, module: nodes.Module, parent: ModulePath, start: int,
-                    cache: bool, union: int | None, scaffold: str | None) -> int:
+                    cache: bool, union: int | None, scaffold: str | None,
+                    at_end: bool = False) -> int:
         path = parent + (module.name,)
         cache = cache and module.cache
         own: list[Segment] = []
         params: list[ParamSlot] = []
         children: list[ModulePath] = []
         self.modules[path] = None  # type: ignore[assignment]  # keeps document order
-        end = self._lay_children(module.children, path, start, own, params, children, cache)
+        end = self._lay_children(module.children, path, start, own, params, children, cache,
+                                 at_end=at_end)
         self.modules[path] = ModuleLayout(path, start, end, tuple(own), tuple(params),
-                                          tuple(children), cache, union, scaffold, module.span)
+                                          tuple(children), cache, union, scaffold, module.span,
+                                          tail_lead=self.tail_leads.get(path, ""))
         return end
 
     def _lay_union(self, union: nodes.Union, parent: ModulePath, start: int,
-                   child_paths: list[ModulePath], cache: bool) -> int:
+                   child_paths: list[ModulePath], cache: bool, at_end: bool = False) -> int:
         index = len(self.unions)
         self.unions.append(None)  # type: ignore[arg-type]  # reserve the index
         end = start
@@ -285,28 +314,37 @@ class _Walker:
             path = parent + (member.name,)
             child_paths.append(path)
             members.append(path)
-            end = max(end, self._lay_module(member, parent, start, cache, index, None))
+            end = max(end, self._lay_module(member, parent, start, cache, index, None, at_end))
         self.unions[index] = UnionLayout(index, parent, start, end - start, tuple(members),
                                          union.span)
         return end
 
-    def _placeholder(self, param: nodes.Param) -> tuple[int, ...]:
+    def _take_lead(self, run: list[str]) -> str:
+        """The space that ends the pending run, taken from it, where the tokenizer joins a
+        space to the word after it (the parameter's argument then starts with it); else ""."""
+        if not run or not run[-1].endswith(" ") or not joins_space_to_word(self.tok):
+            return ""
+        run[-1] = run[-1][:-1]
+        return " "
+
+    def _placeholder(self, param: nodes.Param, lead: str) -> tuple[int, ...]:
+        length = param.length + len(lead)
         if not param.scaffold:
-            filler = self.fillers.get(param.length)
+            filler = self.fillers.get(length)
             if filler is None:
-                filler = self.fillers[param.length] = (self.tok.placeholder_id,) * param.length
+                filler = self.fillers[length] = (self.tok.placeholder_id,) * length
             return filler
         least = min_token_count(self.tok, param.scaffold)
         if least > param.length:                # cannot fit: fail before tokenizing
             raise SchemaError(
                 f"the scaffold text of parameter {param.name!r} has at least {least} "
                 f"tokens; the parameter reserves {param.length}", param.span)
-        ids = self.tok.encode(param.scaffold)
-        if len(ids) > param.length:
+        ids = encode_run(self.tok, lead + param.scaffold, followed=True)
+        if len(ids) > length:
             raise SchemaError(
-                f"the scaffold text of parameter {param.name!r} has {len(ids)} tokens; "
-                f"the parameter reserves {param.length}", param.span)
-        return tuple(ids) + (self.tok.placeholder_id,) * (param.length - len(ids))
+                f"the scaffold text of parameter {param.name!r} has {len(ids) - len(lead)} "
+                f"tokens; the parameter reserves {param.length}", param.span)
+        return tuple(ids) + (self.tok.placeholder_id,) * (length - len(ids))
 
     def _note_over(self, end: int, span: Span | None) -> None:
         """Remember the first segment (walk order) that ends past the limit."""

@@ -342,7 +342,8 @@ def test_argument_items_pass_each_profiles_name_as_an_argument_the_cached_text_l
         text = bound.render()
         assert all(doc.text in text for doc in item.documents)
         arguments = [seg for seg in bound.uncached if seg.kind == "argument"]
-        assert [seg.text for seg in arguments] == people
+        # the space before a parameter is tokenized with the argument
+        assert [seg.text.removeprefix(" ") for seg in arguments] == people
     params = [c for m in qa.build_schema(items[:1], "qa").children if isinstance(m, n.Module)
               for c in m.children if isinstance(c, n.Param)]
     assert [(p.name, p.length) for p in params] == [(qa.ARGUMENT_PARAM, qa.ARGUMENT_TOKENS)] * 3

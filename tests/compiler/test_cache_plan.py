@@ -32,7 +32,8 @@ def test_each_unit_has_its_tokens_bytes_and_encode_estimate():
     rows = {r.unit: r for r in p.rows}
     assert set(rows) == {"module:", "module:a", "module:a/b", "module:a/c", "module:d",
                          "module:e"}
-    assert rows["module:a"].tokens == 4 + 6 and rows["module:a"].params == 6   # " " a token
+    # "one two three" then the slot: the space before the parameter and its 6 positions
+    assert rows["module:a"].tokens == 3 + 7 and rows["module:a"].params == 7
     assert rows["module:a/b"].bytes == {"float32": 20, "bfloat16": 12}
     assert rows["module:d"].seconds == 4.5
     assert not rows["module:e"].cached
@@ -48,7 +49,7 @@ def test_combinations_count_optional_modules_and_exclusive_union_members():
 def test_warnings_name_what_would_blow_up():
     p = plan(WordTokenizer(max_positions=22))
     assert [w for w in p.warnings if "parameter" in w] == [
-        "parameter a/x reserves 6 positions, over 25% of the context: every prompt keeps "
+        "parameter a/x reserves 7 positions, over 25% of the context: every prompt keeps "
         "them, used or not"]
     with pytest.raises(ContextLengthError, match="needs at least 21 positions"):
         plan(WordTokenizer(vocab_size=999, max_positions=20))   # (layouts are memoised)

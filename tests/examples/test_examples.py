@@ -200,6 +200,8 @@ def test_jinja_templates_answer_as_the_full_prefill_and_render_as_jinja2(llm, ex
         expected = hf.apply_chat_template(_jinja_messages(name, result["variables"]),
                                           tokenize=False, add_generation_prompt=True)
         assert result["rendered"] == expected, name
+        # token for token: the whole rendered text's tokens, which the model answers from
+        assert result["bound"].token_ids() == hf(expected, add_special_tokens=False).input_ids
         greedy = _greedy_plain(reference, result["bound"], len(result["answer_ids"]))
         assert result["answer_ids"] == greedy, name
         assert result["answer"] == result["baseline_answer"], name

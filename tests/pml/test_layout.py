@@ -154,8 +154,10 @@ def test_travel_example_layout_with_the_default_models_tokenizer(default_tokeniz
         ("role", 0, 3), ("text", 3, 14), ("role", 17, 2)]
     assert extent(layout, "trip-plan") == (19, 109)
     trip = layout.modules[("trip-plan",)]
+    # "Plan a trip lasting" (the space before the parameter is the slot's first position)
     assert [(s.kind, s.start, len(s.token_ids)) for s in trip.segments] == [
-        ("text", 19, 5), ("param", 24, 6), ("text", 30, 13)]
+        ("text", 19, 4), ("param", 23, 7), ("text", 30, 13)]
+    assert trip.params[0].lead == " "
     assert extent(layout, "trip-plan", "tokyo") == (43, 109)      # the longer member
     assert extent(layout, "trip-plan", "paris") == (43, 98)
     assert extent(layout, "budget") == (109, 127)
