@@ -1,11 +1,15 @@
 """The layout: the position id of every token of a schema, for one tokenizer.
 
 Walk the schema in document order. Each text run (text between structural
-tags; comments are invisible and do not split a run) is tokenized on its own.
+tags; comments are invisible and do not split a run) is tokenized on its own,
+cut where the whole text's tokens are cut (`encode_run`): where the tokenizer
+joins a space to the next word, a space ending the text before a parameter is
+the slot's first position (each argument is tokenized with it) and a space
+ending the schema is given to the prompt's own text (`tail_lead`).
 A module starts where its previous sibling ended; the members of a union all
 start at the union's start and the union reserves its longest member; a
-parameter reserves `length` positions; the tokenizer's prefix (a BOS) sits at
-position 0. Positions of modules a prompt does not import are simply absent
+parameter reserves `length` positions (one more with its lead); the tokenizer's
+prefix (a BOS) sits at position 0. Positions of modules a prompt does not import are simply absent
 from that request.
 
 The layout also names the *units* the encoder works in: one per module (its own
