@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from promptlang.cli import numerics
@@ -56,13 +57,15 @@ def register(subparsers: Any) -> None:
                        help="KV of recent requests' prompt tails kept for later requests "
                             "that start the same way (default 64; 0: off; runtime/kv/tails.py)")
     serve.add_argument("--memory-budget", metavar="SIZE", default=None,
-                       help="RAM the module store may hold, e.g. 2GiB, or none for no limit. "
-                            "Least recently used units are evicted past it. Default: a "
-                            "quarter of the RAM, at most 8 GiB.")
+                       help="RAM the module store may hold, e.g. 2GiB, or none for no limit "
+                            "(with --ray: all replicas together, shared out evenly). Least "
+                            "recently used units are evicted past it. Default: a quarter of "
+                            "the RAM, at most 8 GiB.")
     serve.add_argument("--disk-budget", metavar="SIZE", default=None,
                        help="disk the module store may fill in its folder, e.g. 10GiB, 0 for "
-                            "no disk tier, or none for no limit. Default: a tenth of the free "
-                            "space there, at most 20 GiB.")
+                            "no disk tier, or none for no limit (with --ray: the folder the "
+                            "replicas share, every replica's files counted). Default: a tenth "
+                            "of the free space there, at most 20 GiB.")
     serve.add_argument("--max-connections", type=int, default=None, metavar="N",
                        help="connections served at once, more get 503. Default 512, 0 for "
                             "no limit.")
@@ -91,7 +94,8 @@ def register(subparsers: Any) -> None:
     ray.add_argument("--threads", type=int, default=None, metavar="N",
                      help="torch threads per replica (default: cores / replicas)")
     ray.add_argument("--replica-memory", type=int, default=None, metavar="BYTES",
-                     help="each replica's memory tier for module KV (default unlimited)")
+                     help="each replica's memory tier for module KV, in bytes (default: "
+                          "--memory-budget shared out over the replicas)")
     serve.set_defaults(func=_serve)
 
 
@@ -120,10 +124,9 @@ def _serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.ray:
-        if args.memory_budget is not None or args.disk_budget is not None:
-            print("promptlang serve: --memory-budget and --disk-budget are not available with "
-                  "--ray yet (use --replica-memory; the shared store has no disk budget)",
-                  file=sys.stderr)
+        if args.memory_budget is not None and args.replica_memory is not None:
+            print("promptlang serve: give --memory-budget (all replicas together) or "
+                  "--replica-memory (each replica), not both", file=sys.stderr)
             return 2
         if args.tail_mib is not None:
             print("promptlang serve: --tail-mib is not available with --ray yet (each replica "
@@ -167,23 +170,55 @@ def _serve_ray(args: argparse.Namespace) -> int:
         print(f"promptlang serve --ray: Ray Serve is not installed ({missing}); "
               "pip install 'promptlang[cluster]'", file=sys.stderr)
         return 2
+    from promptlang.errors import PromptLangError
     from promptlang.home import kv_dir
+    from promptlang.sizes import format_size
 
+    store = os.path.abspath(args.store) if args.store else str(kv_dir())
+    try:
+        memory, disk = cluster_budgets(args, store)
+    except PromptLangError as error:
+        print(f"promptlang serve --ray: {error}", file=sys.stderr)
+        return 2
     config = ClusterConfig.from_args({
-        "store": os.path.abspath(args.store) if args.store else str(kv_dir()),
+        "store": store,
         "replicas": args.replicas,
         "model": os.path.abspath(args.model) if args.model and os.path.exists(args.model)
         else args.model,
         "schemas": [os.path.abspath(s) for s in args.schemas], "threads": args.threads,
-        "device_budget_bytes": args.replica_memory, "max_batch": args.max_batch,
+        "device_budget_bytes": memory, "disk_budget_bytes": disk, "max_batch": args.max_batch,
         "max_queue": args.max_queue, "recompute": args.recompute,
         "api_key": args.api_key or os.environ.get(API_KEY_ENV) or None,
         "model_name": args.model_name or _model_name(args.model), "router": args.router})
     print(f"promptlang serve --ray: {config.replicas} replicas of {config.model_name} on "
           f"http://{args.host}:{args.port}/v1 (router {config.router}, shared store "
           f"{config.store})", file=sys.stderr)
+    print(f"promptlang serve --ray: module store budgets: memory {format_size(memory)} per "
+          f"replica, disk {format_size(disk)} for the shared folder", file=sys.stderr)
     serve_cluster(config, host=args.host, port=args.port)
     return 0
+
+
+def cluster_budgets(args: argparse.Namespace, store: str) -> tuple[int | None, int | None]:
+    """(each replica's memory budget, the shared folder's disk budget) for `serve --ray`:
+    --replica-memory as given, else --memory-budget (or the machine's default) shared out
+    evenly over the replicas; --disk-budget (or a tenth of the free space, as `serve`) for
+    the folder every replica trims, all replicas' files counted."""
+    from promptlang.errors import InvalidArgumentError
+    from promptlang.sizes import default_disk_budget, default_memory_budget, parse_size
+
+    if args.replica_memory is not None:
+        if args.replica_memory < 0:
+            raise InvalidArgumentError(f"--replica-memory must be >= 0, not "
+                                       f"{args.replica_memory}")
+        memory = args.replica_memory
+    else:
+        total = (default_memory_budget() if args.memory_budget is None
+                 else parse_size(args.memory_budget, "--memory-budget"))
+        memory = None if total is None else total // max(1, args.replicas)
+    disk = (default_disk_budget(Path(store)) if args.disk_budget is None
+            else parse_size(args.disk_budget, "--disk-budget"))
+    return memory, disk
 
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"

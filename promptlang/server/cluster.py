@@ -59,6 +59,7 @@ class ClusterConfig:
     schemas: list[str] = field(default_factory=list)
     threads: int | None = None              # torch threads per replica (default cores/N)
     device_budget_bytes: int | None = None  # each replica's memory tier
+    disk_budget_bytes: int | None = None    # the shared folder, all replicas' files counted
     max_batch: int = 16
     max_queue: int = 64
     recompute: str | None = None
@@ -113,6 +114,10 @@ class ClusterConfig:
             raise ConfigError("replicas, max_batch and max_queue must be at least 1")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads must be at least 1")
+        for name in ("device_budget_bytes", "disk_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"{name} must be a byte count >= 0 (or absent: unlimited)")
 
 
 @dataclass
@@ -145,7 +150,10 @@ class EngineReplica:
 
         cfg = ClusterConfig(**config)
         torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // cfg.replicas))
-        store = ModuleStore(device_budget_bytes=cfg.device_budget_bytes, disk_dir=cfg.store)
+        # each replica trims the shared folder to the disk budget, counting every replica's
+        # files (store/disk.py scans the folder)
+        store = ModuleStore(device_budget_bytes=cfg.device_budget_bytes, disk_dir=cfg.store,
+                            disk_budget_bytes=cfg.disk_budget_bytes)
         options = {} if cfg.recompute is None else {"recompute": cfg.recompute}
         self.llm = engine.load(cfg.model, store=store, **options)
         functions = load_schemas(self.llm, cfg.schemas)

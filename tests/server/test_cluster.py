@@ -289,3 +289,35 @@ def test_a_replica_reports_the_primed_entries_it_served(schemas, tmp_path):
         assert len(units) == 3 and all(replica.llm.store.memory_bytes(k) > 0 for k in units)
     finally:
         replica.app.state.promptlang.worker.close()
+
+
+def test_two_replicas_keep_their_shared_folder_within_the_disk_budget(schemas, tmp_path):
+    """Two replicas on one folder with a disk budget: each trims the folder, counting the
+    other's files too, so the folder never holds more than the budget; units evicted from
+    disk are encoded again and answer the same."""
+    folder = tmp_path / "kv"
+    budget = 6 << 20
+    config = {"store": str(folder), "schemas": [str(schemas)], "replicas": 2, "threads": 1,
+              "disk_budget_bytes": budget}
+    replicas = [EngineReplica(config), EngineReplica(config)]
+
+    def folder_bytes() -> int:
+        return sum(path.stat().st_size for path in folder.iterdir() if path.is_file())
+
+    answers = {}
+    try:
+        for step in range(2 * DOCS):           # bounded: each document pair twice
+            docs = [step % DOCS, (step + 1) % DOCS]
+            replica = replicas[step % 2]
+            _, collect = completion_call(replica, schemas, pml_body(docs))
+            (kind, status, _), *chunks = asyncio.run(collect())
+            assert (kind, status) == ("start", 200)
+            text = json.loads(b"".join(c for _, c, _ in chunks))["choices"][0]["text"]
+            assert answers.setdefault(tuple(docs), text) == text
+            assert 0 < folder_bytes() <= budget, step
+        evicted = sum(r.llm.store.stats.disk_evictions for r in replicas)
+        assert evicted > 0                     # the budget was reached and held
+        assert all(r.llm.store.stats.disk_evictions > 0 for r in replicas)
+    finally:
+        for replica in replicas:
+            replica.app.state.promptlang.worker.close()

@@ -127,3 +127,32 @@ def test_the_command_line_s_limits_reach_the_server_and_are_checked(monkeypatch,
     assert "--keep-alive must be positive, not 0" in capsys.readouterr().err
     assert main(["serve", "--header-timeout", "0"]) == 2
     assert "--header-timeout must be positive, not 0" in capsys.readouterr().err
+
+
+def test_ray_budgets_reach_every_replica_and_are_checked(monkeypatch, capsys, tmp_path):
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (CI installs it)")
+    from promptlang.cli import main
+    from promptlang.server import cluster
+
+    started = []
+    monkeypatch.setattr(cluster, "serve_cluster",
+                        lambda config, **where: started.append(config))
+    store = str(tmp_path / "kv")
+    assert main(["serve", "--ray", "--replicas", "4", "--store", store, "--memory-budget",
+                 "4GiB", "--disk-budget", "10MiB"]) == 0
+    config = started[-1]
+    assert (config.device_budget_bytes, config.disk_budget_bytes) == (1 << 30, 10 << 20)
+    assert ("module store budgets: memory 1.0 GiB per replica, disk 10.0 MiB for the shared "
+            "folder") in capsys.readouterr().err
+    assert main(["serve", "--ray", "--store", store, "--replica-memory", "1000",
+                 "--disk-budget", "none"]) == 0
+    assert (started[-1].device_budget_bytes, started[-1].disk_budget_bytes) == (1000, None)
+    assert main(["serve", "--ray", "--replicas", "2", "--store", store]) == 0
+    assert started[-1].device_budget_bytes is not None         # the machine's default, shared
+    assert started[-1].disk_budget_bytes is not None
+    assert main(["serve", "--ray", "--store", store, "--replica-memory", "1000",
+                 "--memory-budget", "1GiB"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--store", store, "--disk-budget", "lots"]) == 2
+    assert "--disk-budget 'lots' is not a size" in capsys.readouterr().err
+    assert len(started) == 3
