@@ -50,6 +50,9 @@ DEFAULT_COMPLETION_TOKENS = 16      # the OpenAI API's default for completions
 DISCONNECT_POLL_S = 0.25            # how often a non-streamed request checks its client
 BODY_TIMEOUT_S = 30.0               # a request body must arrive within this (else 408, closed)
 MAX_JSON_DEPTH = 64                 # arrays and objects nested deeper are refused (400)
+# a body at least this big is decoded, checked and parsed on a thread of its own, so the
+# event loop serves other requests meanwhile (the checks of megabytes take tens of ms)
+OFF_LOOP_BYTES = 1 << 20
 _SURROGATE = re.compile("[\ud800-\udfff]")   # JSON's "\ud800" escapes: not Unicode text
 
 
@@ -183,9 +186,10 @@ def _authorize(state: ServerState, request: Request) -> None:
                         "authentication_error")
 
 
-async def _body(request: Request, timeout: float) -> dict:
-    """The request's JSON object: at most MAX_BODY_BYTES, arrived within `timeout` seconds,
-    nested at most MAX_JSON_DEPTH deep, every string valid Unicode; else an HTTPError."""
+async def _body(request: Request, timeout: float) -> tuple[dict, int]:
+    """The request's JSON object and its size in bytes: at most MAX_BODY_BYTES, arrived
+    within `timeout` seconds, nested at most MAX_JSON_DEPTH deep, every string valid Unicode;
+    else an HTTPError. A body of OFF_LOOP_BYTES or more is decoded on a thread."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise HTTPError(413, f"the request body is {int(length):,} bytes; at most "
@@ -205,6 +209,13 @@ async def _body(request: Request, timeout: float) -> dict:
     except asyncio.TimeoutError:
         raise HTTPError(408, f"the request body did not arrive within {timeout:g} s",
                         close=True) from None
+    if len(raw) >= OFF_LOOP_BYTES:
+        return await asyncio.to_thread(_decoded, raw), len(raw)
+    return _decoded(raw), len(raw)
+
+
+def _decoded(raw: bytearray) -> dict:
+    """The JSON object in `raw`, checked; else an HTTPError (400)."""
     try:
         body = json.loads(bytes(raw).decode("utf-8"), parse_constant=_not_json)
     except ValueError as error:        # UnicodeDecodeError, JSONDecodeError, NaN/Infinity
@@ -469,8 +480,11 @@ async def _complete(state: ServerState, request: Request, chat: bool):
     job = None
     try:
         _authorize(state, request)
-        body = await _body(request, state.body_timeout)
-        parsed = _parse(state, body, chat)
+        body, size = await _body(request, state.body_timeout)
+        if size >= OFF_LOOP_BYTES:              # its text's checks, off the event loop too
+            parsed = await asyncio.to_thread(_parse, state, body, chat)
+        else:
+            parsed = _parse(state, body, chat)
         await _prepare_long_texts(state, parsed)
         job = Job(_opener(state, parsed, request.scope.get("extensions") or {}),
                   asyncio.get_running_loop())

@@ -798,6 +798,30 @@ def test_a_bounded_store_stays_under_its_budgets_over_many_distinct_chat_prefixe
     assert 0 < values["promptlang_store_memory_bytes"] <= memory_budget
 
 
+def test_a_body_of_megabytes_is_checked_off_the_event_loop_with_the_same_answers(
+        served, monkeypatch):
+    from promptlang.server import app as app_module
+
+    server, _ = served
+    threads = []
+    original = app_module._decoded
+    monkeypatch.setattr(app_module, "_decoded", lambda raw: threads.append(
+        threading.current_thread().name) or original(raw))
+    big = "word " * (app_module.OFF_LOOP_BYTES // 5 + 1)
+    status, answer = post(server.url + "/v1/completions",
+                          (json.dumps({"model": "tiny", "prompt": big})[:-1]).encode())
+    assert status == 400 and "not valid JSON" in answer["error"]["message"]
+    status, answer = post(server.url + "/v1/completions",
+                          json.dumps({"model": "tiny", "prompt": big, "stream": "x"}).encode())
+    assert status == 400 and answer["error"]["param"] == "stream"
+    status, answer = post(server.url + "/v1/completions",
+                          json.dumps({"model": "tiny", "prompt": "a b", "stream": "x"}).encode())
+    assert status == 400 and answer["error"]["param"] == "stream"
+    # the small body on the event loop's thread, the big ones on threads of their own
+    assert threads == [threads[0], threads[1], server.thread.name]
+    assert server.thread.name not in threads[:2]
+
+
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tiny_model_dir, tmp_path,
                                                                    monkeypatch):
     from promptlang.runtime import engine
