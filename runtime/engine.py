@@ -49,6 +49,7 @@ from promptlang.runtime.passes.probe import probe_choice
 from promptlang.runtime.passes.prefill import baseline_prefill, prefill, uncached_tokens, with_last
 from promptlang.runtime.decoding.results import Opened, PendingPrefill, Prefilled, Result, Timings
 from promptlang.runtime.decoding.sampling import SamplingParams, options_to_params
+from promptlang.runtime.fast import native
 from promptlang.runtime.sources import read_prompt, read_schema
 from promptlang.runtime.kv.tails import DEFAULT_BUDGET as TAIL_BUDGET, TailCache, plan_tail
 
@@ -309,6 +310,7 @@ class LLM:
         """Bind, retrieve, assemble and prefill; returns the open request (the caller
         releases its buffer) and the prefill's logits ([Q, V] with all_logits, else [1, V];
         None when the prefill is left pending)."""
+        native.adapt_torch_threads()            # fewer threads while other processes run
         bound, healed, policy = self._bind_request(prompt, request)
         t = Timings(bind=time.perf_counter() - request.started)
         room = self._room(bound, request.room)

@@ -47,8 +47,10 @@ def test_the_default_budgets_are_a_share_of_this_machine_and_capped(tmp_path):
 def test_serve_refuses_a_bad_budget_before_loading_anything(capsys):
     assert main(["serve", "--memory-budget", "lots"]) == 2
     assert "--memory-budget 'lots' is not a size" in capsys.readouterr().err
-    assert main(["serve", "--ray", "--disk-budget", "1GiB"]) == 2
-    assert "not available with --ray" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--disk-budget", "lots"]) == 2     # before Ray starts
+    assert "--disk-budget 'lots' is not a size" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--replica-memory", "-1"]) == 2
+    assert "--replica-memory must be >= 0, not -1" in capsys.readouterr().err
 
 
 def test_load_s_budgets_bound_the_store(tiny_model_dir, tmp_path, monkeypatch):

@@ -164,12 +164,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_ray(args: argparse.Namespace) -> int:
-    try:
-        from promptlang.server.cluster import ClusterConfig, serve_cluster
-    except ImportError as missing:
-        print(f"promptlang serve --ray: Ray Serve is not installed ({missing}); "
-              "pip install 'promptlang[cluster]'", file=sys.stderr)
-        return 2
     from promptlang.errors import PromptLangError
     from promptlang.home import kv_dir
     from promptlang.sizes import format_size
@@ -179,6 +173,12 @@ def _serve_ray(args: argparse.Namespace) -> int:
         memory, disk = cluster_budgets(args, store)
     except PromptLangError as error:
         print(f"promptlang serve --ray: {error}", file=sys.stderr)
+        return 2
+    try:
+        from promptlang.server.cluster import ClusterConfig, serve_cluster
+    except ImportError as missing:
+        print(f"promptlang serve --ray: Ray Serve is not installed ({missing}); "
+              "pip install 'promptlang[cluster]'", file=sys.stderr)
         return 2
     config = ClusterConfig.from_args({
         "store": store,

@@ -39,6 +39,7 @@ from promptlang.runtime.kv.assembler import KVBuffer
 from promptlang.runtime.model import ModelAdapter
 from promptlang.runtime.passes.prefill import extend, truncate
 from promptlang.runtime.decoding.sampling import Decoding
+from promptlang.runtime.fast import native
 
 LOOKUP_NGRAM = 3       # the longest tail of the sequence that a draft lookup matches
 
@@ -269,6 +270,7 @@ class BatchStepper:
     def step(self) -> list[tuple[object, int | None, str, bool]]:
         """One pass for every live decoder and the joining prefills that fit: (key, token
         id, text delta, finished) each."""
+        native.adapt_torch_threads()            # fewer threads while other processes run
         events = []
         live = []
         for key, (d, token) in list(self.picked.items()):

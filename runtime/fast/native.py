@@ -38,6 +38,8 @@ _TRUE = ("1", "true", "yes", "on")
 _lock = threading.Lock()
 _busy = {"checked": -1.0, "others": 0}   # runnable threads of other processes, when last read
 BUSY_CHECK_S = 0.05                       # how often kernel_threads reads them
+# torch's thread count as configured, and the count adapt_torch_threads set last (None: none)
+_threads: dict[str, int | None] = {"configured": None, "set": None}
 adapt_threads = True                      # False: always torch's thread count
 _lib: ctypes.CDLL | None = None
 _error: "NativeKernelsError | None" = None     # why required kernels are missing
@@ -412,13 +414,14 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
 
 
 def kernel_threads() -> int:
-    """Threads for a kernel call: torch's count, less one for each core that threads of
-    other processes are running on now (read from /proc at most every BUSY_CHECK_S).
+    """Threads for a kernel call: torch's count (as configured: `adapt_torch_threads` may
+    have lowered it), less one for each core that threads of other processes are running on
+    now (read from /proc at most every BUSY_CHECK_S).
     The kernels split each layer into equal static slices with barriers between them, so a
     thread whose core another process holds makes every barrier wait for the scheduler;
     with fewer threads than free cores none waits (a busy neighbour once made a decode step
     37x slower)."""
-    wanted = torch.get_num_threads()
+    wanted = _configured_threads()
     if wanted <= 1 or not adapt_threads:
         return wanted
     now = time.monotonic()
@@ -431,6 +434,27 @@ def kernel_threads() -> int:
     # only some of its CPUs (a container's cpuset), count the share that falls on ours
     others = round(_busy["others"] * cores / machine) if machine > cores else _busy["others"]
     return max(1, min(wanted, cores - others))
+
+
+def adapt_torch_threads() -> None:
+    """Give torch's own operations on this thread (the engine's) `kernel_threads()` threads
+    for the pass about to run, and its configured count back once the cores are free (or
+    `adapt_threads` is off). torch's OpenMP threads wait at barriers too: beside a process
+    that had just started spinning, a cached question took ~35 ms longer at two threads
+    than at one, for its first several requests."""
+    wanted = kernel_threads() if adapt_threads else _configured_threads()
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+    _threads["set"] = wanted
+
+
+def _configured_threads() -> int:
+    """torch's thread count as the user (or torch) configured it: the current count, unless
+    it is the one `adapt_torch_threads` set last."""
+    current = torch.get_num_threads()
+    if current != _threads["set"] or _threads["configured"] is None:
+        _threads["configured"] = current
+    return _threads["configured"]
 
 
 def _runnable_elsewhere() -> int:

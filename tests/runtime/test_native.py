@@ -377,6 +377,42 @@ def test_kernel_threads_leave_the_cores_other_processes_hold(monkeypatch):
     assert native.kernel_threads() == 2
 
 
+def test_torch_s_own_threads_follow_the_free_cores_and_come_back(monkeypatch):
+    threads = [4]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads[0])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: threads.__setitem__(0, n))
+    monkeypatch.setattr(native.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(native.os, "cpu_count", lambda: 4)
+    others = [0]
+    monkeypatch.setattr(native, "_runnable_elsewhere", lambda: others[0])
+    monkeypatch.setattr(native, "_busy", {"checked": -1.0, "others": 0})
+    monkeypatch.setattr(native, "_threads", {"configured": None, "set": None})
+    native.adapt_torch_threads()
+    assert threads[0] == 4
+    others[0] = 3
+    native._busy["checked"] = -1.0
+    native.adapt_torch_threads()
+    assert threads[0] == 1 and native.kernel_threads() == 1
+    others[0] = 1
+    native._busy["checked"] = -1.0
+    native.adapt_torch_threads()                 # the configured 4, less the busy core
+    assert threads[0] == 3
+    others[0] = 0
+    native._busy["checked"] = -1.0
+    native.adapt_torch_threads()
+    assert threads[0] == 4
+    threads[0] = 8                               # the user's own setting is the new one
+    native._busy["checked"] = -1.0
+    assert native.kernel_threads() == 4          # (the machine has 4 cores)
+    others[0] = 3
+    native._busy["checked"] = -1.0
+    native.adapt_torch_threads()
+    assert threads[0] == 1
+    monkeypatch.setattr(native, "adapt_threads", False)
+    native.adapt_torch_threads()
+    assert threads[0] == 8                       # off: torch's configured count
+
+
 def test_attention_numbers_do_not_depend_on_the_threads_a_busy_machine_leaves(monkeypatch):
     """The key ranges a new token's attention is cut into follow torch's thread count, not the
     team kernel_threads gives a call: one thread, or four, give the same bits."""
