@@ -80,6 +80,7 @@ class _Serving(NamedTuple):
 
     blocks: dict
     kind: int
+    kinds: ctypes.Array | None
     seen: tuple
     table: ctypes.Array | None
     bf16_attention: bool
@@ -111,6 +112,7 @@ class FusedDecoder:
         # weights' (pointer, version) they were checked against, and the kernel's table
         self._blocks: dict[int, torch.Tensor] = {}
         self._blocks_kind = 4
+        self._kinds_table: ctypes.Array | None = None    # each slot's kind, where they differ
         self._blocks_seen: tuple = ()
         self._blocks_table: ctypes.Array | None = None
         # the attention's products in bfloat16 (kernels.c `bf`; native.products_available
@@ -187,7 +189,8 @@ class FusedDecoder:
         native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
                        new_values, key_positions, None if key_positions is None else positions,
                        contexts=contexts, quantized=self._quantized(),
-                       quantized_kind=self._blocks_kind, query_out=query_out,
+                       quantized_kind=self._blocks_kind, quantized_kinds=self._kinds_table,
+                       query_out=query_out,
                        bf16_products=self.bf16_attention)
         return self._head(self.norm(x[rows]))
 
@@ -241,7 +244,7 @@ class FusedDecoder:
         native.decoder(x, self._shape, self.eps, self.scale, table, cos, sin, pieces, new_keys,
                        new_values, kpos, qpos, requests=spans, contexts=contexts,
                        quantized=self._quantized(), quantized_kind=self._blocks_kind,
-                       bf16_products=self.bf16_attention)
+                       quantized_kinds=self._kinds_table, bf16_products=self.bf16_attention)
         rows = []
         at = 0
         for r, (n, _) in zip(requests, spans):
@@ -294,25 +297,33 @@ class FusedDecoder:
         self._table = (ptrs, table)
         return table
 
-    def attach_blocks(self, blocks, kind: int = 4) -> int:
+    def attach_blocks(self, blocks, kind: int | None = 4) -> int:
         """Serve linear weights from quantized blocks of `kind` (4: Q4_1, as a GGUF stores
         them: `{(layer index, parameter name as in _WEIGHTS, e.g. "mlp.up_proj.weight"): [n,
-        k / 32 * 20] uint8}`; 8: Q8_0, [n, k / 32 * 34]) instead of their float32 copies:
-        ~6.4x (Q4_1) or ~3.8x (Q8_0) fewer bytes per pass. Each is checked to dequantize to
-        the float weight the layer holds now, bit for bit (native.q_dequant); one that does
-        not stays float. A float weight replaced or changed in place later turns every
-        quantized weight off. Returns how many weights are served quantized."""
+        k / 32 * 20] uint8}`; 8: Q8_0, [n, k / 32 * 34]; the other kinds of native.KINDS,
+        Q5_0 and the K-quants, likewise) instead of their float32 copies: ~6.4x (Q4_1) or
+        ~3.8x (Q8_0) fewer bytes per pass. With `kind` None each value is a (kind, blocks)
+        pair: a GGUF's mix of types. Each is checked to dequantize to the float weight the
+        layer holds now, bit for bit (native.q_dequant); one that does not stays float. A
+        float weight replaced or changed in place later turns every quantized weight off.
+        Returns how many weights are served quantized."""
         self._drop_blocks()
-        if kind not in (4, 8):
-            raise InvalidArgumentError(f"block kind must be 4 (Q4_1) or 8 (Q8_0), not {kind!r}")
-        self._blocks_kind = kind
-        width = native.Q4_BYTES if kind == 4 else native.Q8_BYTES
+        entries = blocks.items() if kind is None else (
+            (where, (kind, q)) for where, q in blocks.items())
+        entries = list(entries)
+        unknown = sorted({k for _, (k, _) in entries} - set(native.KINDS))
+        if unknown:
+            known = ", ".join(f"{number} ({name})" for number, (name, _, _) in
+                              native.KINDS.items())
+            raise InvalidArgumentError(f"block kind {unknown[0]!r} is not one the kernels "
+                                       f"read ({known})")
         k_ok = all(n % 32 == 0 and n <= native.Q4_MAX_K
                    for n in (self.hidden, self.inter, self.heads * self.head_dim))
         if not k_ok or not native.enabled() or not native.available():
             return 0
         index = {name: i for i, name in enumerate(_WEIGHTS)}
-        for (layer, name), q in blocks.items():
+        kinds = {}
+        for (layer, name), (block_kind, q) in entries:
             if name not in index or not 0 <= layer < len(self.layers):
                 continue
             slot = layer * len(_WEIGHTS) + index[name]
@@ -320,12 +331,19 @@ class FusedDecoder:
             weight = params.get(key)
             if weight is None or weight.dim() != 2 or weight.dtype != torch.float32:
                 continue
-            expected = (weight.shape[0], weight.shape[1] // 32 * width)
-            if q.dtype != torch.uint8 or weight.shape[1] % 32 or tuple(q.shape) != expected:
+            _, per_block, width = native.KINDS[block_kind]
+            expected = (weight.shape[0], weight.shape[1] // per_block * width)
+            if q.dtype != torch.uint8 or weight.shape[1] % per_block or tuple(q.shape) != expected:
                 continue
             q = q.contiguous()
-            if torch.equal(native.q_dequant(q, weight.shape[1], kind=kind), weight):
+            if torch.equal(native.q_dequant(q, weight.shape[1], kind=block_kind), weight):
                 self._blocks[slot] = q
+                kinds[slot] = block_kind
+        distinct = set(kinds.values())
+        self._blocks_kind = distinct.pop() if len(distinct) == 1 else 0
+        if len(set(kinds.values())) > 1:
+            self._kinds_table = (ctypes.c_int * len(self._slots))(*[
+                kinds.get(i, 0) for i in range(len(self._slots))])
         return self._attached()
 
     def _attached(self) -> int:
@@ -411,14 +429,17 @@ class FusedDecoder:
         self._blocks = {}
         self._blocks_seen = ()
         self._blocks_table = None
+        self._kinds_table = None
 
     def _serving(self) -> _Serving:
-        return _Serving(blocks=self._blocks, kind=self._blocks_kind, seen=self._blocks_seen,
-                        table=self._blocks_table, bf16_attention=self.bf16_attention)
+        return _Serving(blocks=self._blocks, kind=self._blocks_kind, kinds=self._kinds_table,
+                        seen=self._blocks_seen, table=self._blocks_table,
+                        bf16_attention=self.bf16_attention)
 
     def _serve(self, serving: _Serving) -> None:
         self._blocks = serving.blocks
         self._blocks_kind = serving.kind
+        self._kinds_table = serving.kinds
         self._blocks_seen = serving.seen
         self._blocks_table = serving.table
         self.bf16_attention = serving.bf16_attention

@@ -357,6 +357,116 @@ static void q8_row(const uint8_t* row, long k, float* dst) {
     }
 }
 
+/* ---- K-quants and Q5_0, read as a GGUF stores them ------------------------------------------ *
+ * Each row function makes the float32 weights of one row exactly as gguf's reference
+ * dequantizer (gguf-py quants.py) computes them: the same products in the same order, never
+ * fused (fp-contract=off), so a converted model's float weights and these are the same bits.
+ * Kinds are ggml's type numbers: Q5_0 6, Q4_K 12, Q5_K 13, Q6_K 14. */
+#define Q5_0_BYTES 22         /* d (float16), 32 high bits, 16 bytes of low nibbles; 32 weights */
+#define QK_K 256              /* weights per K-quant super-block */
+#define Q4_K_BYTES 144        /* d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 of nibbles */
+#define Q5_K_BYTES 176        /* ... then 32 bytes of fifth bits before the nibbles */
+#define Q6_K_BYTES 210        /* 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, d */
+#define KIND_Q5_0 6
+#define KIND_Q4_K 12
+#define KIND_Q5_K 13
+#define KIND_Q6_K 14
+
+/* the 6-bit scale and min of sub-block j (0-7) of a Q4_K/Q5_K super-block */
+static inline void k_scale_min(const uint8_t* s, int j, float* sc, float* mn) {
+    if (j < 4) {
+        *sc = (float)(s[j] & 0x3F);
+        *mn = (float)(s[j + 4] & 0x3F);
+    } else {
+        *sc = (float)((s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30));
+        *mn = (float)((s[j + 4] >> 4) | ((s[j] >> 2) & 0x30));
+    }
+}
+
+/* d * scale and dmin * min of the 8 sub-blocks of a Q4_K or Q5_K super-block (its first 16
+ * bytes: d, dmin, the packed scales and mins) */
+static void k_sub_scales(const uint8_t* block, float* dj, float* mj) {
+    uint16_t hd, hm;
+    memcpy(&hd, block, 2);
+    memcpy(&hm, block + 2, 2);
+    float d = _cvtsh_ss(hd), dmin = _cvtsh_ss(hm);
+    for (int j = 0; j < 8; j++) {
+        float sc, mn;
+        k_scale_min(block + 4, j, &sc, &mn);
+        dj[j] = d * sc;
+        mj[j] = dmin * mn;
+    }
+}
+
+__attribute__((optimize("fp-contract=off")))
+static void q4k_row(const uint8_t* row, long k, float* dst) {
+    for (long b = 0; b < k / QK_K; b++, row += Q4_K_BYTES, dst += QK_K) {
+        float dj[8], mj[8];
+        k_sub_scales(row, dj, mj);
+        const uint8_t* qs = row + 16;
+        for (int j = 0; j < 8; j++) {
+            const uint8_t* q = qs + 32 * (j / 2);
+            int shift = 4 * (j % 2);
+            for (int i = 0; i < 32; i++)
+                dst[32 * j + i] = dj[j] * (float)((q[i] >> shift) & 0x0F) - mj[j];
+        }
+    }
+}
+
+__attribute__((optimize("fp-contract=off")))
+static void q5k_row(const uint8_t* row, long k, float* dst) {
+    for (long b = 0; b < k / QK_K; b++, row += Q5_K_BYTES, dst += QK_K) {
+        float dj[8], mj[8];
+        k_sub_scales(row, dj, mj);
+        const uint8_t* qh = row + 16;
+        const uint8_t* qs = row + 48;
+        for (int j = 0; j < 8; j++) {
+            const uint8_t* q = qs + 32 * (j / 2);
+            int shift = 4 * (j % 2);
+            for (int i = 0; i < 32; i++) {
+                int v = ((q[i] >> shift) & 0x0F) | (((qh[i] >> j) & 1) << 4);
+                dst[32 * j + i] = dj[j] * (float)v - mj[j];
+            }
+        }
+    }
+}
+
+__attribute__((optimize("fp-contract=off")))
+static void q6k_row(const uint8_t* row, long k, float* dst) {
+    for (long b = 0; b < k / QK_K; b++, row += Q6_K_BYTES, dst += QK_K) {
+        const uint8_t* ql = row;
+        const uint8_t* qh = row + 128;
+        const int8_t* scales = (const int8_t*)(row + 192);
+        uint16_t hd;
+        memcpy(&hd, row + 208, 2);
+        float d = _cvtsh_ss(hd);
+        for (int e = 0; e < QK_K; e++) {
+            int half = e / 128, within = e % 128;
+            int low = (ql[half * 64 + within % 64] >> (4 * (within / 64))) & 0x0F;
+            int high = (qh[half * 32 + within % 32] >> (2 * (within / 32))) & 0x03;
+            int v = (int)(int8_t)(uint8_t)(low | (high << 4)) - 32;
+            dst[e] = (d * (float)scales[e / 16]) * (float)v;
+        }
+    }
+}
+
+__attribute__((optimize("fp-contract=off")))
+static void q5_0_row(const uint8_t* row, long k, float* dst) {
+    for (long b = 0; b < k / 32; b++, row += Q5_0_BYTES, dst += 32) {
+        uint16_t hd;
+        uint32_t qh;
+        memcpy(&hd, row, 2);
+        memcpy(&qh, row + 2, 4);
+        float d = _cvtsh_ss(hd);
+        const uint8_t* qs = row + 6;
+        for (int e = 0; e < 32; e++) {
+            int low = (qs[e % 16] >> (4 * (e / 16))) & 0x0F;
+            int v = (low | (int)(((qh >> e) & 1) << 4)) - 16;
+            dst[e] = d * (float)v;
+        }
+    }
+}
+
 typedef void (*RowFn)(const uint8_t*, long, float*);
 
 /* q4_row and q8_row on 512-bit vectors (16 weights an instruction; the same operations, so
@@ -446,13 +556,36 @@ int pl_q4_fused(int on) {
     return q4_fused;
 }
 
-/* out[r][0:k] = the weights of rows [0, rows) of blocks w (kind 4: Q4_1, 8: Q8_0; k % 32 ==
- * 0): for tests and checks */
-void pl_q_dequant(const uint8_t* w, long rows, long k, int kind, float* out) {
-    RowFn row = kind == 8 ? q8_row : q4_row;
-    long stride = k / 32 * (kind == 8 ? Q8_BYTES : Q4_BYTES);
+/* The row function of a kind (4: Q4_1, 8: Q8_0, and ggml's numbers for Q5_0 and the
+ * K-quants), NULL for another; *stride: the bytes of a row of k weights, k a multiple of the
+ * kind's block (32, or 256 for the K-quants). */
+static RowFn kind_row(int kind, long k, long* stride) {
+    switch (kind) {
+    case 4: *stride = k / 32 * Q4_BYTES; return q4_row;
+    case 8: *stride = k / 32 * Q8_BYTES; return q8_row;
+    case KIND_Q5_0: *stride = k / 32 * Q5_0_BYTES; return q5_0_row;
+    case KIND_Q4_K: *stride = k / QK_K * Q4_K_BYTES; return q4k_row;
+    case KIND_Q5_K: *stride = k / QK_K * Q5_K_BYTES; return q5k_row;
+    case KIND_Q6_K: *stride = k / QK_K * Q6_K_BYTES; return q6k_row;
+    default: *stride = 0; return NULL;
+    }
+}
+
+/* the weights in one block of a kind_row kind */
+static long kind_block(int kind) {
+    return kind == KIND_Q4_K || kind == KIND_Q5_K || kind == KIND_Q6_K ? QK_K : 32;
+}
+
+/* out[r][0:k] = the weights of rows [0, rows) of blocks w of `kind` (kind_row): for tests and
+ * checks. Returns 0, or -1 for an unknown kind. */
+int pl_q_dequant(const uint8_t* w, long rows, long k, int kind, float* out) {
+    long stride;
+    RowFn row = kind_row(kind, k, &stride);
+    if (!row)
+        return -1;
     for (long r = 0; r < rows; r++)
         row(w + r * stride, k, out + r * k);
+    return 0;
 }
 
 /* dots with b as quantized rows (`row` dequantizes one; row stride `stride` bytes): the same
@@ -503,16 +636,29 @@ static void dots_q(const float* a, long lda, long m, const uint8_t* b, long n, l
     }
 }
 
+/* y[m][n] = x[m][k] . w^T for rows w of blocks of `kind` (kind_row; k <= Q4_MAX_K): a linear
+ * layer from the GGUF's own blocks, the same tiles over the same values as the float weights'.
+ * Returns 0, or -1 for an unknown kind. */
+int pl_linear_q(const float* x, long m, long k, const uint8_t* w, long n, float* y, int kind,
+                int threads) {
+    long stride;
+    RowFn row = kind_row(kind, k, &stride);
+    if (!row)
+        return -1;
+    long tasks = (n + LIN_BLOCK - 1) / LIN_BLOCK;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long t = 0; t < tasks; t++) {
+        long j0 = t * LIN_BLOCK, j1 = j0 + LIN_BLOCK < n ? j0 + LIN_BLOCK : n;
+        dots_q(x, k, m, w + j0 * stride, j1 - j0, k, y + j0, n, row, stride);
+    }
+    return 0;
+}
+
 /* y[m][n] = x[m][k] . w^T for Q8_0 rows w (k % 32 == 0, k <= Q4_MAX_K): the LM head of a
  * decode step from the GGUF's own blocks */
 void pl_linear_q8(const float* x, long m, long k, const uint8_t* w, long n, float* y,
                   int threads) {
-    long tasks = (n + LIN_BLOCK - 1) / LIN_BLOCK, stride = k / 32 * Q8_BYTES;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long t = 0; t < tasks; t++) {
-        long j0 = t * LIN_BLOCK, j1 = j0 + LIN_BLOCK < n ? j0 + LIN_BLOCK : n;
-        dots_q(x, k, m, w + j0 * stride, j1 - j0, k, y + j0, n, q8_row, stride);
-    }
+    pl_linear_q(x, m, k, w, n, y, 8, threads);
 }
 
 /* columns [j0, j1) of y (row stride ldy) = x[m][k] . w[n][k]^T (+ bias) */
@@ -1783,8 +1929,8 @@ static void rope(const float* x, const float* cos, const float* sin, long d, flo
     }
 }
 
-/* columns [j0, j1) of y = x . w^T (+ b): from the blocks wq where given (qkind 4: Q4_1,
- * 8: Q8_0), else float w */
+/* columns [j0, j1) of y = x . w^T (+ b): from the blocks wq where given (qkind: a kind_row
+ * kind, or I8_KIND), else float w */
 static void linear_any(const float* x, const int16_t* xu, const float* xs, long m, long k,
                        const float* w, const uint8_t* wq, int qkind, long n, const float* b,
                        long j0, long j1, float* y, long ldy) {
@@ -1792,12 +1938,13 @@ static void linear_any(const float* x, const int16_t* xu, const float* xs, long 
         linear_cols(x, m, k, w, n, b, j0, j1, y, ldy);
         return;
     }
-    long stride = k / 32 * (qkind == 8 ? Q8_BYTES : Q4_BYTES);
-    if (qkind == I8_KIND)
+    if (qkind == I8_KIND) {
         linear_i8(xu, xs, m, k, wq, n, j0, j1, y, ldy);
-    else
-        dots_q(x, k, m, wq + j0 * stride, j1 - j0, k, y + j0, ldy,
-               qkind == 8 ? q8_row : q4_row, stride);
+    } else {
+        long stride;
+        RowFn row = kind_row(qkind, k, &stride);
+        dots_q(x, k, m, wq + j0 * stride, j1 - j0, k, y + j0, ldy, row, stride);
+    }
     if (b)
         for (long i = 0; i < m; i++)
             for (long j = j0; j < j1; j++) y[i * ldy + j] += b[j];
@@ -1836,8 +1983,9 @@ static void linear_residual(const float* x, const int16_t* xu, const float* xs, 
  * the other keys', and the two parts mixed by softmax(mixc * L_C, L_O) (mixc: scale *
  * temperature; L the parts' log-sum-exps).
  * qw (NULL: none): blocks of the linear weights, [layers][W_COUNT] like w (NULL where a
- * weight is float only), all of kind qkind (4: Q4_1, 8: Q8_0): read instead of w, giving the
- * same values (fused.py checks them); I8_KIND: int8 rows, and the inputs of those layers
+ * weight is float only), all of kind qkind (4: Q4_1, 8: Q8_0), or each of the kind qkinds
+ * gives it ([layers][W_COUNT]; NULL: qkind for all; kind_row's kinds, a GGUF's mix of
+ * K-quants among them): read instead of w, giving the same values (fused.py checks them); I8_KIND: int8 rows, and the inputs of those layers
  * quantized to 12 bits per token (approximate; where the CPU has AVX512_VNNI, else float).
  * qout (NULL: none): the last token's rotated query rows of every layer, [layers][heads][d]
  * (before the softmax scale): the recompute policy query:K ranks cached tokens by them.
@@ -1853,8 +2001,8 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
                float* const* newk, long nkstride, float* const* newv, long nvstride,
                const int64_t* kpos, const int64_t* qpos, long nreq, const long* tok,
                const long* seg, const int* ctx, float invt, float mixc,
-               const uint8_t* const* qw, int qkind, float* qout, int bf, int threads,
-               int plan_threads) {
+               const uint8_t* const* qw, int qkind, const int* qkinds, float* qout, int bf,
+               int threads, int plan_threads) {
     long hidden = shape[0], heads = shape[1], kvh = shape[2], d = shape[3], inter = shape[4],
          layers = shape[5];
     long tok1[2] = {0, q}, seg1[2] = {0, nseg};
@@ -1862,8 +2010,18 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
     bf = bf && pl_bf16_products();
     if (qw && (hidden % 32 || inter % 32 || (heads * d) % 32 || hidden > Q4_MAX_K
                || inter > Q4_MAX_K || heads * d > Q4_MAX_K
-               || (qkind != 4 && qkind != 8 && qkind != I8_KIND)))
+               || (!qkinds && qkind != 4 && qkind != 8 && qkind != I8_KIND)))
         return -1;
+    if (qw && qkinds)                   /* each weight's kind known, its rows whole blocks */
+        for (long l = 0; l < layers; l++)
+            for (int slot = W_Q; slot <= W_DOWN; slot++) {
+                long stride, k = slot == W_O ? heads * d : (slot == W_DOWN ? inter : hidden);
+                if (slot == W_LN2 || !qw[l * W_COUNT + slot])
+                    continue;
+                int kind = qkinds[l * W_COUNT + slot];
+                if (!kind_row(kind, k, &stride) || k % kind_block(kind))
+                    return -1;
+            }
     int i8 = qw && qkind == I8_KIND;
     if (i8 && (hidden % 64 || inter % 64 || (heads * d) % 64 || !pl_products(8)))
         qw = NULL, i8 = 0;
@@ -1911,7 +2069,9 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
     for (long l = 0; l < layers; l++) {
         const float* const* lw = w + l * W_COUNT;
         const uint8_t* const* lq = qw ? qw + l * W_COUNT : NULL;
+        const int* lk = qkinds ? qkinds + l * W_COUNT : NULL;
 #define QW(slot) (lq ? lq[slot] : NULL)
+#define QK(slot) (lk ? lk[slot] : qkind)
         #pragma omp for schedule(static)
         for (long t = 0; t < q; t++) {
             rms_norm(x + t * hidden, lw[W_LN1], hidden, eps, h + t * hidden);
@@ -1923,7 +2083,8 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
             long j0 = (which == 0 ? b : (which == 1 ? b - qblocks : b - qblocks - kvblocks)) * LIN_BLOCK;
             long n = which == 0 ? nq : nkv, j1 = j0 + LIN_BLOCK < n ? j0 + LIN_BLOCK : n;
             long off = which == 0 ? 0 : (which == 1 ? nq : nq + nkv);
-            linear_any(h, xu, xs, q, hidden, lw[W_Q + which], QW(W_Q + which), qkind, n,
+            linear_any(h, xu, xs, q, hidden, lw[W_Q + which], QW(W_Q + which),
+                       QK(W_Q + which), n,
                        lw[B_Q + which], j0, j1, qkv + off, nqkv);
         }
         #pragma omp for schedule(static)
@@ -1953,8 +2114,8 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
         #pragma omp for schedule(static)
         for (long b = 0; b < hblocks; b++) {
             long j0 = b * LIN_BLOCK, j1 = j0 + LIN_BLOCK < hidden ? j0 + LIN_BLOCK : hidden;
-            linear_residual(att, xu, xs, q, nq, lw[W_O], QW(W_O), qkind, lw[B_O], j0, j1, tmp, x,
-                            hidden);
+            linear_residual(att, xu, xs, q, nq, lw[W_O], QW(W_O), QK(W_O), lw[B_O], j0, j1,
+                            tmp, x, hidden);
         }
         #pragma omp for schedule(static)
         for (long t = 0; t < q; t++) {
@@ -1964,10 +2125,10 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
         #pragma omp for schedule(static)
         for (long b = 0; b < iblocks; b++) {   /* gate and up, then silu(gate) * up */
             long j0 = b * LIN_BLOCK, j1 = j0 + LIN_BLOCK < inter ? j0 + LIN_BLOCK : inter;
-            linear_any(h, xu, xs, q, hidden, lw[W_GATE], QW(W_GATE), qkind, inter, lw[B_GATE], j0, j1,
-                       gate, inter);
-            linear_any(h, xu, xs, q, hidden, lw[W_UP], QW(W_UP), qkind, inter, lw[B_UP], j0, j1, up,
-                       inter);
+            linear_any(h, xu, xs, q, hidden, lw[W_GATE], QW(W_GATE), QK(W_GATE), inter,
+                       lw[B_GATE], j0, j1, gate, inter);
+            linear_any(h, xu, xs, q, hidden, lw[W_UP], QW(W_UP), QK(W_UP), inter, lw[B_UP],
+                       j0, j1, up, inter);
             for (long t = 0; t < q; t++) {
                 float *g = gate + t * inter, *u = up + t * inter;
                 long j = j0;
@@ -1985,10 +2146,11 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
         #pragma omp for schedule(static)
         for (long b = 0; b < hblocks; b++) {
             long j0 = b * LIN_BLOCK, j1 = j0 + LIN_BLOCK < hidden ? j0 + LIN_BLOCK : hidden;
-            linear_residual(gate, xu, xs, q, inter, lw[W_DOWN], QW(W_DOWN), qkind, lw[B_DOWN], j0, j1,
-                            tmp, x, hidden);
+            linear_residual(gate, xu, xs, q, inter, lw[W_DOWN], QW(W_DOWN), QK(W_DOWN),
+                            lw[B_DOWN], j0, j1, tmp, x, hidden);
         }
 #undef QW
+#undef QK
     }
     plan_free(&plan); free(space); free(parts); free(treq);
     return 0;

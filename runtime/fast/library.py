@@ -115,8 +115,9 @@ def bind(library: Path) -> ctypes.CDLL:
         "pl_linear": ([_P, _L, _L, _P, _L, _P, _P, _I], None),
         "pl_attend": ([_P, _L, _L, _L, _F, _L, _P, _P, _P, _P, _P, _P, _L, _P, _P, _I, _I], _I),
         "pl_decoder": ([_P, _L, _P, _F, _F, _P, _P, _P, _L, _P, _P, _P, _P, _P, _P, _P, _L, _P,
-                        _L, _P, _P, _L, _P, _P, _P, _F, _F, _P, _I, _P, _I, _I, _I], _I),
-        "pl_q_dequant": ([_P, _L, _L, _I, _P], None), "pl_wide": ([_I], _I),
+                        _L, _P, _P, _L, _P, _P, _P, _F, _F, _P, _I, _P, _P, _I, _I, _I], _I),
+        "pl_q_dequant": ([_P, _L, _L, _I, _P], _I), "pl_wide": ([_I], _I),
+        "pl_linear_q": ([_P, _L, _L, _P, _L, _P, _I, _I], _I),
         "pl_linear_q8": ([_P, _L, _L, _P, _L, _P, _I], None), "pl_group": ([_I], _I),
         "pl_linear_i8": ([_P, _L, _L, _P, _L, _P], _I), "pl_group_runs": ([], _L),
         "pl_products": ([_I], _I), "pl_few": ([_I], _I)}

@@ -174,21 +174,49 @@ def group_runs() -> int:
 Q4_BYTES = 20            # kernels.c: Q4_1 bytes per block of 32 weights (float16 d and m, 16 bytes)
 Q8_BYTES = 34            # kernels.c: Q8_0 bytes per block of 32 weights (float16 d, 32 int8)
 Q4_MAX_K = 8192          # kernels.c: the longest row the kernels dequantize
-_KINDS = {4: Q4_BYTES, 8: Q8_BYTES}
+# kernels.c's block kinds (4: Q4_1, 8: Q8_0; the others are ggml's type numbers): name,
+# weights per block, bytes per block
+KINDS = {4: ("Q4_1", 32, Q4_BYTES), 8: ("Q8_0", 32, Q8_BYTES), 6: ("Q5_0", 32, 22),
+         12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
+
+
+def _check_blocks(what: str, blocks: torch.Tensor, k: int, kind: int) -> None:
+    """InvalidArgumentError unless `blocks` are contiguous uint8 rows of k weights of `kind`."""
+    if kind not in KINDS:
+        known = ", ".join(f"{number} ({name})" for number, (name, _, _) in KINDS.items())
+        raise InvalidArgumentError(f"{what}: no block kind {kind}; the kernels read {known}")
+    name, per_block, nbytes = KINDS[kind]
+    shape_fits = (blocks.dim() == 2 and k % per_block == 0 and 0 < k <= Q4_MAX_K
+                  and blocks.shape[1] == k // per_block * nbytes)
+    if not shape_fits or blocks.dtype != torch.uint8 or not blocks.is_contiguous():
+        raise InvalidArgumentError(f"{what} takes contiguous [rows, k / {per_block} * {nbytes}] "
+                                   f"uint8 {name} blocks, k a multiple of {per_block} up to "
+                                   f"{Q4_MAX_K}")
 
 
 def q_dequant(blocks: torch.Tensor, k: int, kind: int = 4) -> torch.Tensor:
-    """The float32 weights [rows, k] of `blocks` ([rows, k / 32 * bytes] uint8; kind 4: Q4_1,
-    8: Q8_0) as the kernels compute them: gguf's dequantized values exactly (Q4_1: d * q + m,
-    multiply then add; Q8_0: d * q)."""
-    shape_fits = (kind in _KINDS and blocks.dim() == 2 and k % 32 == 0 and k <= Q4_MAX_K
-                  and blocks.shape[1] == k // 32 * _KINDS[kind])
-    if not shape_fits or blocks.dtype != torch.uint8 or not blocks.is_contiguous():
-        raise InvalidArgumentError("q_dequant takes contiguous [rows, k / 32 * block bytes] uint8 "
-                                   f"blocks, k a multiple of 32 up to {Q4_MAX_K}")
+    """The float32 weights [rows, k] of `blocks` ([rows, k / block * bytes] uint8, of a kind in
+    KINDS) as the kernels compute them: gguf's dequantized values exactly (Q4_1: d * q + m,
+    multiply then add; Q8_0: d * q; the K-quants and Q5_0 as gguf-py's dequantizers)."""
+    _check_blocks("q_dequant", blocks, k, kind)
     out = torch.empty(blocks.shape[0], k)
     (_lib or _load()).pl_q_dequant(blocks.data_ptr(), blocks.shape[0], k, kind, out.data_ptr())
     return out
+
+
+def linear_q(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    """x [m, k] float32 . W^T for W given as `blocks` of a kind in KINDS ([n, k / block *
+    bytes] uint8): the values of W's float copy, the same tiles as pl_linear, reading the
+    blocks as stored."""
+    m, k = x.shape
+    if x.dtype != torch.float32:
+        raise InvalidArgumentError("linear_q takes float32 rows")
+    _check_blocks("linear_q", blocks, k, kind)
+    x = x.contiguous()
+    y = torch.empty(m, blocks.shape[0])
+    (_lib or _load()).pl_linear_q(x.data_ptr(), m, k, blocks.data_ptr(), blocks.shape[0],
+                                  y.data_ptr(), kind, kernel_threads())
+    return y
 
 
 def linear_q8(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -319,6 +347,7 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
             requests: list[tuple[int, int]] | None = None,
             contexts: tuple[list[bool], float, float] | None = None,
             quantized: ctypes.Array | None = None, quantized_kind: int = 4,
+            quantized_kinds: ctypes.Array | None = None,
             query_out: torch.Tensor | None = None, bf16_products: bool = False) -> None:
     """Every decoder layer of a Llama-family model over x ([Q, hidden], replaced by the last
     layer's output) by pl_decoder; see fast/fused.py, which checks what it passes.
@@ -337,7 +366,8 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
     not, temperature, scale); None: plain attention.
     quantized: pointers like `weights` to the linear weights' blocks (NULL where none), all of
     `quantized_kind` (4: Q4_1, 8: Q8_0: the same values; 1: fused.py's int8 rows, inputs
-    quantized per token: approximate); None: float weights only.
+    quantized per token: approximate), or each of the kind `quantized_kinds` gives it (ctypes
+    ints like `weights`, kinds of KINDS: a GGUF's mix); None: float weights only.
     query_out: [L, heads, D] float32, contiguous: receives the last token's rotated query
     of every layer (before the softmax scale); None: not wanted.
     bf16_products: the attention's Q.K and P.V from bf16 inputs, float32 sums (kernels.c `bf`).
@@ -407,8 +437,9 @@ def decoder(x: torch.Tensor, shape, eps: float, scale: float, weights, cos: torc
         x.data_ptr(), x.shape[0], shape, eps, scale, weights, cos.data_ptr(), sin.data_ptr(),
         nseg, keys, kstride, values, vstride, lens, half, newk, new_keys.stride(1), newv,
         new_values.stride(1), kpos, qpos, nreq, (ctypes.c_long * (nreq + 1))(*tok),
-        (ctypes.c_long * (nreq + 1))(*seg), ctx, invt, mixc, quantized, quantized_kind, qout,
-        int(bool(bf16_products)), kernel_threads(), torch.get_num_threads())
+        (ctypes.c_long * (nreq + 1))(*seg), ctx, invt, mixc, quantized, quantized_kind,
+        quantized_kinds, qout, int(bool(bf16_products)), kernel_threads(),
+        torch.get_num_threads())
     if status != 0:
         raise InternalError(f"pl_decoder failed ({status})")
 

@@ -79,7 +79,8 @@ def quantized_blocks(gguf: Path, config) -> tuple[dict[tuple[int, str], torch.Te
                                                    torch.Tensor | None]:
     """A Llama-family GGUF's quantized weights as stored, read in one pass over the file:
 
-    - its Q4_1 linear weights, {(layer, parameter name): [rows, k / 32 * 20] uint8}, rows in
+    - its linear weights of the types the kernels read (Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
+      Q6_K), {(layer, parameter name): (kernel kind, [rows, row bytes] uint8)}, rows in
       transformers' order: llama.cpp stores the q and k projections' rows permuted for its
       rotary layout, and transformers' GGUF loader permutes them back (the same permutation
       is applied here, to whole block rows); other quantization types are left out (they
@@ -90,6 +91,9 @@ def quantized_blocks(gguf: Path, config) -> tuple[dict[tuple[int, str], torch.Te
 
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    kinds = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8,     # kernels.c's
+             GGMLQuantizationType.Q5_0: 6, GGMLQuantizationType.Q4_K: 12,
+             GGMLQuantizationType.Q5_K: 13, GGMLQuantizationType.Q6_K: 14}
     linears = {}
     heads_by_name = {}
     for tensor in GGUFReader(str(gguf)).tensors:
@@ -97,14 +101,15 @@ def quantized_blocks(gguf: Path, config) -> tuple[dict[tuple[int, str], torch.Te
             heads_by_name[tensor.name] = tensor
         parts = tensor.name.split(".")
         linear = len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS
-        if not linear or tensor.tensor_type != GGMLQuantizationType.Q4_1:
+        if not linear or tensor.tensor_type not in kinds:
             continue
-        rows = torch.from_numpy(tensor.data.copy())          # [n, k / 32 * 20] uint8
+        rows = torch.from_numpy(tensor.data.copy())          # [n, row bytes] uint8
         if parts[2] in ("attn_q", "attn_k"):
             n_head = heads if parts[2] == "attn_q" else kv_heads
             half = rows.shape[0] // n_head // 2
             rows = rows.reshape(n_head, half, 2, -1).transpose(1, 2).reshape(rows.shape)
-        linears[(int(parts[1]), GGUF_LINEARS[parts[2]])] = rows.contiguous()
+        linears[(int(parts[1]), GGUF_LINEARS[parts[2]])] = (kinds[tensor.tensor_type],
+                                                             rows.contiguous())
     head = heads_by_name.get("output.weight") or heads_by_name.get("token_embd.weight")
     if head is None or head.tensor_type != GGMLQuantizationType.Q8_0:
         return linears, None

@@ -76,7 +76,10 @@ def serve_numerics(adapter, source, dtype, scheme: str | None, blocks, bf16_atte
     if blocks is not None:
         attach(decoder, blocks, scheme)
     elif source is not None and dtype == torch.float32:
-        attach(decoder, quantized_blocks(source, adapter.model.config), "q4_1")
+        linears, head = quantized_blocks(source, adapter.model.config)
+        decoder.attach_blocks(linears, kind=None)          # each weight of its own type
+        if head is not None:
+            decoder.attach_q8_head(head)
     approximations = []
     decoder.bf16_attention = bool(bf16_attention)
     if bf16_attention and native.products_available("bf16"):

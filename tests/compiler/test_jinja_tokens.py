@@ -8,27 +8,15 @@ import itertools
 import json
 from pathlib import Path
 
-import jinja2
 import pytest
 
 from promptlang.compiler.jinja import from_template
 from promptlang.pml.binding import bind
 from promptlang.pml.layout import lay_out
+from tests.examples.test_examples import _jinja_messages
 
 HERE = Path(__file__).parents[2] / "examples" / "jinja"
 CORPUS = json.loads((HERE / "documents.json").read_text())
-
-
-def rendered_by_jinja2(name: str, variables: dict) -> list[dict]:
-    """The chat messages of examples/jinja/NAME.j2 as Jinja2 renders them: each role block
-    rendered alone after the template's top level ran (an identity `maxlen` filter)."""
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(HERE)))
-    env.filters["maxlen"] = lambda value, tokens: value
-    template = env.get_template(f"{name}.j2")
-    context = template.new_context(dict(variables))
-    "".join(template.root_render_func(context))
-    return [{"role": role, "content": "".join(template.blocks[role](context))}
-            for role in ("system", "user") if role in template.blocks]
 
 
 def prompts():
@@ -67,7 +55,7 @@ def test_every_prompt_binds_the_tokens_of_its_whole_rendered_text(templates,
         prompt = template(variables)
         layout = lay_out(template.schema, tok)
         bound = bind(prompt.doc, layout, tok, add_generation_prompt=True)
-        text = hf.apply_chat_template(rendered_by_jinja2(name, prompt.arguments),
+        text = hf.apply_chat_template(_jinja_messages(name, prompt.arguments),
                                       tokenize=False, add_generation_prompt=True)
         assert bound.render() == text, (name, variables)
         assert bound.token_ids() == hf(text, add_special_tokens=False).input_ids, (

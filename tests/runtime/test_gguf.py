@@ -24,8 +24,11 @@ def _scalar(field):
     return field.parts[field.data[0]][0]
 
 
-def write_tiny_gguf(path, seed: int = 0) -> dict[str, np.ndarray]:
-    """A tiny Llama GGUF at `path`; returns its tensors by GGUF name."""
+def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTER,
+                    blocks=None) -> dict[str, np.ndarray]:
+    """A tiny Llama GGUF at `path`; returns its tensors by GGUF name (float32 values).
+    `blocks(name, shape, rng)`, where given, may return (ggml type, [rows, bytes] uint8) for a
+    tensor to be stored quantized (its values are then gguf's dequantized ones), or None."""
     from promptlang import default_model
 
     source = gguf.GGUFReader(str(default_model.default_gguf_path()))
@@ -35,14 +38,14 @@ def write_tiny_gguf(path, seed: int = 0) -> dict[str, np.ndarray]:
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(LAYERS)
     writer.add_context_length(CONTEXT)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(INTER)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(len(tokens))
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_rope_dimension_count(hidden // HEADS)
     writer.add_file_type(0)                                   # all float32
     writer.add_tokenizer_model(bytes(f["tokenizer.ggml.model"].parts[-1]).decode())
     writer.add_tokenizer_pre(bytes(f["tokenizer.ggml.pre"].parts[-1]).decode())
@@ -55,22 +58,28 @@ def write_tiny_gguf(path, seed: int = 0) -> dict[str, np.ndarray]:
     writer.add_unk_token_id(int(_scalar(f["tokenizer.ggml.unknown_token_id"])))
     writer.add_pad_token_id(int(_scalar(f["tokenizer.ggml.padding_token_id"])))
     writer.add_chat_template(bytes(f["tokenizer.chat_template"].parts[-1]).decode())
-    kv = HIDDEN // HEADS * KV_HEADS
-    shapes = {"token_embd.weight": (len(tokens), HIDDEN), "output_norm.weight": (HIDDEN,)}
+    kv = hidden // HEADS * KV_HEADS
+    shapes = {"token_embd.weight": (len(tokens), hidden), "output_norm.weight": (hidden,)}
     for i in range(LAYERS):
-        shapes |= {f"blk.{i}.attn_norm.weight": (HIDDEN,), f"blk.{i}.ffn_norm.weight": (HIDDEN,),
-                   f"blk.{i}.attn_q.weight": (HIDDEN, HIDDEN),
-                   f"blk.{i}.attn_k.weight": (kv, HIDDEN), f"blk.{i}.attn_v.weight": (kv, HIDDEN),
-                   f"blk.{i}.attn_output.weight": (HIDDEN, HIDDEN),
-                   f"blk.{i}.ffn_gate.weight": (INTER, HIDDEN),
-                   f"blk.{i}.ffn_up.weight": (INTER, HIDDEN),
-                   f"blk.{i}.ffn_down.weight": (HIDDEN, INTER)}
+        shapes |= {f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+                   f"blk.{i}.attn_q.weight": (hidden, hidden),
+                   f"blk.{i}.attn_k.weight": (kv, hidden), f"blk.{i}.attn_v.weight": (kv, hidden),
+                   f"blk.{i}.attn_output.weight": (hidden, hidden),
+                   f"blk.{i}.ffn_gate.weight": (inter, hidden),
+                   f"blk.{i}.ffn_up.weight": (inter, hidden),
+                   f"blk.{i}.ffn_down.weight": (hidden, inter)}
     tensors = {}
     for name, shape in shapes.items():
         values = (1.0 + 0.1 * rng.standard_normal(shape) if name.endswith("norm.weight")
                   else 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        tensors[name] = values
-        writer.add_tensor(name, values)
+        stored = blocks(name, shape, rng) if blocks is not None else None
+        if stored is None:
+            tensors[name] = values
+            writer.add_tensor(name, values)
+            continue
+        qtype, raw = stored
+        tensors[name] = gguf.quants.dequantize(raw, qtype).reshape(shape)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -150,3 +159,45 @@ def test_every_damaged_gguf_file_is_one_model_error_naming_the_file(tmp_path, mo
             engine.load(str(path))
         message = str(caught.value)
         assert str(path) in message and "\n" not in message, (name, message)
+
+
+# llama.cpp's Q4_K_M mix, on rows of whole 256-weight super-blocks
+K_MIX = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0",
+         "ffn_gate": "Q5_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+
+
+def _k_quant_blocks(name, shape, rng):
+    """Random blocks (finite float16 scales) for the linear weights named in K_MIX."""
+    from tests.runtime.test_kquants import random_blocks
+    from promptlang.runtime.fast import native
+
+    part = name.split(".")[2] if name.startswith("blk.") else ""
+    if part not in K_MIX:
+        return None
+    qtype = getattr(gguf.GGMLQuantizationType, K_MIX[part])
+    kind = next(k for k, (label, _, _) in native.KINDS.items() if label == K_MIX[part])
+    raw = random_blocks(kind, shape[0], shape[1], seed=int(rng.integers(1 << 30))).numpy()
+    return qtype, raw
+
+
+def test_a_k_quant_gguf_is_served_from_its_blocks_as_stored(tmp_path, monkeypatch):
+    from promptlang.runtime import engine
+    from promptlang.runtime.fast import native
+
+    if not native.available():
+        pytest.skip("CPU kernels unavailable here")
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    path = tmp_path / "kquants.gguf"
+    tensors = write_tiny_gguf(path, hidden=256, inter=512, blocks=_k_quant_blocks)
+    served = engine.load(str(path), recompute="none")
+    plain = engine.load(str(path), recompute="none", quantized=False)
+    layer = served.adapter.model.model.layers[1]
+    assert torch.equal(layer.mlp.down_proj.weight,
+                       torch.from_numpy(np.ascontiguousarray(tensors["blk.1.ffn_down.weight"])))
+    assert served.adapter.fast.decoder.quantized_weights == LAYERS * len(K_MIX)
+    assert plain.adapter.fast.decoder.quantized_weights == 0
+    schema = '<schema name="k"><system>Tiny.</system></schema>'
+    prompt = '<prompt schema="k"><user>Hi there</user><assistant></prompt>'
+    ours = served.generate(prompt, schema=schema, max_new_tokens=6)
+    theirs = plain.generate(prompt, schema=schema, max_new_tokens=6)
+    assert ours.token_ids == theirs.token_ids and len(ours.token_ids) == 6
