@@ -431,25 +431,35 @@ static void q5k_row(const uint8_t* row, long k, float* dst) {
     }
 }
 
+/* Q6_K: weight e of a super-block (e = 128 * half + 32 * s + i, s 0-3, i 0-31) takes the
+ * low nibble of ql[64 * half + 32 * (s % 2) + i] shifted by 4 * (s / 2), two bits of
+ * qh[32 * half + i] shifted by 2 * s, and the scale of its 16 weights; loops without a
+ * division, so the compiler vectorizes them */
 __attribute__((optimize("fp-contract=off")))
 static void q6k_row(const uint8_t* row, long k, float* dst) {
     for (long b = 0; b < k / QK_K; b++, row += Q6_K_BYTES, dst += QK_K) {
-        const uint8_t* ql = row;
-        const uint8_t* qh = row + 128;
         const int8_t* scales = (const int8_t*)(row + 192);
         uint16_t hd;
         memcpy(&hd, row + 208, 2);
         float d = _cvtsh_ss(hd);
-        for (int e = 0; e < QK_K; e++) {
-            int half = e / 128, within = e % 128;
-            int low = (ql[half * 64 + within % 64] >> (4 * (within / 64))) & 0x0F;
-            int high = (qh[half * 32 + within % 32] >> (2 * (within / 32))) & 0x03;
-            int v = (int)(int8_t)(uint8_t)(low | (high << 4)) - 32;
-            dst[e] = (d * (float)scales[e / 16]) * (float)v;
-        }
+        for (int half = 0; half < 2; half++)
+            for (int s = 0; s < 4; s++) {
+                const uint8_t* ql = row + 64 * half + 32 * (s % 2);
+                const uint8_t* qh = row + 128 + 32 * half;
+                int lshift = 4 * (s / 2), hshift = 2 * s;
+                float* out = dst + 128 * half + 32 * s;
+                for (int part = 0; part < 2; part++) {
+                    float scale = d * (float)scales[8 * half + 2 * s + part];
+                    for (int i = 16 * part; i < 16 * part + 16; i++) {
+                        int v = ((ql[i] >> lshift) & 0x0F) | (((qh[i] >> hshift) & 0x03) << 4);
+                        out[i] = scale * (float)(v - 32);
+                    }
+                }
+            }
     }
 }
 
+/* Q5_0: weight e takes the low (e < 16) or high nibble of qs[e % 16] and bit e of qh */
 __attribute__((optimize("fp-contract=off")))
 static void q5_0_row(const uint8_t* row, long k, float* dst) {
     for (long b = 0; b < k / 32; b++, row += Q5_0_BYTES, dst += 32) {
@@ -459,10 +469,13 @@ static void q5_0_row(const uint8_t* row, long k, float* dst) {
         memcpy(&qh, row + 2, 4);
         float d = _cvtsh_ss(hd);
         const uint8_t* qs = row + 6;
-        for (int e = 0; e < 32; e++) {
-            int low = (qs[e % 16] >> (4 * (e / 16))) & 0x0F;
-            int v = (low | (int)(((qh >> e) & 1) << 4)) - 16;
-            dst[e] = d * (float)v;
+        for (int e = 0; e < 16; e++) {
+            int v = (qs[e] & 0x0F) | (int)(((qh >> e) & 1) << 4);
+            dst[e] = d * (float)(v - 16);
+        }
+        for (int e = 0; e < 16; e++) {
+            int v = (qs[e] >> 4) | (int)(((qh >> (e + 16)) & 1) << 4);
+            dst[e + 16] = d * (float)(v - 16);
         }
     }
 }

@@ -59,6 +59,13 @@ def attach(decoder, blocks, scheme: str) -> None:
         decoder.attach_q8_head(head)
 
 
+# The block kinds (fast/native.py KINDS) a GGUF's linear weights are served from as stored:
+# those whose dequantizing is vectorized. The kernels read Q5_0 and the K-quants too, bit for
+# bit, but their row functions are plain C for now (what the compiler vectorizes), slower on
+# a decode-sized pass than the float copy, so they stay float until measured faster.
+GGUF_SERVED = frozenset({4})
+
+
 def serve_numerics(adapter, source, dtype, scheme: str | None, blocks, bf16_attention: bool,
                    int8_linears: bool) -> None:
     """What `load` gives the adapter's fused layers (if it has them): `quantize_model`'s
@@ -77,7 +84,8 @@ def serve_numerics(adapter, source, dtype, scheme: str | None, blocks, bf16_atte
         attach(decoder, blocks, scheme)
     elif source is not None and dtype == torch.float32:
         linears, head = quantized_blocks(source, adapter.model.config)
-        decoder.attach_blocks(linears, kind=None)          # each weight of its own type
+        served = {where: pair for where, pair in linears.items() if pair[0] in GGUF_SERVED}
+        decoder.attach_blocks(served, kind=None)           # each weight of its own type
         if head is not None:
             decoder.attach_q8_head(head)
     approximations = []

@@ -186,7 +186,11 @@ def test_a_k_quant_gguf_is_served_from_its_blocks_as_stored(tmp_path, monkeypatc
 
     if not native.available():
         pytest.skip("CPU kernels unavailable here")
+    from promptlang.runtime.model import quantize
+
     monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    # loading serves only the kinds measured to pay (none of these yet): every kind here
+    monkeypatch.setattr(quantize, "GGUF_SERVED", frozenset(native.KINDS))
     path = tmp_path / "kquants.gguf"
     tensors = write_tiny_gguf(path, hidden=256, inter=512, blocks=_k_quant_blocks)
     served = engine.load(str(path), recompute="none")
@@ -201,3 +205,5 @@ def test_a_k_quant_gguf_is_served_from_its_blocks_as_stored(tmp_path, monkeypatc
     ours = served.generate(prompt, schema=schema, max_new_tokens=6)
     theirs = plain.generate(prompt, schema=schema, max_new_tokens=6)
     assert ours.token_ids == theirs.token_ids and len(ours.token_ids) == 6
+    monkeypatch.setattr(quantize, "GGUF_SERVED", frozenset({4}))       # as shipped: Q4_1 only
+    assert engine.load(str(path)).adapter.fast.decoder.quantized_weights == 0
