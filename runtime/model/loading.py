@@ -10,8 +10,8 @@ to it and every later load reads that instead (seconds):
         generation_config.json, tokenizer files
 
 Any other GGUF file (`load("model.gguf")`) is converted the same way, once, into
-`$PROMPTLANG_HOME/models/gguf/<name>-<sha256 of the file>/` (its tokenizer from the GGUF's
-own metadata); a changed file is a new copy.
+`$PROMPTLANG_HOME/models/gguf/<name>-<sha256 of the file>-c<CONVERSION>/` (its tokenizer from
+the GGUF's own metadata); a changed file, or a new conversion format, is a new copy.
 
 A GGUF-loaded model refuses `save_pretrained` ("quantized with gguf and is not
 serializable"), hence safetensors' `save_model` plus the config by hand.
@@ -19,6 +19,7 @@ serializable"), hence safetensors' `save_model` plus the config by hand.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import pickle
@@ -169,6 +170,7 @@ def _convert_gguf(gguf: Path, converted: Path, tokenizer_dir: Path | None = None
 
     began = time.perf_counter()
     model = _from_pretrained(str(gguf.parent), torch.float32, gguf_file=gguf.name)
+    _keep_rope_factors(gguf, model.config)
     work = default_model.partial_path(converted.parent, converted.name)
     try:
         # shared tensors (tied embeddings) are written once; from_pretrained re-ties them
@@ -195,6 +197,30 @@ def _convert_gguf(gguf: Path, converted: Path, tokenizer_dir: Path | None = None
     _say(f"converted in {time.perf_counter() - began:.0f} s, saved to {converted}")
 
 
+def _keep_rope_factors(gguf: Path, config) -> None:
+    """Give `config` the rotary frequency factors llama.cpp stores for a Llama 3.x model's
+    rope scaling (the tensor `rope_freqs.weight`: each frequency divided by its factor),
+    which transformers' GGUF loader leaves out: as transformers' "longrope" parameters with
+    the same factors at every length and no attention scaling, the same frequencies."""
+    from gguf import GGUFReader
+
+    tensor = next((t for t in GGUFReader(str(gguf)).tensors if t.name == "rope_freqs.weight"),
+                  None)
+    if tensor is None:
+        return
+    factors = [float(v) for v in tensor.data.astype("float32").reshape(-1)]
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if len(factors) != head_dim // 2:
+        raise ModelError(f"{gguf}: rope_freqs.weight holds {len(factors)} factors; a head of "
+                         f"{head_dim} needs {head_dim // 2}")
+    theta = (config.rope_parameters or {}).get("rope_theta", 10000.0)
+    config.rope_parameters = {"rope_type": "longrope", "rope_theta": theta,
+                              "short_factor": factors, "long_factor": factors, "factor": 1.0,
+                              "attention_factor": 1.0,
+                              "original_max_position_embeddings": config.max_position_embeddings}
+
+
 def _gguf_folder(gguf: Path) -> str:
     """The float copy of the GGUF file `gguf`, converted on first use (see the module doc)."""
     from promptlang.home import models_dir, private_dir
@@ -207,7 +233,8 @@ def _gguf_folder(gguf: Path) -> str:
         raise ModelError(f"{str(gguf)!r} is not a regular file")
     check_gguf(gguf, info.st_size)
     root = private_dir(private_dir(models_dir()) / "gguf")
-    converted = root / f"{gguf.stem}-{_sha256(gguf)[:16]}"
+    digest = _sha256(gguf)[:16]
+    converted = root / f"{gguf.stem}-{digest}-c{CONVERSION}"
     if _converted_ready(converted):
         return str(converted)
     from promptlang.default_model import file_lock
@@ -221,11 +248,16 @@ def _gguf_folder(gguf: Path) -> str:
                     struct.error) as err:
                 raise ModelError(f"{gguf}: cannot convert this GGUF file "
                                  f"({type(err).__name__}: {str(err)[:200]})") from None
+            for older in root.glob(glob.escape(f"{gguf.stem}-{digest}") + "*"):   # earlier formats
+                if older != converted and older.is_dir():
+                    shutil.rmtree(older, ignore_errors=True)
     return str(converted)
 
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
+# the float copy's format, in its folder's name: 2 keeps a Llama 3.x file's rope factors
+CONVERSION = 2
 GGUF_MIN_KV_BYTES = 13        # a key's length (8), its type (4), a one-byte value
 GGUF_MIN_TENSOR_BYTES = 24    # a name's length (8), dims (4), one dim (8), type (4)... at least
 

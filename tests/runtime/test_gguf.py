@@ -25,17 +25,24 @@ def _scalar(field):
 
 
 def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTER,
-                    blocks=None) -> dict[str, np.ndarray]:
-    """A tiny Llama GGUF at `path`; returns its tensors by GGUF name (float32 values).
-    `blocks(name, shape, rng)`, where given, may return (ggml type, [rows, bytes] uint8) for a
-    tensor to be stored quantized (its values are then gguf's dequantized ones), or None."""
+                    blocks=None, arch: str = "llama",
+                    head_dim: int | None = None,
+                    extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """A tiny GGUF at `path` of architecture `arch` ("llama", tied embeddings; "qwen2", with
+    the q/k/v projections' biases; "qwen3", with q and k norms); returns its tensors by GGUF
+    name (float32 values). `blocks(name, shape, rng)`, where given, may return (ggml type,
+    [rows, bytes] uint8) for a tensor to be stored quantized (its values are then gguf's
+    dequantized ones), or None. `head_dim`: the attention heads' size (default hidden /
+    heads). `extra`: more float32 tensors by name (llama.cpp's `rope_freqs.weight`)."""
     from promptlang import default_model
+
+    head_dim = head_dim or hidden // HEADS
 
     source = gguf.GGUFReader(str(default_model.default_gguf_path()))
     f = source.fields
     tokens = _strings(f["tokenizer.ggml.tokens"])
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(hidden)
@@ -45,7 +52,9 @@ def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTE
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(len(tokens))
-    writer.add_rope_dimension_count(hidden // HEADS)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_file_type(0)                                   # all float32
     writer.add_tokenizer_model(bytes(f["tokenizer.ggml.model"].parts[-1]).decode())
     writer.add_tokenizer_pre(bytes(f["tokenizer.ggml.pre"].parts[-1]).decode())
@@ -58,16 +67,23 @@ def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTE
     writer.add_unk_token_id(int(_scalar(f["tokenizer.ggml.unknown_token_id"])))
     writer.add_pad_token_id(int(_scalar(f["tokenizer.ggml.padding_token_id"])))
     writer.add_chat_template(bytes(f["tokenizer.chat_template"].parts[-1]).decode())
-    kv = hidden // HEADS * KV_HEADS
+    kv = head_dim * KV_HEADS
+    nq = head_dim * HEADS
     shapes = {"token_embd.weight": (len(tokens), hidden), "output_norm.weight": (hidden,)}
     for i in range(LAYERS):
         shapes |= {f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
-                   f"blk.{i}.attn_q.weight": (hidden, hidden),
+                   f"blk.{i}.attn_q.weight": (nq, hidden),
                    f"blk.{i}.attn_k.weight": (kv, hidden), f"blk.{i}.attn_v.weight": (kv, hidden),
-                   f"blk.{i}.attn_output.weight": (hidden, hidden),
+                   f"blk.{i}.attn_output.weight": (hidden, nq),
                    f"blk.{i}.ffn_gate.weight": (inter, hidden),
                    f"blk.{i}.ffn_up.weight": (inter, hidden),
                    f"blk.{i}.ffn_down.weight": (hidden, inter)}
+        if arch == "qwen2":
+            shapes |= {f"blk.{i}.attn_q.bias": (nq,), f"blk.{i}.attn_k.bias": (kv,),
+                       f"blk.{i}.attn_v.bias": (kv,)}
+        if arch == "qwen3":
+            shapes |= {f"blk.{i}.attn_q_norm.weight": (head_dim,),
+                       f"blk.{i}.attn_k_norm.weight": (head_dim,)}
     tensors = {}
     for name, shape in shapes.items():
         values = (1.0 + 0.1 * rng.standard_normal(shape) if name.endswith("norm.weight")
@@ -80,6 +96,9 @@ def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTE
         qtype, raw = stored
         tensors[name] = gguf.quants.dequantize(raw, qtype).reshape(shape)
         writer.add_tensor(name, raw, raw_dtype=qtype)
+    for name, values in (extra or {}).items():
+        tensors[name] = values
+        writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -207,3 +226,93 @@ def test_a_k_quant_gguf_is_served_from_its_blocks_as_stored(tmp_path, monkeypatc
     assert ours.token_ids == theirs.token_ids and len(ours.token_ids) == 6
     monkeypatch.setattr(quantize, "GGUF_SERVED", frozenset({4}))       # as shipped: Q4_1 only
     assert engine.load(str(path)).adapter.fast.decoder.quantized_weights == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_each_family_as_a_gguf_answers_as_transformers_does(tmp_path, monkeypatch, arch):
+    """A tiny GGUF of each family, written here: promptlang's answer (its cache, its kernels)
+    against transformers' own implementation of the family loading the same file."""
+    from transformers import AutoModelForCausalLM
+
+    from promptlang.runtime import engine
+
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    path = tmp_path / f"{arch}.gguf"
+    # transformers reads no head size from a qwen3 GGUF: its default, 128, as Qwen3's own
+    write_tiny_gguf(path, seed=3, arch=arch, head_dim=128 if arch == "qwen3" else None)
+    llm = engine.load(str(path))
+    assert llm.adapter.model.config.model_type == arch
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                     dtype=torch.float32, local_files_only=True)
+    reference.eval()
+    schema = '<schema name="f"><system>You are tiny.</system><module name="m">Some notes.</module></schema>'
+    prompt = '<prompt schema="f"><m/><user>Hi there</user><assistant></prompt>'
+    ids = llm.bind(prompt, schema=schema).token_ids()
+    ours = llm.generate(prompt, schema=schema, max_new_tokens=5)
+    with torch.no_grad():
+        theirs = reference.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False,
+                                    pad_token_id=0)[0, len(ids):].tolist()
+    assert ours.token_ids == theirs[:len(ours.token_ids)] and ours.token_ids
+
+
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, low: float, high: float,
+                        original: int) -> np.ndarray:
+    """The `rope_freqs.weight` llama.cpp's converter writes for Llama 3.x's rope scaling."""
+    import math
+
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / head_dim)
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_a_llama_3_gguf_keeps_its_rope_scaling(tmp_path, monkeypatch):
+    """llama.cpp stores Llama 3.x's rope scaling as per-frequency factors, which transformers'
+    GGUF loader drops: promptlang keeps them, and answers as transformers' Llama with the
+    "llama3" rope parameters the factors came from."""
+    from transformers import AutoModelForCausalLM
+
+    from promptlang.runtime import engine
+
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    factors = llama3_rope_factors(HIDDEN // HEADS, 10000.0, 8.0, 1.0, 4.0, 64)
+    assert 1.0 < factors.max() and factors.min() == 1.0          # both ends, and between
+    path = tmp_path / "llama3.gguf"
+    write_tiny_gguf(path, seed=5, extra={"rope_freqs.weight": factors})
+    llm = engine.load(str(path))
+    assert llm.adapter.model.config.rope_parameters["rope_type"] == "longrope"
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                 dtype=torch.float32, local_files_only=True)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                     dtype=torch.float32, local_files_only=True)
+    config = reference.config
+    config.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, **scaling}
+    reference.model.rotary_emb = type(reference.model.rotary_emb)(config=config)
+    schema = '<schema name="r"><system>Tiny.</system><module name="m">Notes here.</module></schema>'
+    prompt = '<prompt schema="r"><m/><user>Hi there, how are you?</user><assistant></prompt>'
+    ids = torch.tensor([llm.bind(prompt, schema=schema).token_ids()])
+    with torch.no_grad():
+        scaled = reference(ids).logits[0, -1]
+        unscaled = plain(ids).logits[0, -1]
+        theirs = reference.generate(ids, max_new_tokens=5, do_sample=False,
+                                    pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert (scaled - unscaled).abs().max() > 1e-3                # the factors change answers
+    from promptlang.runtime.model import Past
+
+    keys, values = llm.adapter.empty_kv(ids.shape[1])
+    with torch.no_grad():
+        step = llm.adapter.forward(ids[0], torch.arange(ids.shape[1]),
+                                   Past(keys, values, torch.arange(0)), None,
+                                   torch.tensor([ids.shape[1] - 1]))
+    torch.testing.assert_close(step.logits[-1], scaled, rtol=0, atol=1e-4)
+    ours = llm.generate(prompt, schema=schema, max_new_tokens=5)
+    assert ours.token_ids and ours.token_ids == theirs[:len(ours.token_ids)]
