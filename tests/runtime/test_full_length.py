@@ -106,12 +106,18 @@ class LongRun:
 
 
 class two_threads:
+    """torch and the kernels on THREADS threads, whatever else the machine runs meanwhile (the
+    kernels' count otherwise leaves the cores other processes hold: native.kernel_threads)."""
+
     def __enter__(self):
         self.before = torch.get_num_threads()
+        self.adapt = native.adapt_threads
+        native.adapt_threads = False
         torch.set_num_threads(THREADS)
 
     def __exit__(self, *exc):
         torch.set_num_threads(self.before)
+        native.adapt_threads = self.adapt
 
 
 @pytest.fixture(scope="module")
