@@ -124,7 +124,8 @@ class _Binder:
                 self.uncached.append(segment)
                 pos = segment.end
         pos = flush(pos, followed=False)          # the answer follows
-        adds = any(seg.text != layout.modules[()].tail_lead or seg.role for seg in self.uncached)
+        adds = any(isinstance(c, (nodes.RoleOpen, nodes.RoleClose))
+                   or (isinstance(c, nodes.Text) and c.text) for c in prompt.children)
         if len(self.imported) == 1 and not adds:
             raise EmptyPromptError("the prompt is empty: it imports no module and adds no text",
                                    prompt.span)

@@ -298,15 +298,20 @@ class FusedDecoder:
         return table
 
     def attach_blocks(self, blocks, kind: int | None = 4) -> int:
-        """Serve linear weights from quantized blocks of `kind` (4: Q4_1, as a GGUF stores
-        them: `{(layer index, parameter name as in _WEIGHTS, e.g. "mlp.up_proj.weight"): [n,
-        k / 32 * 20] uint8}`; 8: Q8_0, [n, k / 32 * 34]; the other kinds of native.KINDS,
-        Q5_0 and the K-quants, likewise) instead of their float32 copies: ~6.4x (Q4_1) or
-        ~3.8x (Q8_0) fewer bytes per pass. With `kind` None each value is a (kind, blocks)
-        pair: a GGUF's mix of types. Each is checked to dequantize to the float weight the
-        layer holds now, bit for bit (native.q_dequant); one that does not stays float. A
-        float weight replaced or changed in place later turns every quantized weight off.
-        Returns how many weights are served quantized."""
+        """Serve linear weights from quantized blocks of `kind` instead of their float32
+        copies, as a GGUF stores them:
+
+        - `blocks`: {(layer index, parameter name as in _WEIGHTS, e.g. "mlp.up_proj.weight"):
+          [n, row bytes] uint8}
+        - kind 4: Q4_1, [n, k / 32 * 20], ~6.4x fewer bytes per pass
+        - kind 8: Q8_0, [n, k / 32 * 34], ~3.8x fewer bytes per pass
+        - the other kinds of native.KINDS (Q5_0 and the K-quants) likewise
+        - kind None: each value is a (kind, blocks) pair, a GGUF's mix of types
+
+        Each is checked to dequantize to the float weight the layer holds now, bit for bit
+        (native.q_dequant), and one that does not stays float. A float weight replaced or
+        changed in place later turns every quantized weight off. Returns how many weights
+        are served quantized."""
         self._drop_blocks()
         entries = blocks.items() if kind is None else (
             (where, (kind, q)) for where, q in blocks.items())
@@ -340,8 +345,8 @@ class FusedDecoder:
                 self._blocks[slot] = q
                 kinds[slot] = block_kind
         distinct = set(kinds.values())
-        self._blocks_kind = distinct.pop() if len(distinct) == 1 else 0
-        if len(set(kinds.values())) > 1:
+        self._blocks_kind = next(iter(distinct)) if len(distinct) == 1 else 0
+        if len(distinct) > 1:
             self._kinds_table = (ctypes.c_int * len(self._slots))(*[
                 kinds.get(i, 0) for i in range(len(self._slots))])
         return self._attached()

@@ -196,8 +196,8 @@ def _check_blocks(what: str, blocks: torch.Tensor, k: int, kind: int) -> None:
 
 def q_dequant(blocks: torch.Tensor, k: int, kind: int = 4) -> torch.Tensor:
     """The float32 weights [rows, k] of `blocks` ([rows, k / block * bytes] uint8, of a kind in
-    KINDS) as the kernels compute them: gguf's dequantized values exactly (Q4_1: d * q + m,
-    multiply then add; Q8_0: d * q; the K-quants and Q5_0 as gguf-py's dequantizers)."""
+    KINDS) as the kernels compute them, gguf's dequantized values exactly: Q4_1 as d * q + m
+    (multiply, then add), Q8_0 as d * q, the K-quants and Q5_0 as gguf-py's dequantizers."""
     _check_blocks("q_dequant", blocks, k, kind)
     out = torch.empty(blocks.shape[0], k)
     (_lib or _load()).pl_q_dequant(blocks.data_ptr(), blocks.shape[0], k, kind, out.data_ptr())
