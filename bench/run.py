@@ -238,6 +238,14 @@ def _run_structured(run: _Run):
     return report, parts
 
 
+def peers_gguf(args) -> str | None:
+    """The GGUF llama.cpp loads in `bench peers`: --gguf, else a --model GGUF (the file
+    promptlang loads), else None (the default model's own, when the model is the default)."""
+    if args.gguf:
+        return args.gguf
+    return args.model if str(args.model or "").endswith(".gguf") else None
+
+
 def _run_peers(run: _Run):
     from dataclasses import replace
 
@@ -246,8 +254,9 @@ def _run_peers(run: _Run):
 
     options = peers_report.PeersOptions.quick() if run.args.quick else \
         peers_report.PeersOptions()
-    if run.args.gguf:
-        options = replace(options, gguf=run.args.gguf)
+    gguf = peers_gguf(run.args)
+    if gguf:
+        options = replace(options, gguf=gguf)
     report = peers.run_peers(run.llm, options, model_name=run.model_name,
                              sgemm_flops_per_s=run.machine.matmul_flops_per_s)
     parts = peers_report.sections(report)

@@ -16,7 +16,8 @@
     promptlang bench compute  (bfloat16 compute against float32, on one adapter)
     promptlang bench plan     (compile --plan's estimates against a real encode)
     promptlang bench contention  (decode and a cached question beside a busy neighbour)
-    promptlang bench peers    [--gguf FILE]  (beside llama.cpp and transformers' full prefill)
+    promptlang bench peers    [--model FILE.gguf] [--gguf FILE]  (beside llama.cpp and
+                              transformers' full prefill, on the same GGUF)
     promptlang bench cluster  [--replicas N] [--cluster-docs N] [--cluster-k K]
                               [--cluster-requests R] [--cluster-clients C]
                               [--routers pow2,prefix,affinity] [--memory-share F]
@@ -62,7 +63,8 @@ def register(subparsers: Any) -> None:
     common.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
                         help=f"folder for the raw numbers and plots (default {DEFAULT_OUT}/)")
     common.add_argument("--model", metavar="PATH_OR_ID",
-                        help="a local transformers model (default: the embedded SmolLM2-135M)")
+                        help="a local transformers model or a GGUF file (default: the "
+                             "embedded SmolLM2-135M)")
     common.add_argument("--no-progress", action="store_true", help="no progress bars")
     common.add_argument("--threads", type=_positive, metavar="N",
                         help="torch threads (default: torch's choice, one per core)")
@@ -174,7 +176,8 @@ def register(subparsers: Any) -> None:
 
     peers = argparse.ArgumentParser(add_help=False)
     peers.add_argument("--gguf", metavar="FILE",
-                       help="the GGUF llama.cpp loads (default: the default model's own)")
+                       help="the GGUF llama.cpp loads (default: the --model GGUF, else the "
+                            "default model's own)")
 
     for name, parents, func, short, text in (
             ("latency", [common, latency], _handler("latency"),

@@ -482,8 +482,8 @@ static void q5_0_row(const uint8_t* row, long k, float* dst) {
 
 typedef void (*RowFn)(const uint8_t*, long, float*);
 
-/* q4_row and q8_row on 512-bit vectors (16 weights an instruction; the same operations, so
- * the same values bit for bit): the dequantizing bounds a 1-3 row pass, ~2x fewer
+/* q4_row on 512-bit vectors (16 weights an instruction; the same operations, so the same
+ * values bit for bit; q8_row's is kq_row_w): the dequantizing bounds a 1-3 row pass, ~2x fewer
  * instructions than the 256-bit ones */
 __attribute__((optimize("fp-contract=off"), target("avx512f")))
 static void q4_row_w(const uint8_t* row, long k, float* dst) {
@@ -499,19 +499,6 @@ static void q4_row_w(const uint8_t* row, long k, float* dst) {
         __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
         _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_mul_ps(d, q0), m));
         _mm512_storeu_ps(dst + 16, _mm512_add_ps(_mm512_mul_ps(d, q1), m));
-    }
-}
-
-__attribute__((target("avx512f")))
-static void q8_row_w(const uint8_t* row, long k, float* dst) {
-    for (long b = 0; b < k / 32; b++, row += Q8_BYTES, dst += 32) {
-        uint16_t hd;
-        memcpy(&hd, row, 2);
-        __m512 d = _mm512_set1_ps(_cvtsh_ss(hd));
-        __m128i q0 = _mm_loadu_si128((const __m128i*)(row + 2));
-        __m128i q1 = _mm_loadu_si128((const __m128i*)(row + 18));
-        _mm512_storeu_ps(dst, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0))));
-        _mm512_storeu_ps(dst + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1))));
     }
 }
 
@@ -569,6 +556,203 @@ int pl_q4_fused(int on) {
     return q4_fused;
 }
 
+/* ---- Q8_0, Q5_0 and K-quant tiles on 512-bit vectors ---------------------------------------- *
+ * As q4_tile_w: each weight made in a register, 16 at a time in the row's order, and
+ * multiplied in where tile_w over the float weights multiplies it, so a pass from the blocks
+ * gives the float path's bits. Each value is the row function's:
+ * - Q4_K, Q5_K: a table of a sub-block's 16 or 32 values, dj * q - mj for every q, made by one
+ *   FMA (dj * q is exact in float32: an 11-bit d, a 6-bit scale and a 5-bit q, so the FMA
+ *   rounds once, as the row's subtraction does), and each weight the lane its bits pick
+ *   (vpermps reads an index's low 4 bits, vpermt2ps its low 5);
+ * - Q5_0: the same with the table d * (q - 16), q = 0..31 (one multiply each, as the row);
+ * - Q6_K: its 6-bit values put together 32 at a time with byte operations first, then
+ *   converted and multiplied as the row does; Q8_0: converted and multiplied.
+ * kq_row_w stores the same registers into a row (passes of more rows: the buffer and group_w).
+ *
+ * kq_prepare reads a block once (dj: d times each sub-block's scale; mj: dmin times its min;
+ * vals: Q6_K's values, minus 32); kq_chunk makes weights [16 c, 16 c + 16) of the block. */
+typedef struct {
+    float dj[16], mj[8];
+    uint32_t qh;
+    int8_t vals[QK_K];
+} KqBlock;
+
+AIW void kq_prepare(const int kind, const uint8_t* q, KqBlock* kb) {
+    uint16_t hd;
+    if (kind == KIND_Q4_K) {
+        k_sub_scales(q, kb->dj, kb->mj);
+    } else if (kind == KIND_Q5_K) {
+        k_sub_scales(q, kb->dj, kb->mj);
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
+        __m256i h = _mm256_loadu_si256((const __m256i*)(q + 16));
+        for (int pair = 0; pair < 4; pair++) {
+            __m256i l = _mm256_loadu_si256((const __m256i*)(q + 48 + 32 * pair));
+            int s = 2 * pair;                  /* bits s and s + 1 of h -> bit 4 */
+            __m256i h0 = s <= 4 ? _mm256_slli_epi16(h, 4 - s) : _mm256_srli_epi16(h, s - 4);
+            __m256i h1 = s + 1 <= 4 ? _mm256_slli_epi16(h, 3 - s) : _mm256_srli_epi16(h, s - 3);
+            _mm256_storeu_si256((__m256i*)(kb->vals + 64 * pair),
+                                _mm256_or_si256(_mm256_and_si256(l, m4),
+                                                _mm256_and_si256(h0, m10)));
+            _mm256_storeu_si256((__m256i*)(kb->vals + 64 * pair + 32),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 4), m4),
+                                                _mm256_and_si256(h1, m10)));
+        }
+    } else if (kind == KIND_Q6_K) {
+        const int8_t* scales = (const int8_t*)(q + 192);
+        memcpy(&hd, q + 208, 2);
+        float d = _cvtsh_ss(hd);
+        for (int c = 0; c < 16; c++)
+            kb->dj[c] = d * (float)scales[c];
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30),
+                      off = _mm256_set1_epi8(32);
+        for (int half = 0; half < 2; half++) {
+            __m256i l0 = _mm256_loadu_si256((const __m256i*)(q + 64 * half));
+            __m256i l1 = _mm256_loadu_si256((const __m256i*)(q + 64 * half + 32));
+            __m256i h = _mm256_loadu_si256((const __m256i*)(q + 128 + 32 * half));
+            __m256i v[4];
+            v[0] = _mm256_or_si256(_mm256_and_si256(l0, m4),
+                                   _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+            v[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                   _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+            v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                   _mm256_and_si256(h, m30));
+            v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+            for (int s = 0; s < 4; s++)
+                _mm256_storeu_si256((__m256i*)(kb->vals + 128 * half + 32 * s),
+                                    _mm256_sub_epi8(v[s], off));
+        }
+    } else {                                   /* Q8_0, Q5_0: d first */
+        memcpy(&hd, q, 2);
+        kb->dj[0] = _cvtsh_ss(hd);
+        if (kind == KIND_Q5_0)
+            memcpy(&kb->qh, q + 2, 4);
+    }
+}
+
+AIW __m512 kq_chunk(const int kind, const uint8_t* q, const int c, const KqBlock* kb) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if (kind == 8) {
+        __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 2 + 16 * c)));
+        return _mm512_mul_ps(_mm512_set1_ps(kb->dj[0]), _mm512_cvtepi32_ps(v));
+    }
+    if (kind == KIND_Q6_K) {
+        __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(kb->vals + 16 * c)));
+        return _mm512_mul_ps(_mm512_set1_ps(kb->dj[c]), _mm512_cvtepi32_ps(v));
+    }
+    if (kind == KIND_Q5_0) {
+        __m512 d = _mm512_set1_ps(kb->dj[0]);
+        __m512 low = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(16.0f)));
+        __m512 high = _mm512_mul_ps(d, iota);
+        __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 6)));
+        e = c ? _mm512_srli_epi32(e, 4) : _mm512_and_si512(e, _mm512_set1_epi32(0x0F));
+        __mmask16 fifth = (__mmask16)(kb->qh >> (16 * c));
+        e = _mm512_mask_or_epi32(e, fifth, e, _mm512_set1_epi32(16));
+        return _mm512_permutex2var_ps(low, e, high);
+    }
+    const int s = c >> 1;                             /* Q4_K, Q5_K: sub-block s */
+    __m512 dj = _mm512_set1_ps(kb->dj[s]), mj = _mm512_set1_ps(kb->mj[s]);
+    __m512 low = _mm512_fmsub_ps(dj, iota, mj);
+    if (kind == KIND_Q5_K) {
+        __m512 high = _mm512_fmsub_ps(dj, _mm512_add_ps(iota, _mm512_set1_ps(16.0f)), mj);
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(kb->vals + 16 * c)));
+        return _mm512_permutex2var_ps(low, v, high);
+    }
+    const uint8_t* qs = q + 16 + 32 * (s >> 1) + 16 * (c & 1);
+    __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)qs));
+    if (s & 1)
+        e = _mm512_srli_epi32(e, 4);
+    return _mm512_permutexvar_ps(e, low);
+}
+
+/* weights per block and bytes per block of a kq kind */
+static inline long kq_per(int kind) {
+    return kind == KIND_Q4_K || kind == KIND_Q5_K || kind == KIND_Q6_K ? QK_K : 32;
+}
+
+static inline long kq_bytes(int kind) {
+    switch (kind) {
+    case 8: return Q8_BYTES;
+    case KIND_Q5_0: return Q5_0_BYTES;
+    case KIND_Q4_K: return Q4_K_BYTES;
+    case KIND_Q5_K: return Q5_K_BYTES;
+    default: return Q6_K_BYTES;
+    }
+}
+
+/* R rows of a x 4 rows of b (blocks of `kind`, row stride `stride` bytes), as q4_tile_w */
+AIW void kq_tile_w(const int R, const int kind, const float* a, long lda, const uint8_t* b,
+                   long stride, long k, float* c, long ldc) {
+    const long per = kq_per(kind), bytes = kq_bytes(kind);
+    __m512 acc[3][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    KqBlock kb[4];
+    for (long blk = 0; blk < k / per; blk++) {
+        for (int j = 0; j < 4; j++)
+            kq_prepare(kind, b + j * stride + blk * bytes, &kb[j]);
+        for (int ch = 0; ch < per / 16; ch++) {          /* the 4 rows' sums side by side */
+            __m512 x[3];
+            for (int r = 0; r < R; r++)
+                x[r] = _mm512_loadu_ps(a + r * lda + blk * per + 16 * ch);
+            for (int j = 0; j < 4; j++) {
+                __m512 w = kq_chunk(kind, b + j * stride + blk * bytes, ch, &kb[j]);
+                for (int r = 0; r < R; r++)
+                    acc[r][j] = _mm512_fmadd_ps(x[r], w, acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        _mm_storeu_ps(c + r * ldc, hsum4(half_sum(acc[r][0]), half_sum(acc[r][1]),
+                                         half_sum(acc[r][2]), half_sum(acc[r][3])));
+}
+
+/* one row of k weights of `kind` into dst, from the same registers */
+AIW void kq_row_w(const int kind, const uint8_t* row, long k, float* dst) {
+    const long per = kq_per(kind), bytes = kq_bytes(kind);
+    for (long blk = 0; blk < k / per; blk++, row += bytes, dst += per) {
+        KqBlock kb;
+        kq_prepare(kind, row, &kb);
+        for (int ch = 0; ch < per / 16; ch++)
+            _mm512_storeu_ps(dst + 16 * ch, kq_chunk(kind, row, ch, &kb));
+    }
+}
+
+#define KQ_TILES(KIND, NAME) \
+    __attribute__((noinline, optimize("fp-contract=off"), target("avx512f"))) \
+    static void NAME##_tile1_w(const float* a, long lda, const uint8_t* b, long stride, long k, \
+                               float* c, long ldc) { kq_tile_w(1, KIND, a, lda, b, stride, k, c, ldc); } \
+    __attribute__((noinline, optimize("fp-contract=off"), target("avx512f"))) \
+    static void NAME##_tile2_w(const float* a, long lda, const uint8_t* b, long stride, long k, \
+                               float* c, long ldc) { kq_tile_w(2, KIND, a, lda, b, stride, k, c, ldc); } \
+    __attribute__((noinline, optimize("fp-contract=off"), target("avx512f"))) \
+    static void NAME##_tile3_w(const float* a, long lda, const uint8_t* b, long stride, long k, \
+                               float* c, long ldc) { kq_tile_w(3, KIND, a, lda, b, stride, k, c, ldc); } \
+    __attribute__((noinline, optimize("fp-contract=off"), target("avx512f"))) \
+    static void NAME##_row_w(const uint8_t* row, long k, float* dst) { kq_row_w(KIND, row, k, dst); }
+__attribute__((noinline, target("avx512f")))
+static void q8_row_w(const uint8_t* row, long k, float* dst) { kq_row_w(8, row, k, dst); }
+KQ_TILES(KIND_Q5_0, q5_0) KQ_TILES(KIND_Q4_K, q4k) KQ_TILES(KIND_Q5_K, q5k)
+KQ_TILES(KIND_Q6_K, q6k)
+#undef KQ_TILES
+
+typedef void (*TileFn)(const float*, long, const uint8_t*, long, long, float*, long);
+
+/* the 512-bit row function of a kind and its tiles of 1, 2 and 3 rows (tiles[0..2], NULL where
+ * the kind takes the buffer: Q8_0's few multiplies made the tiles no faster than the buffer
+ * and group_w); 0 for a kind without them (Q4_1 has q4_tile_w's) */
+static int kq_wide(int kind, TileFn* tiles, RowFn* row) {
+    switch (kind) {
+    case 8: tiles[0] = NULL; *row = q8_row_w; return 1;
+#define KQ_CASE(KIND, NAME) case KIND: tiles[0] = NAME##_tile1_w; tiles[1] = NAME##_tile2_w; \
+        tiles[2] = NAME##_tile3_w; *row = NAME##_row_w; return 1;
+    KQ_CASE(KIND_Q5_0, q5_0) KQ_CASE(KIND_Q4_K, q4k) KQ_CASE(KIND_Q5_K, q5k)
+    KQ_CASE(KIND_Q6_K, q6k)
+#undef KQ_CASE
+    default: return 0;
+    }
+}
+
 /* The row function of a kind (4: Q4_1, 8: Q8_0, and ggml's numbers for Q5_0 and the
  * K-quants), NULL for another; *stride: the bytes of a row of k weights, k a multiple of the
  * kind's block (32, or 256 for the K-quants). */
@@ -604,20 +788,25 @@ int pl_q_dequant(const uint8_t* w, long rows, long k, int kind, float* out) {
 /* dots with b as quantized rows (`row` dequantizes one; row stride `stride` bytes): the same
  * tiles, in the same order, over each group of 4 rows dequantized into this thread's buffer */
 static void dots_q(const float* a, long lda, long m, const uint8_t* b, long n, long k,
-                   float* c, long ldc, RowFn row, long stride) {
+                   float* c, long ldc, int kind, RowFn row, long stride) {
     float* buf = q4_buf;
     int w = use_wide(k);
-    if (w) row = row == q4_row ? q4_row_w : (row == q8_row ? q8_row_w : row);
+    TileFn tiles[3] = {NULL, NULL, NULL};
+    if (w && kind == 4) {
+        row = q4_row_w;
+        tiles[0] = q4tile1_w;
+        tiles[1] = q4tile2_w;
+        tiles[2] = q4tile3_w;
+    } else if (w && !kq_wide(kind, tiles, &row)) {
+        tiles[0] = NULL;
+    }
     long j = 0;
-    if (w && row == q4_row_w && q4_fused && m >= 1 && m <= Q4_FUSED_ROWS)
+    if (tiles[0] && q4_fused && m >= 1 && m <= Q4_FUSED_ROWS)
         for (; j + 4 <= n; j += 4) {
             if (j + 8 <= n)
                 for (long o = 0; o < 4 * stride; o += 64)
                     _mm_prefetch((const char*)(b + (j + 4) * stride + o), _MM_HINT_T0);
-            const uint8_t* g = b + j * stride;
-            if (m == 1) q4tile1_w(a, lda, g, stride, k, c + j, ldc);
-            else if (m == 2) q4tile2_w(a, lda, g, stride, k, c + j, ldc);
-            else q4tile3_w(a, lda, g, stride, k, c + j, ldc);
+            tiles[m - 1](a, lda, b + j * stride, stride, k, c + j, ldc);
         }
     for (; j + 4 <= n; j += 4) {
         for (long r = 0; r < 4; r++) row(b + (j + r) * stride, k, buf + r * k);
@@ -662,7 +851,7 @@ int pl_linear_q(const float* x, long m, long k, const uint8_t* w, long n, float*
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long t = 0; t < tasks; t++) {
         long j0 = t * LIN_BLOCK, j1 = j0 + LIN_BLOCK < n ? j0 + LIN_BLOCK : n;
-        dots_q(x, k, m, w + j0 * stride, j1 - j0, k, y + j0, n, row, stride);
+        dots_q(x, k, m, w + j0 * stride, j1 - j0, k, y + j0, n, kind, row, stride);
     }
     return 0;
 }
@@ -1956,7 +2145,7 @@ static void linear_any(const float* x, const int16_t* xu, const float* xs, long 
     } else {
         long stride;
         RowFn row = kind_row(qkind, k, &stride);
-        dots_q(x, k, m, wq + j0 * stride, j1 - j0, k, y + j0, ldy, row, stride);
+        dots_q(x, k, m, wq + j0 * stride, j1 - j0, k, y + j0, ldy, qkind, row, stride);
     }
     if (b)
         for (long i = 0; i < m; i++)

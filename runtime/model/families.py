@@ -34,6 +34,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("rope", decoder="Mistral"),
     "qwen2": Family("rope", decoder="Qwen2"),
     "qwen3": Family("rope"),       # q/k norms: not pl_decoder's layer
+    "phi3": Family("rope"),        # fused q/k/v and gate/up projections
     "gemma": Family("rope"),       # GELU MLP, scaled embeddings
     "olmo2": Family("rope"),       # norms after attention and MLP
     "granite": Family("rope"),     # scaled residuals and logits

@@ -82,10 +82,10 @@ def quantized_blocks(gguf: Path, config) -> tuple[dict[tuple[int, str], torch.Te
 
     - its linear weights of the types the kernels read (Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
       Q6_K), {(layer, parameter name): (kernel kind, [rows, row bytes] uint8)}, rows in
-      transformers' order: llama.cpp stores the q and k projections' rows permuted for its
-      rotary layout, and transformers' GGUF loader permutes them back (the same permutation
-      is applied here, to whole block rows); other quantization types are left out (they
-      stay float);
+      transformers' order: llama.cpp stores a Llama's q and k projections' rows permuted for
+      its rotary layout, and transformers' GGUF loader permutes them back (the same
+      permutation is applied here, to whole block rows; other architectures' rows are as
+      stored); other quantization types are left out (they stay float);
     - its LM head's Q8_0 blocks ([vocab, hidden / 32 * 34] uint8: `output.weight`, or the
       token embedding a tied head shares), or None if not Q8_0."""
     from gguf import GGMLQuantizationType, GGUFReader
@@ -97,7 +97,10 @@ def quantized_blocks(gguf: Path, config) -> tuple[dict[tuple[int, str], torch.Te
              GGMLQuantizationType.Q5_K: 13, GGMLQuantizationType.Q6_K: 14}
     linears = {}
     heads_by_name = {}
-    for tensor in GGUFReader(str(gguf)).tensors:
+    reader = GGUFReader(str(gguf))
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    for tensor in reader.tensors:
         if tensor.name in ("output.weight", "token_embd.weight"):
             heads_by_name[tensor.name] = tensor
         parts = tensor.name.split(".")
@@ -105,7 +108,7 @@ def quantized_blocks(gguf: Path, config) -> tuple[dict[tuple[int, str], torch.Te
         if not linear or tensor.tensor_type not in kinds:
             continue
         rows = torch.from_numpy(tensor.data.copy())          # [n, row bytes] uint8
-        if parts[2] in ("attn_q", "attn_k"):
+        if parts[2] in ("attn_q", "attn_k") and arch == "llama":
             n_head = heads if parts[2] == "attn_q" else kv_heads
             half = rows.shape[0] // n_head // 2
             rows = rows.reshape(n_head, half, 2, -1).transpose(1, 2).reshape(rows.shape)
@@ -287,10 +290,46 @@ def check_gguf(path: Path, size: int) -> None:
         raise ModelError(f"{path}: a GGUF header that claims {tensors:,} tensors and {kvs:,} "
                          f"metadata entries in {size:,} bytes (truncated or corrupt)")
     try:
-        GGUFReader(str(path))
+        reader = GGUFReader(str(path))
     except Exception as err:                 # the gguf package's parser on a damaged file
         raise ModelError(f"{path}: a damaged GGUF file ({type(err).__name__}: "
                          f"{str(err)[:200]})") from None
+    check_supported(path, reader)
+
+
+# GGUF architectures promptlang loads (each tested with a tiny file against transformers'
+# own implementation of the family: tests/runtime/test_gguf.py); a Mistral GGUF from
+# llama.cpp's converter is a "llama" one
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+# tensor types read from the file as stored by the kernels (the rest become float32 weights)
+GGUF_STORED_TYPES = ("Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+def gguf_types() -> tuple[str, ...]:
+    """The tensor types a GGUF may hold: float ones and those the gguf package dequantizes."""
+    from gguf.quants import _type_traits
+
+    return ("F32", "F16", "BF16") + tuple(sorted(t.name for t in _type_traits))
+
+
+def check_supported(path: Path, reader) -> None:
+    """A ModelError naming `path`, what it holds and what is supported, where its architecture
+    or one of its tensor types is not one promptlang loads (before any conversion)."""
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise ModelError(f"{path}: the GGUF names no architecture (general.architecture); "
+                         f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+    arch = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelError(f"{path}: architecture {arch!r} is not supported (supported GGUF "
+                         f"architectures: {', '.join(GGUF_ARCHITECTURES)})")
+    known = gguf_types()
+    for tensor in reader.tensors:
+        name = tensor.tensor_type.name
+        if name not in known:
+            raise ModelError(f"{path}: tensor {tensor.name!r} is of type {name}, which "
+                             f"promptlang does not read (supported: {', '.join(known)}; "
+                             f"read as stored: {', '.join(GGUF_STORED_TYPES)})")
 
 
 def _sha256(path: Path) -> str:

@@ -59,11 +59,21 @@ def attach(decoder, blocks, scheme: str) -> None:
         decoder.attach_q8_head(head)
 
 
-# The block kinds (fast/native.py KINDS) a GGUF's linear weights are served from as stored:
-# those whose dequantizing is vectorized. The kernels read Q5_0 and the K-quants too, bit for
-# bit, but their row functions are plain C for now (what the compiler vectorizes), slower on
-# a decode-sized pass than the float copy, so they stay float until measured faster.
+# The block kinds (fast/native.py KINDS) a GGUF's linear weights are served from as stored,
+# where they pay: Q4_1 on every CPU the kernels run on; Q5_0, Q8_0 and the K-quants where the
+# 512-bit tiles run (native.wide(): their weights made in registers); without those, their
+# row functions are plain C, slower on a decode-sized pass than the float copy, so they stay
+# float there. Either way a pass gives the same numbers (the blocks hold the float copy's
+# values, and the tiles sum in the float tiles' order).
 GGUF_SERVED = frozenset({4})
+GGUF_SERVED_WIDE = frozenset({4, 6, 8, 12, 13, 14})
+
+
+def gguf_served() -> frozenset[int]:
+    """The block kinds a GGUF's linear weights are served from on this CPU (see above)."""
+    from promptlang.runtime.fast import native
+
+    return GGUF_SERVED_WIDE if native.wide() else GGUF_SERVED
 
 
 def serve_numerics(adapter, source, dtype, scheme: str | None, blocks, bf16_attention: bool,
@@ -84,7 +94,7 @@ def serve_numerics(adapter, source, dtype, scheme: str | None, blocks, bf16_atte
         attach(decoder, blocks, scheme)
     elif source is not None and dtype == torch.float32:
         linears, head = quantized_blocks(source, adapter.model.config)
-        served = {where: pair for where, pair in linears.items() if pair[0] in GGUF_SERVED}
+        served = {where: pair for where, pair in linears.items() if pair[0] in gguf_served()}
         decoder.attach_blocks(served, kind=None)           # each weight of its own type
         if head is not None:
             decoder.attach_q8_head(head)

@@ -46,3 +46,14 @@ def test_a_question_with_a_new_opening_has_goals_and_arithmetic_of_its_own():
                              "alone (27.0 GFLOP) at this run's float32 sgemm (180 GFLOP/s): "
                              "150 ms = 0.60x")
     assert new[1].detail == "not measured"
+
+
+def test_peers_runs_llama_cpp_on_the_gguf_promptlang_loads():
+    from argparse import Namespace
+
+    from promptlang.bench.run import peers_gguf
+
+    assert peers_gguf(Namespace(gguf=None, model="/m/qwen-q4_k_m.gguf")) == "/m/qwen-q4_k_m.gguf"
+    assert peers_gguf(Namespace(gguf="/other.gguf", model="/m/a.gguf")) == "/other.gguf"
+    assert peers_gguf(Namespace(gguf=None, model="/models/hf-folder")) is None
+    assert peers_gguf(Namespace(gguf=None, model=None)) is None

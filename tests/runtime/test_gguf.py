@@ -28,10 +28,12 @@ def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTE
                     blocks=None, arch: str = "llama",
                     head_dim: int | None = None,
                     extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """A tiny GGUF at `path`; returns its tensors by GGUF name (float32 values).
+    """A tiny GGUF at `path`; returns its tensors by GGUF name (float32 values; None for a
+    type the gguf package cannot dequantize).
 
-    - arch: "llama" (tied embeddings), "qwen2" (with the q/k/v projections' biases) or
-      "qwen3" (with q and k norms)
+    - arch: "llama" (tied embeddings), "qwen2" (with the q/k/v projections' biases),
+      "qwen3" (with q and k norms) or "phi3" (fused q/k/v and gate/up projections, an
+      output matrix of its own)
     - blocks(name, shape, rng), where given, may return (ggml type, [rows, bytes] uint8) for
       a tensor stored quantized (its values are then gguf's dequantized ones), or None
     - head_dim: the attention heads' size (default hidden / heads)
@@ -73,7 +75,17 @@ def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTE
     kv = head_dim * KV_HEADS
     nq = head_dim * HEADS
     shapes = {"token_embd.weight": (len(tokens), hidden), "output_norm.weight": (hidden,)}
+    if arch == "phi3":
+        shapes["output.weight"] = (len(tokens), hidden)
     for i in range(LAYERS):
+        if arch == "phi3":
+            shapes |= {f"blk.{i}.attn_norm.weight": (hidden,),
+                       f"blk.{i}.ffn_norm.weight": (hidden,),
+                       f"blk.{i}.attn_qkv.weight": (nq + 2 * kv, hidden),
+                       f"blk.{i}.attn_output.weight": (hidden, nq),
+                       f"blk.{i}.ffn_up.weight": (2 * inter, hidden),
+                       f"blk.{i}.ffn_down.weight": (hidden, inter)}
+            continue
         shapes |= {f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
                    f"blk.{i}.attn_q.weight": (nq, hidden),
                    f"blk.{i}.attn_k.weight": (kv, hidden), f"blk.{i}.attn_v.weight": (kv, hidden),
@@ -97,7 +109,10 @@ def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTE
             writer.add_tensor(name, values)
             continue
         qtype, raw = stored
-        tensors[name] = gguf.quants.dequantize(raw, qtype).reshape(shape)
+        try:
+            tensors[name] = gguf.quants.dequantize(raw, qtype).reshape(shape)
+        except NotImplementedError:                  # a type gguf-py does not read
+            tensors[name] = None
         writer.add_tensor(name, raw, raw_dtype=qtype)
     for name, values in (extra or {}).items():
         tensors[name] = values
@@ -183,6 +198,46 @@ def test_every_damaged_gguf_file_is_one_model_error_naming_the_file(tmp_path, mo
         assert str(path) in message and "\n" not in message, (name, message)
 
 
+def test_an_unsupported_architecture_or_tensor_type_names_itself_and_what_is_supported(
+        tmp_path, monkeypatch):
+    """Refused before any conversion, with the supported lists in the message."""
+    from promptlang.errors import ModelError
+    from promptlang.runtime import engine
+    from promptlang.runtime.model import loading
+
+    path = tmp_path / "other.gguf"
+    write_tiny_gguf(path, arch="gemma2")
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    with pytest.raises(ModelError) as caught:
+        engine.load(str(path))
+    assert str(caught.value) == (f"{path}: architecture 'gemma2' is not supported (supported "
+                                 f"GGUF architectures: llama, qwen2, qwen3, phi3)")
+
+    def q8_1(name, shape, rng):                 # a type gguf-py cannot dequantize
+        if not name.endswith("ffn_down.weight"):
+            return None
+        qtype = gguf.GGMLQuantizationType.Q8_1
+        per_block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        rows = rng.integers(0, 256, size=(shape[0], shape[1] // per_block * nbytes),
+                            dtype=np.uint8)
+        return qtype, rows
+
+    with pytest.raises(NotImplementedError):     # the oracle: gguf-py refuses the type too
+        gguf.quants.dequantize(np.zeros((1, 40), np.uint8), gguf.GGMLQuantizationType.Q8_1)
+    path = tmp_path / "q8_1.gguf"
+    monkeypatch.delenv("PROMPTLANG_HOME")
+    write_tiny_gguf(path, blocks=q8_1)
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(loading, "_convert_gguf", lambda *a, **k: pytest.fail("converted"))
+    with pytest.raises(ModelError) as caught:
+        engine.load(str(path))
+    message = str(caught.value)
+    assert message.startswith(f"{path}: tensor 'blk.0.ffn_down.weight' is of type Q8_1, which "
+                              f"promptlang does not read (supported: F32, F16, BF16, ")
+    assert "Q4_K" in message and "read as stored: Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K" in message
+    assert "Q8_1" not in message.split("supported:")[1]
+
+
 def native_available() -> bool:
     """Whether this CPU runs the kernels (CI requires it: PROMPTLANG_REQUIRE_NATIVE)."""
     from promptlang.runtime.fast import native
@@ -201,7 +256,7 @@ def _k_quant_blocks(name, shape, rng):
     from promptlang.runtime.fast import native
 
     part = name.split(".")[2] if name.startswith("blk.") else ""
-    if part not in K_MIX:
+    if part not in K_MIX or not name.endswith(".weight"):
         return None
     qtype = getattr(gguf.GGMLQuantizationType, K_MIX[part])
     kind = next(k for k, (label, _, _) in native.KINDS.items() if label == K_MIX[part])
@@ -210,16 +265,17 @@ def _k_quant_blocks(name, shape, rng):
 
 
 @pytest.mark.skipif(not native_available(), reason="CPU kernels unavailable here")
-def test_a_k_quant_gguf_is_served_from_its_blocks_as_stored(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])    # llama.cpp permutes a Llama's q, k rows
+def test_a_k_quant_gguf_is_served_from_its_blocks_as_stored(tmp_path, monkeypatch, arch):
     from promptlang.runtime import engine
     from promptlang.runtime.fast import native
     from promptlang.runtime.model import quantize
 
     monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
-    # loading serves only the kinds measured to pay (none of these yet): every kind here
+    # the K-quants are served where the 512-bit tiles run: every kind here, on any CPU
     monkeypatch.setattr(quantize, "GGUF_SERVED", frozenset(native.KINDS))
     path = tmp_path / "kquants.gguf"
-    tensors = write_tiny_gguf(path, hidden=256, inter=512, blocks=_k_quant_blocks)
+    tensors = write_tiny_gguf(path, hidden=256, inter=512, blocks=_k_quant_blocks, arch=arch)
     served = engine.load(str(path), recompute="none")
     plain = engine.load(str(path), recompute="none", quantized=False)
     layer = served.adapter.model.model.layers[1]
@@ -232,11 +288,19 @@ def test_a_k_quant_gguf_is_served_from_its_blocks_as_stored(tmp_path, monkeypatc
     ours = served.generate(prompt, schema=schema, max_new_tokens=6)
     theirs = plain.generate(prompt, schema=schema, max_new_tokens=6)
     assert ours.token_ids == theirs.token_ids and len(ours.token_ids) == 6
-    monkeypatch.setattr(quantize, "GGUF_SERVED", frozenset({4}))       # as shipped: Q4_1 only
-    assert engine.load(str(path)).adapter.fast.decoder.quantized_weights == 0
+    monkeypatch.setattr(quantize, "GGUF_SERVED", frozenset({4}))       # as shipped
+    wide = native.wide()
+    try:
+        native.wide(False)             # 256-bit tiles only: the K-quants stay float
+        assert engine.load(str(path)).adapter.fast.decoder.quantized_weights == 0
+    finally:
+        native.wide(wide)
+    if wide:                           # the 512-bit tiles: served from their blocks
+        assert engine.load(str(path)).adapter.fast.decoder.quantized_weights == \
+            LAYERS * len(K_MIX)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_each_family_as_a_gguf_answers_as_transformers_does(tmp_path, monkeypatch, arch):
     """A tiny GGUF of each family, written here: promptlang's answer (its cache, its kernels)
     against transformers' own implementation of the family loading the same file."""

@@ -60,6 +60,7 @@ def tiny_model(kind: str, vocab: int = 1000) -> torch.nn.Module:
         "qwen2": lambda: transformers.Qwen2Config(**rope),
         "qwen3": lambda: transformers.Qwen3Config(**rope, head_dim=16),
         "gemma": lambda: transformers.GemmaConfig(**rope, head_dim=16),
+        "phi3": lambda: transformers.Phi3Config(**rope, pad_token_id=0),
         "olmo2": lambda: transformers.Olmo2Config(**rope),
         "granite": lambda: transformers.GraniteConfig(**rope),
         "gpt2": lambda: transformers.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4,
