@@ -76,8 +76,11 @@ OPENERS = ("Briefly", "Quickly", "Carefully", "Honestly", "Simply", "Clearly", "
 
 
 def run_peers(llm, options: PeersOptions = PeersOptions(), *, model_name: str = "",
-              threads: int | None = None, sgemm_flops_per_s: float | None = None) -> PeersReport:
-    """sgemm_flops_per_s: the machine's float32 matmul rate, for the document's arithmetic."""
+              threads: int | None = None, sgemm_flops_per_s: float | None = None,
+              model: str | None = None) -> PeersReport:
+    """sgemm_flops_per_s: the machine's float32 matmul rate, for the document's arithmetic;
+    model: what `llm` was loaded from (None: the default model), loaded again in a new
+    process for the load and memory measurement."""
     from promptlang.runtime.engine import LLM
     from promptlang.runtime.store import ModuleStore
 
@@ -106,6 +109,8 @@ def run_peers(llm, options: PeersOptions = PeersOptions(), *, model_name: str = 
             finally:
                 llama.close()
     report.quantized_weights, report.quantized_max_diff = quantized_check(llm)
+    _load_and_memory(report, model, gguf, options.doc_tokens)
+    report.quantized_types = linear_types(gguf) if gguf is not None else ""
     report.goals = goals(report)
     return report
 
@@ -187,6 +192,9 @@ def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,
                 if value is not None:
                     rounds[name].append(value)
         report.decode = {name: _median(v) for name, v in rounds.items()}
+        if llama is not None:
+            report.llama_load_s = llama.load_s
+            report.llama_rss_bytes = llama.rss_bytes or None
         if report.llama_missing:                          # it stopped on the way
             for table in (report.doc, report.doc_new, report.decode):
                 table.pop("llama.cpp", None)
@@ -237,6 +245,8 @@ class _LlamaLines:
         self.process = process
         self.timer = timer
         self.version = version
+        self.load_s: float | None = None
+        self.rss_bytes = 0                 # after its latest request
 
     @classmethod
     def start(cls, gguf: str, threads: int, n_ctx: int) -> "_LlamaLines | str":
@@ -254,11 +264,13 @@ class _LlamaLines:
             session.close()
             return str(failed)
         session.version = hello["version"]
+        session.load_s = hello.get("load_s")
         return session
 
     def request(self, report: PeersReport, tokens: Sequence[int], decode: int = 0) -> dict:
         out = self._send({"tokens": list(tokens), "decode": decode})
         report.llama_reused.append(out["reused"])
+        self.rss_bytes = max(self.rss_bytes, int(out.get("rss_bytes", 0)))
         return out
 
     def _send(self, message: dict) -> dict:
@@ -314,6 +326,42 @@ def quantized_check(llm) -> tuple[int, float | None]:
             logits.append(adapter.forward(ids[200:], torch.tensor([200]), past, None,
                                           torch.tensor([0])).logits)
     return count, float((logits[0] - logits[1]).abs().max())
+
+
+def _load_and_memory(report: PeersReport, model: str | None, gguf: str | None,
+                     doc_tokens: int) -> None:
+    """promptlang's load in a new process and its resident memory after a request over the
+    document (bench/peers_memory.py), beside the GGUF's size."""
+    if gguf is not None and os.path.isfile(gguf):
+        report.file_bytes = os.path.getsize(gguf)
+    try:
+        done = subprocess.run([sys.executable, "-m", "promptlang.bench.peers_memory",
+                               model or "-", str(doc_tokens)], capture_output=True, text=True,
+                              timeout=LLAMA_TIMEOUT, env=dict(os.environ))
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, IndexError, json.JSONDecodeError) as err:
+        report.memory_missing = f"the load and memory run failed ({type(err).__name__})"
+        return
+    report.load_s = out["load_s"]
+    report.rss_bytes = out["rss_bytes"]
+    report.kv_bytes = out["kv_bytes"]
+
+
+def linear_types(gguf: str) -> str:
+    """The types of a GGUF's decoder-layer linear weights, counted: "Q5_0 x 132, Q4_K x 12"."""
+    from collections import Counter
+    from pathlib import Path
+
+    from gguf import GGMLQuantizationType
+
+    from promptlang.runtime.model.gguf_index import read_index
+    from promptlang.runtime.model.loading import GGUF_LINEARS
+
+    counts = Counter(GGMLQuantizationType(entry.type).name
+                     for name, entry in read_index(Path(gguf)).tensors.items()
+                     if name.startswith("blk.") and name.split(".")[2] in GGUF_LINEARS
+                     and name.endswith(".weight"))
+    return ", ".join(f"{kind} x {n}" for kind, n in counts.most_common())
 
 
 def _rag(llm, options: PeersOptions, report: PeersReport) -> list[list[int]]:

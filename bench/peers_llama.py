@@ -3,9 +3,9 @@
     python -m promptlang.bench.peers_llama      (one JSON object a line, both ways)
 
 The first line is the session: {"gguf": path, "threads": N, "n_ctx": N}, answered by
-{"version": llama_cpp.__version__} or {"error": why}; then each line one request,
-{"tokens": [...], "decode": N}, answered by {"ttft_s", "reused", "decode_s_per_token"} or
-{"error": why}; the process ends at end of input. The requests run in order on ONE
+{"version": llama_cpp.__version__, "load_s": the model's load} or {"error": why}; then each
+line one request, {"tokens": [...], "decode": N}, answered by {"ttft_s", "reused",
+"decode_s_per_token", "rss_bytes": the process's resident memory after it} or {"error": why}; the process ends at end of input. The requests run in order on ONE
 `llama_cpp.Llama`, so its prompt cache works as it does for its users: a request whose
 tokens start with the previous request's reuses that common prefix and computes the rest
 ("reused" says how many; any other request is computed whole). Per request: the time from
@@ -21,6 +21,18 @@ import sys
 import time
 
 
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS), in bytes; 0 where /proc does not say."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 class Session:
     """One `llama_cpp.Llama` and its prompt cache."""
 
@@ -28,10 +40,12 @@ class Session:
         import llama_cpp
 
         self.version = llama_cpp.__version__
+        began = time.perf_counter()
         self.llm = llama_cpp.Llama(model_path=job["gguf"], n_ctx=int(job["n_ctx"]),
                                    n_threads=int(job["threads"]),
                                    n_threads_batch=int(job["threads"]), n_batch=512,
                                    verbose=False, logits_all=False)
+        self.load_s = time.perf_counter() - began
 
     def request(self, request: dict) -> dict:
         llm = self.llm
@@ -56,7 +70,7 @@ class Session:
             per_token = (time.perf_counter() - began) / decode
         steps.close()
         return {"ttft_s": ttft, "reused": min(reused, len(tokens) - 1),
-                "decode_s_per_token": per_token}
+                "decode_s_per_token": per_token, "rss_bytes": resident_bytes()}
 
 
 def _open(job: dict) -> Session | dict:
@@ -80,7 +94,7 @@ def main() -> int:
     if isinstance(session, dict):
         _answer(session)
         return 0
-    _answer({"version": session.version})
+    _answer({"version": session.version, "load_s": session.load_s})
     for line in sys.stdin:
         try:
             _answer(session.request(json.loads(line)))

@@ -59,6 +59,14 @@ class PeersReport:
     llama_reused: list[int] = field(default_factory=list)        # its prefix hits, per request
     quantized_weights: int = 0                 # linear weights read as the GGUF stores them
     quantized_max_diff: float | None = None    # largest logit difference against float ones
+    quantized_types: str = ""                  # the GGUF's linear weights' types, counted
+    load_s: float | None = None                # promptlang's load call, in a new process
+    rss_bytes: int | None = None               # its resident memory after the document
+    kv_bytes: int | None = None                # the KV its store held then
+    file_bytes: int | None = None              # the GGUF's size
+    llama_load_s: float | None = None
+    llama_rss_bytes: int | None = None         # llama.cpp's, after its largest request
+    memory_missing: str | None = None          # why the load and memory run failed
     # kind -> the arithmetic of promptlang's first timed question (bench/floor.py)
     question_flops: dict[str, float] = field(default_factory=dict)
     sgemm_flops_per_s: float | None = None     # the run's float32 matmul rate (None: unknown)
@@ -117,15 +125,47 @@ def goals(report: PeersReport) -> list[Goal]:
         else:
             out.append(Goal(name, mine <= theirs, f"{1 / mine:.1f} vs {1 / theirs:.1f} "
                                                   f"tokens/s = {theirs / mine:.2f}x"))
+    out.extend(_load_memory_goals(report))
     if report.quantized_max_diff is None:
         out.append(Goal("the quantized path's logits equal the dequantized path's", None,
-                        "this model has no GGUF Q4_1 weights to read"))
+                        "this model has no GGUF blocks the kernels read"))
     else:
         out.append(Goal("the quantized path's logits equal the dequantized path's",
                         report.quantized_max_diff <= 1e-4,
-                        f"{report.quantized_weights} weights read as Q4_1 blocks; largest "
+                        f"{report.quantized_weights} weights read as the GGUF stores them"
+                        f"{f' (of {report.quantized_types})' if report.quantized_types else ''}"
+                        f"; largest "
                         f"logit difference {report.quantized_max_diff:.2g} (layers bit for "
                         f"bit; the Q8_0 head sums in another order than torch's)"))
+    return out
+
+
+LOAD_GOAL_S = 2.0             # a new process's load call, seconds
+MEMORY_GOAL = 1.5             # resident memory <= this x the GGUF's size + the requests' KV
+
+
+def _load_memory_goals(report: PeersReport) -> list[Goal]:
+    if report.load_s is None or report.rss_bytes is None:
+        why = report.memory_missing or "not measured"
+        return [Goal(f"load in a new process <= {LOAD_GOAL_S:g} s", None, why),
+                Goal(f"resident memory <= {MEMORY_GOAL:g}x the GGUF's size + the KV", None, why)]
+    beside = (f"; llama.cpp {report.llama_load_s:.2f} s" if report.llama_load_s is not None
+              else "")
+    out = [Goal(f"load in a new process <= {LOAD_GOAL_S:g} s", report.load_s <= LOAD_GOAL_S,
+                f"{report.load_s:.2f} s (the load call; the model converted earlier){beside}")]
+    if not report.file_bytes:
+        out.append(Goal(f"resident memory <= {MEMORY_GOAL:g}x the GGUF's size + the KV", None,
+                        "no GGUF file to compare with"))
+        return out
+    limit = MEMORY_GOAL * report.file_bytes + (report.kv_bytes or 0)
+    theirs = (f"; llama.cpp {report.llama_rss_bytes / 1e6:,.0f} MB"
+              if report.llama_rss_bytes else "")
+    out.append(Goal(f"resident memory <= {MEMORY_GOAL:g}x the GGUF's size + the KV",
+                    report.rss_bytes <= limit,
+                    f"{report.rss_bytes / 1e6:,.0f} MB after a request over the document "
+                    f"({report.rss_bytes / report.file_bytes:.1f}x the {report.file_bytes / 1e6:,.0f}"
+                    f" MB file; its KV {(report.kv_bytes or 0) / 1e6:,.0f} MB; limit "
+                    f"{limit / 1e6:,.0f} MB){theirs}"))
     return out
 
 
@@ -193,6 +233,10 @@ def to_json(report: PeersReport) -> dict[str, Any]:
             "llama_reused": report.llama_reused, "computed": report.computed,
             "quantized_weights": report.quantized_weights,
             "quantized_max_diff": report.quantized_max_diff,
+            "quantized_types": report.quantized_types,
+            "load_s": report.load_s, "rss_bytes": report.rss_bytes, "kv_bytes": report.kv_bytes,
+            "file_bytes": report.file_bytes, "llama_load_s": report.llama_load_s,
+            "llama_rss_bytes": report.llama_rss_bytes, "memory_missing": report.memory_missing,
             "question_flops": report.question_flops,
             "sgemm_flops_per_s": report.sgemm_flops_per_s,
             "goals": [{"name": g.name, "passed": g.passed, "detail": g.detail}

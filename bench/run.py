@@ -258,7 +258,8 @@ def _run_peers(run: _Run):
     if gguf:
         options = replace(options, gguf=gguf)
     report = peers.run_peers(run.llm, options, model_name=run.model_name,
-                             sgemm_flops_per_s=run.machine.matmul_flops_per_s)
+                             sgemm_flops_per_s=run.machine.matmul_flops_per_s,
+                             model=run.args.model)
     parts = peers_report.sections(report)
     print(render_text(parts))
     run.write("peers.json", lambda p: write_json(p, peers_report.to_json(report)))

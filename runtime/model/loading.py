@@ -78,46 +78,49 @@ GGUF_LINEARS = {"attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj
 
 def quantized_blocks(gguf: Path, config) -> tuple[dict[tuple[int, str], torch.Tensor],
                                                    torch.Tensor | None]:
-    """A Llama-family GGUF's quantized weights as stored, read in one pass over the file:
+    """A Llama-family GGUF's quantized weights as stored, mapped from the file (its pages,
+    shared, not a copy; gguf_index.py):
 
     - its linear weights of the types the kernels read (Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
       Q6_K), {(layer, parameter name): (kernel kind, [rows, row bytes] uint8)}, rows in
       transformers' order: llama.cpp stores a Llama's q and k projections' rows permuted for
       its rotary layout, and transformers' GGUF loader permutes them back (the same
-      permutation is applied here, to whole block rows; other architectures' rows are as
-      stored); other quantization types are left out (they stay float);
+      permutation is applied here, to whole block rows, in a copy; other architectures' rows
+      are as stored); other quantization types are left out (they stay float);
     - its LM head's Q8_0 blocks ([vocab, hidden / 32 * 34] uint8: `output.weight`, or the
       token embedding a tied head shares), or None if not Q8_0."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from promptlang.runtime.model.gguf_index import read_index
 
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    kinds = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8,     # kernels.c's
-             GGMLQuantizationType.Q5_0: 6, GGMLQuantizationType.Q4_K: 12,
-             GGMLQuantizationType.Q5_K: 13, GGMLQuantizationType.Q6_K: 14}
+    kinds = {3: 4, 8: 8, 6: 6, 12: 12, 13: 13, 14: 14}   # ggml type -> kernels.c's kind
+    index = read_index(gguf)
     linears = {}
-    heads_by_name = {}
-    reader = GGUFReader(str(gguf))
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
-    for tensor in reader.tensors:
-        if tensor.name in ("output.weight", "token_embd.weight"):
-            heads_by_name[tensor.name] = tensor
-        parts = tensor.name.split(".")
+    for name, entry in index.tensors.items():
+        parts = name.split(".")
         linear = len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS
-        if not linear or tensor.tensor_type not in kinds:
+        if not linear or entry.type not in kinds:
             continue
-        rows = torch.from_numpy(tensor.data.copy())          # [n, row bytes] uint8
-        if parts[2] in ("attn_q", "attn_k") and arch == "llama":
+        rows = _mapped(index.rows(name))                  # [n, row bytes] uint8
+        if parts[2] in ("attn_q", "attn_k") and index.arch == "llama":
             n_head = heads if parts[2] == "attn_q" else kv_heads
             half = rows.shape[0] // n_head // 2
             rows = rows.reshape(n_head, half, 2, -1).transpose(1, 2).reshape(rows.shape)
-        linears[(int(parts[1]), GGUF_LINEARS[parts[2]])] = (kinds[tensor.tensor_type],
+        linears[(int(parts[1]), GGUF_LINEARS[parts[2]])] = (kinds[entry.type],
                                                              rows.contiguous())
-    head = heads_by_name.get("output.weight") or heads_by_name.get("token_embd.weight")
-    if head is None or head.tensor_type != GGMLQuantizationType.Q8_0:
+    head = index.tensors.get("output.weight") or index.tensors.get("token_embd.weight")
+    if head is None or head.type != 8:
         return linears, None
-    return linears, torch.from_numpy(head.data.copy())
+    return linears, _mapped(index.rows(head.name))
+
+
+def _mapped(rows) -> torch.Tensor:
+    """A tensor over the read-only pages of a mapped file (the kernels only read them)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(rows)
 
 
 def _from_pretrained(source: str, dtype: torch.dtype, **kwargs: Any) -> Any:
@@ -244,6 +247,7 @@ def _gguf_folder(gguf: Path) -> str:
 
     with file_lock(root / ".lock"):
         if not _converted_ready(converted):
+            check_gguf_fully(gguf)
             _say(f"converting {gguf.name} to float weights (once)...")
             try:
                 _convert_gguf(gguf.resolve(), converted)
@@ -266,10 +270,11 @@ GGUF_MIN_TENSOR_BYTES = 24    # a name's length (8), dims (4), one dim (8), type
 
 
 def check_gguf(path: Path, size: int) -> None:
-    """A ModelError naming `path` and what is wrong where the file is not a GGUF the gguf
-    package reads: its header read by hand first (magic, version, counts that fit the
-    file), so that nothing is allocated for counts a crafted file makes up."""
-    from gguf import GGUFReader
+    """A ModelError naming `path` and what is wrong where the file is not a GGUF promptlang
+    loads: its header read by hand first (magic, version, counts that fit the file), so that
+    nothing is allocated for counts a crafted file makes up, then its tensor index
+    (gguf_index.py: every tensor within the file) and what it holds (check_supported)."""
+    from promptlang.runtime.model.gguf_index import read_index
 
     try:
         with open(path, "rb") as handle:
@@ -289,12 +294,19 @@ def check_gguf(path: Path, size: int) -> None:
     if kvs * GGUF_MIN_KV_BYTES > size or tensors * GGUF_MIN_TENSOR_BYTES > size:
         raise ModelError(f"{path}: a GGUF header that claims {tensors:,} tensors and {kvs:,} "
                          f"metadata entries in {size:,} bytes (truncated or corrupt)")
+    check_supported(path, read_index(path))
+
+
+def check_gguf_fully(path: Path) -> None:
+    """check_gguf's file read by the gguf package's own parser too (every metadata value
+    decoded): before a conversion, which reads them all."""
+    from gguf import GGUFReader
+
     try:
-        reader = GGUFReader(str(path))
+        GGUFReader(str(path))
     except Exception as err:                 # the gguf package's parser on a damaged file
         raise ModelError(f"{path}: a damaged GGUF file ({type(err).__name__}: "
                          f"{str(err)[:200]})") from None
-    check_supported(path, reader)
 
 
 # GGUF architectures promptlang loads (each tested with a tiny file against transformers'
@@ -312,22 +324,23 @@ def gguf_types() -> tuple[str, ...]:
     return ("F32", "F16", "BF16") + tuple(sorted(t.name for t in _type_traits))
 
 
-def check_supported(path: Path, reader) -> None:
+def check_supported(path: Path, index) -> None:
     """A ModelError naming `path`, what it holds and what is supported, where its architecture
-    or one of its tensor types is not one promptlang loads (before any conversion)."""
-    field = reader.fields.get("general.architecture")
-    if field is None:
+    or one of its tensor types is not one promptlang loads (before any conversion); `index`:
+    its gguf_index.GgufIndex."""
+    from gguf import GGMLQuantizationType
+
+    if not index.arch:
         raise ModelError(f"{path}: the GGUF names no architecture (general.architecture); "
                          f"supported: {', '.join(GGUF_ARCHITECTURES)}")
-    arch = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelError(f"{path}: architecture {arch!r} is not supported (supported GGUF "
-                         f"architectures: {', '.join(GGUF_ARCHITECTURES)})")
+    if index.arch not in GGUF_ARCHITECTURES:
+        raise ModelError(f"{path}: architecture {index.arch!r} is not supported (supported "
+                         f"GGUF architectures: {', '.join(GGUF_ARCHITECTURES)})")
     known = gguf_types()
-    for tensor in reader.tensors:
-        name = tensor.tensor_type.name
+    for entry in index.tensors.values():
+        name = GGMLQuantizationType(entry.type).name
         if name not in known:
-            raise ModelError(f"{path}: tensor {tensor.name!r} is of type {name}, which "
+            raise ModelError(f"{path}: tensor {entry.name!r} is of type {name}, which "
                              f"promptlang does not read (supported: {', '.join(known)}; "
                              f"read as stored: {', '.join(GGUF_STORED_TYPES)})")
 

@@ -287,7 +287,9 @@ PEERS_GOALS = {"document ~6.4k, promptlang cached TTFT <= 0.8x llama.cpp's prefi
                "decode at the document's cached context >= llama.cpp's tokens/s (f16 store)",
                "decode at the document's cached context >= llama.cpp's tokens/s "
                "(int8 linears, bf16 attention and store)",
-               "the quantized path's logits equal the dequantized path's"}
+               "the quantized path's logits equal the dequantized path's",
+               "load in a new process <= 2 s",
+               "resident memory <= 1.5x the GGUF's size + the KV"}
 
 
 def test_peers_quick_measures_promptlang_and_transformers_and_says_why_not_llama(
@@ -315,6 +317,11 @@ def test_peers_quick_measures_promptlang_and_transformers_and_says_why_not_llama
     # a transformers folder, no GGUF: nothing is read quantized, and the goal says so
     assert data["quantized_weights"] == 0
     assert verdicts["the quantized path's logits equal the dequantized path's"] == "N/A"
+    # loaded again in a new process: its load time and memory measured; no GGUF to compare
+    assert data["load_s"] > 0 and data["rss_bytes"] > 0 and data["kv_bytes"] > 0
+    assert data["file_bytes"] is None
+    assert verdicts["load in a new process <= 2 s"] in ("PASS", "FAIL")
+    assert verdicts["resident memory <= 1.5x the GGUF's size + the KV"] == "N/A"
 
 
 def test_serve_quick_can_load_llama_cpp_python_s_server_too(tmp_path, capsys, tiny_model_dir):

@@ -57,3 +57,21 @@ def test_peers_runs_llama_cpp_on_the_gguf_promptlang_loads():
     assert peers_gguf(Namespace(gguf="/other.gguf", model="/m/a.gguf")) == "/other.gguf"
     assert peers_gguf(Namespace(gguf=None, model="/models/hf-folder")) is None
     assert peers_gguf(Namespace(gguf=None, model=None)) is None
+
+
+def test_the_memory_goal_allows_the_file_and_the_kv():
+    """1.5x a 400 MB file plus 150 MB of KV is 750 MB: 700 MB passes, 800 MB fails."""
+    def verdicts(rss: int) -> dict:
+        report = PeersReport(PeersOptions(), "m", load_s=2.5, rss_bytes=rss, kv_bytes=150_000_000,
+                             file_bytes=400_000_000, llama_load_s=0.4,
+                             llama_rss_bytes=900_000_000)
+        return {g.name: g for g in goals(report)}
+
+    memory = "resident memory <= 1.5x the GGUF's size + the KV"
+    assert verdicts(700_000_000)[memory].passed is True
+    fails = verdicts(800_000_000)[memory]
+    assert fails.passed is False
+    assert fails.detail == ("800 MB after a request over the document (2.0x the 400 MB file; "
+                            "its KV 150 MB; limit 750 MB); llama.cpp 900 MB")
+    load = verdicts(1)["load in a new process <= 2 s"]
+    assert load.passed is False and load.detail.endswith("; llama.cpp 0.40 s")
