@@ -104,8 +104,9 @@ class FusedDecoder:
         self.inter = int(layers[0].mlp.gate_proj.out_features)
         self.eps = float(layers[0].input_layernorm.variance_epsilon)
         self.scale = float(attn.scaling)
-        self._modules = [m for layer in layers for m in layer.modules()]
-        self._modules += [hf_model, base, self.embed, self.rotary, self.norm, self.lm_head]
+        self._outer = [hf_model, base, self.embed, self.rotary, self.norm, self.lm_head]
+        self._modules = [m for layer in layers for m in layer.modules()] + self._outer
+        self._dropped = False        # linear weights served from blocks only (BlockLinear)
         self._table: tuple[tuple[int, ...], ctypes.Array] | None = None
         # weights served instead of their float copies (attach_blocks, attach_int8): slot ->
         # buffer, the buffers' kind (4: Q4_1 blocks, 8: Q8_0 blocks, 1: int8 rows), the float
@@ -285,6 +286,10 @@ class FusedDecoder:
         parameter was replaced; None when one no longer fits (not float32 on the CPU, not
         contiguous, another shape)."""
         tensors = [params.get(name) for params, name in self._slots]     # ~0.2 ms in all
+        if self._dropped and self._quantized() is None and any(
+                t is None for t, name in zip(tensors, _WEIGHTS * len(self.layers))
+                if name.endswith("weight")):
+            return None               # a weight kept as blocks only, and the blocks off
         ptrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
         if self._table is not None and self._table[0] == ptrs:
             return self._table[1]
@@ -372,6 +377,7 @@ class FusedDecoder:
                    for n in (self.hidden, self.inter, self.heads * self.head_dim))
         if not k_ok or not self.available() or not native.products_available("int8"):
             return 0
+        self.restore_float_copies()            # int8 rows are made from the float weights
         self._drop_blocks()
         self._blocks_kind = 1
         for slot, (params, key) in enumerate(self._slots):
@@ -409,6 +415,8 @@ class FusedDecoder:
         head = self._q8_head
         limit = Q_MAX_ROWS if native.wide() else Q_MAX_ROWS_NARROW
         if head is not None and 0 < h.shape[0] <= limit and native.enabled():
+            if type(self.lm_head) is not torch.nn.Linear:     # its blocks are its only copy
+                return native.linear_q8(h, head[0])
             weight = self.lm_head.weight
             if (weight.data_ptr(), weight._version) == head[1]:
                 return native.linear_q8(h, head[0])
@@ -416,8 +424,122 @@ class FusedDecoder:
         return self.lm_head(h)
 
     def _blocks_state(self) -> tuple:
-        return tuple((t.data_ptr(), t._version) for t in
+        return tuple(None if t is None else (t.data_ptr(), t._version) for t in
                      (self._slots[i][0].get(self._slots[i][1]) for i in sorted(self._blocks)))
+
+    def drop_float_copies(self) -> int:
+        """Keep the linear weights served from blocks as blocks only: each such `nn.Linear`
+        becomes a BlockLinear (fast/blocks.py; its weight made from the blocks when a pass
+        the kernel does not run reads it), and pl_decoder reads the blocks for every pass,
+        however many rows. Returns the float32 bytes let go (0: none served from blocks, or
+        int8 rows, which are an approximation of the float weights)."""
+        from promptlang.runtime.fast.blocks import BlockLinear
+
+        if self._blocks_kind == 1 or self._quantized() is None:
+            return 0
+        freed = 0
+        for slot, blocks in self._blocks.items():
+            parent, attr = self._owner(slot)
+            linear = getattr(parent, attr)
+            if type(linear) is not torch.nn.Linear:
+                continue
+            kind = self._kinds_table[slot] if self._kinds_table is not None else self._blocks_kind
+            freed += linear.weight.numel() * linear.weight.element_size()
+            setattr(parent, attr, BlockLinear(linear, kind, blocks))
+        freed += self._drop_head()
+        self._dropped = True
+        self._own_parameters()
+        self._reslot()
+        return freed
+
+    def _drop_head(self) -> int:
+        """The LM head kept as its Q8_0 blocks only (and the token embedding, where the head
+        is tied to it): the bytes let go."""
+        from promptlang.runtime.fast.blocks import BlockEmbedding, BlockLinear
+
+        if self._q8_head is None or type(self.lm_head) is not torch.nn.Linear:
+            return 0
+        blocks = self._q8_head[0]
+        weight = self.lm_head.weight
+        if (weight.data_ptr(), weight._version) != self._q8_head[1]:
+            return 0
+        freed = weight.numel() * weight.element_size()
+        model, base = self._outer[0], self._outer[1]
+        tied = type(self.embed) is torch.nn.Embedding and self.embed.weight is weight
+        model.lm_head = BlockLinear(self.lm_head, 8, blocks)
+        self.lm_head = model.lm_head
+        if tied:
+            base.embed_tokens = BlockEmbedding(self.embed, blocks)
+            self.embed = base.embed_tokens
+        self._outer = [model, base, self.embed, self.rotary, self.norm, self.lm_head]
+        return freed
+
+    def _restore_head(self) -> None:
+        from promptlang.runtime.fast.blocks import BlockEmbedding, BlockLinear
+
+        model, base = self._outer[0], self._outer[1]
+        if isinstance(self.lm_head, BlockLinear):
+            model.lm_head = self.lm_head.to_linear()
+            self.lm_head = model.lm_head
+            if isinstance(self.embed, BlockEmbedding):
+                embedding = torch.nn.Embedding(self.embed.num_embeddings,
+                                               self.embed.embedding_dim,
+                                               padding_idx=self.embed.padding_idx, device="meta")
+                embedding.weight = self.lm_head.weight            # tied again
+                base.embed_tokens = embedding
+                self.embed = embedding
+            weight = self.lm_head.weight
+            self._q8_head = (self._q8_head[0], (weight.data_ptr(), weight._version))
+        self._outer = [model, base, self.embed, self.rotary, self.norm, self.lm_head]
+
+    def _own_parameters(self) -> None:
+        """Copy the parameters left into memory of their own: the float copies came mapped
+        from one file, which every tensor viewing it keeps mapped, and resident, whole."""
+        head = self.lm_head.weight if type(self.lm_head) is torch.nn.Linear else None
+        matched = (head is not None and self._q8_head is not None
+                   and (head.data_ptr(), head._version) == self._q8_head[1])
+        with torch.no_grad():
+            for param in self._outer[0].parameters():
+                param.data = param.data.clone()
+        if matched:
+            self._q8_head = (self._q8_head[0], (head.data_ptr(), head._version))
+        self._table = None
+
+    def restore_float_copies(self) -> None:
+        """drop_float_copies undone: every BlockLinear an `nn.Linear` with its float32 weight
+        (the blocks' values) again."""
+        from promptlang.runtime.fast.blocks import BlockLinear
+
+        if not self._dropped:
+            return
+        for slot in range(len(self._slots)):
+            if _WEIGHTS[slot % len(_WEIGHTS)].endswith("proj.weight"):
+                parent, attr = self._owner(slot)
+                module = getattr(parent, attr, None)
+                if isinstance(module, BlockLinear):
+                    setattr(parent, attr, module.to_linear())
+        self._restore_head()
+        self._dropped = False
+        self._reslot()
+
+    @property
+    def float_copies(self) -> bool:
+        """Whether the linear weights served from blocks keep their float32 copies."""
+        return not self._dropped
+
+    def _owner(self, slot: int) -> tuple[torch.nn.Module, str]:
+        """(the module holding the linear layer of weight slot `slot`, its attribute name)."""
+        path = _WEIGHTS[slot % len(_WEIGHTS)].rsplit(".", 1)[0]       # "mlp.up_proj"
+        parent, attr = path.rsplit(".", 1)
+        return self.layers[slot // len(_WEIGHTS)].get_submodule(parent), attr
+
+    def _reslot(self) -> None:
+        """The slots and modules read again after linear layers were replaced."""
+        self._slots = [_slot(layer, name) for layer in self.layers for name in _WEIGHTS]
+        self._modules = [m for layer in self.layers for m in layer.modules()] + self._outer
+        self._table = None
+        if self._blocks_table is not None:
+            self._blocks_seen = self._blocks_state()
 
     def _quantized(self) -> ctypes.Array | None:
         """The blocks' table for this pass, or None (none attached, or a float weight changed
@@ -451,7 +573,10 @@ class FusedDecoder:
 
     @contextlib.contextmanager
     def quantized_off(self):
-        """Inside: every pass reads the float weights (A/B measurements, checks)."""
+        """Inside: every pass reads the float weights (A/B measurements, checks): dropped
+        float copies are made again for the while (their memory with them)."""
+        dropped = self._dropped
+        self.restore_float_copies()
         table = self._blocks_table
         head = self._q8_head
         self._blocks_table = None
@@ -461,12 +586,17 @@ class FusedDecoder:
         finally:
             self._blocks_table = table
             self._q8_head = head
+            if dropped:
+                self.drop_float_copies()
 
     @contextlib.contextmanager
     def approximated(self, int8_linears: bool = True, bf16_attention: bool = True):
         """Inside: the opt-in approximations on (where the CPU has them), then the weights
         and switches as before (side-by-side measurements: bench peers). KV computed inside
         is not the model's: keep it out of every store that outlives the block."""
+        dropped = self._dropped and int8_linears      # int8 rows are made from float weights
+        if dropped:
+            self.restore_float_copies()
         saved = self._serving()
         try:
             if int8_linears:
@@ -475,6 +605,8 @@ class FusedDecoder:
             yield self
         finally:
             self._serve(saved)
+            if dropped:
+                self.drop_float_copies()
 
     @property
     def numerics(self) -> tuple:

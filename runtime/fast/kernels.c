@@ -780,6 +780,12 @@ int pl_q_dequant(const uint8_t* w, long rows, long k, int kind, float* out) {
     RowFn row = kind_row(kind, k, &stride);
     if (!row)
         return -1;
+    TileFn tiles[3];
+    if (use_wide(k) && kind == 4)
+        row = q4_row_w;                 /* the same values from 512-bit registers */
+    else if (use_wide(k))
+        kq_wide(kind, tiles, &row);
+    #pragma omp parallel for schedule(static) if (rows * k >= (1L << 20))
     for (long r = 0; r < rows; r++)
         row(w + r * stride, k, out + r * k);
     return 0;
@@ -2227,8 +2233,15 @@ int pl_decoder(float* x, long q, const long* shape, float eps, float scale,
     int i8 = qw && qkind == I8_KIND;
     if (i8 && (hidden % 64 || inter % 64 || (heads * d) % 64 || !pl_products(8)))
         qw = NULL, i8 = 0;
-    if (!i8 && q > (wide_tiles ? Q4_MAX_ROWS_WIDE : Q4_MAX_ROWS))
-        qw = NULL;
+    if (!i8 && qw && q > (wide_tiles ? Q4_MAX_ROWS_WIDE : Q4_MAX_ROWS)) {
+        int floats = 1;                 /* blocks kept without a float copy: read them anyway */
+        for (long l = 0; l < layers; l++)
+            for (int slot = W_Q; slot <= W_DOWN; slot++)
+                if (slot != W_LN2 && qw[l * W_COUNT + slot] && !w[l * W_COUNT + slot])
+                    floats = 0;
+        if (floats)
+            qw = NULL;
+    }
     if (q <= 0 || d % 8 || d > MAXD || hidden % 8 || inter % 8 || (heads * d) % 8
             || kvh <= 0 || heads % kvh || tok[0] != 0 || tok[nreq] != q || seg[0] != 0
             || seg[nreq] != nseg)

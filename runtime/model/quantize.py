@@ -80,7 +80,8 @@ def serve_numerics(adapter, source, dtype, scheme: str | None, blocks, bf16_atte
                    int8_linears: bool) -> None:
     """What `load` gives the adapter's fused layers (if it has them): `quantize_model`'s
     blocks under `scheme`, else the GGUF `source`'s own (float32 only; source None: none),
-    then the opt-in approximations -- bf16 attention products, int8 linear layers (which
+    kept without their float32 copies (FusedDecoder.drop_float_copies), then the opt-in
+    approximations -- bf16 attention products, int8 linear layers (which
     replace the blocks: fast/fused.py attach_int8), each with a warning where the CPU lacks
     them. KV computed with an approximation is not the model's: the adapter's fingerprint
     (the store's key) then names the approximations too, so it is stored apart."""
@@ -107,6 +108,8 @@ def serve_numerics(adapter, source, dtype, scheme: str | None, blocks, bf16_atte
                       "float32", RuntimeWarning, stacklevel=3)
     if int8_linears and decoder.attach_int8():
         approximations.append("int8-linears")
+    elif source is not None and blocks is None and dtype == torch.float32:
+        decoder.drop_float_copies()        # the GGUF's blocks are the weights' only copy
     elif int8_linears:
         warnings.warn("promptlang: int8_linears needs AVX512_VNNI and layer widths that are "
                       "multiples of 64; the linear layers stay as they were", RuntimeWarning,
