@@ -10,7 +10,7 @@ to it and every later load reads that instead (seconds):
         generation_config.json, tokenizer files
 
 Any other GGUF file (`load("model.gguf")`) is converted the same way, once, into
-`$PROMPTLANG_HOME/models/gguf/<name>-<sha256 of the file>-c<CONVERSION>/` (its tokenizer from
+`$PROMPTLANG_HOME/models/gguf/<name>-<sha256 of the file>-c<conversion>/` (its tokenizer from
 the GGUF's own metadata); a changed file, or a new conversion format, is a new copy.
 
 A GGUF-loaded model refuses `save_pretrained` ("quantized with gguf and is not
@@ -177,6 +177,7 @@ def _convert_gguf(gguf: Path, converted: Path, tokenizer_dir: Path | None = None
     began = time.perf_counter()
     model = _from_pretrained(str(gguf.parent), torch.float32, gguf_file=gguf.name)
     _keep_rope_factors(gguf, model.config)
+    _keep_phi3_rope(gguf, model.config)
     work = default_model.partial_path(converted.parent, converted.name)
     try:
         # shared tensors (tied embeddings) are written once; from_pretrained re-ties them
@@ -227,6 +228,52 @@ def _keep_rope_factors(gguf: Path, config) -> None:
                               "original_max_position_embeddings": config.max_position_embeddings}
 
 
+def _keep_phi3_rope(gguf: Path, config) -> None:
+    """Give a Phi-3 family `config` what transformers' GGUF loader leaves out of the file: a
+    rotary dimension smaller than the head's (`phi3.rope.dimension_count`: Phi-4-mini rotates
+    three quarters of each head) as `partial_rotary_factor`, and the long-context rope
+    scaling llama.cpp stores as two tensors of frequency factors (`rope_factors_short`,
+    `rope_factors_long`) as transformers' "longrope" parameters, with the file's original
+    context length and attention factor where it gives them."""
+    from gguf import GGUFReader
+
+    if getattr(config, "model_type", None) != "phi3":
+        return
+    reader = GGUFReader(str(gguf))
+
+    def field(key: str):
+        found = reader.fields.get(key)
+        return None if found is None else found.parts[found.data[0]][0].item()
+
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dims = field("phi3.rope.dimension_count")
+    parameters = dict(config.rope_parameters or {})
+    if dims is not None and 0 < int(dims) < head_dim:
+        parameters["partial_rotary_factor"] = int(dims) / head_dim    # transformers 5's place
+    config.rope_parameters = parameters
+    factors = {t.name: [float(v) for v in t.data.astype("float32").reshape(-1)]
+               for t in reader.tensors
+               if t.name in ("rope_factors_short.weight", "rope_factors_long.weight")}
+    if len(factors) != 2:
+        return
+    rotary = int(dims) if dims else head_dim
+    for name, values in factors.items():
+        if len(values) != rotary // 2:
+            raise ModelError(f"{gguf}: {name} holds {len(values)} factors; a rotary "
+                             f"dimension of {rotary} needs {rotary // 2}")
+    original = field("phi3.rope.scaling.original_context_length")
+    parameters.update({"rope_type": "longrope",
+                       "short_factor": factors["rope_factors_short.weight"],
+                       "long_factor": factors["rope_factors_long.weight"],
+                       "original_max_position_embeddings": int(original or
+                                                               config.max_position_embeddings)})
+    attention = field("phi3.rope.scaling.attn_factor")
+    if attention is not None:
+        parameters["attention_factor"] = float(attention)
+    config.rope_parameters = parameters
+
+
 def _gguf_folder(gguf: Path) -> str:
     """The float copy of the GGUF file `gguf`, converted on first use (see the module doc)."""
     from promptlang.home import models_dir, private_dir
@@ -237,10 +284,10 @@ def _gguf_folder(gguf: Path) -> str:
         raise ModelError(f"cannot read the GGUF file {str(gguf)!r}: {err.strerror}") from None
     if not stat.S_ISREG(info.st_mode):
         raise ModelError(f"{str(gguf)!r} is not a regular file")
-    check_gguf(gguf, info.st_size)
+    arch = check_gguf(gguf, info.st_size)
     root = private_dir(private_dir(models_dir()) / "gguf")
     digest = _sha256(gguf)[:16]
-    converted = root / f"{gguf.stem}-{digest}-c{CONVERSION}"
+    converted = root / f"{gguf.stem}-{digest}-c{CONVERSIONS.get(arch, CONVERSION)}"
     if _converted_ready(converted):
         return str(converted)
     from promptlang.default_model import file_lock
@@ -263,17 +310,20 @@ def _gguf_folder(gguf: Path) -> str:
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
-# the float copy's format, in its folder's name: 2 keeps a Llama 3.x file's rope factors
+# the float copy's format, in its folder's name: 2 keeps a Llama 3.x file's rope factors; a
+# Phi-3 file's is 3 (its partial rotary dimension and long-context factors kept)
 CONVERSION = 2
+CONVERSIONS = {"phi3": 3}
 GGUF_MIN_KV_BYTES = 13        # a key's length (8), its type (4), a one-byte value
 GGUF_MIN_TENSOR_BYTES = 24    # a name's length (8), dims (4), one dim (8), type (4)... at least
 
 
-def check_gguf(path: Path, size: int) -> None:
+def check_gguf(path: Path, size: int) -> str:
     """A ModelError naming `path` and what is wrong where the file is not a GGUF promptlang
     loads: its header read by hand first (magic, version, counts that fit the file), so that
     nothing is allocated for counts a crafted file makes up, then its tensor index
-    (gguf_index.py: every tensor within the file) and what it holds (check_supported)."""
+    (gguf_index.py: every tensor within the file) and what it holds (check_supported).
+    Returns its architecture."""
     from promptlang.runtime.model.gguf_index import read_index
 
     try:
@@ -294,7 +344,9 @@ def check_gguf(path: Path, size: int) -> None:
     if kvs * GGUF_MIN_KV_BYTES > size or tensors * GGUF_MIN_TENSOR_BYTES > size:
         raise ModelError(f"{path}: a GGUF header that claims {tensors:,} tensors and {kvs:,} "
                          f"metadata entries in {size:,} bytes (truncated or corrupt)")
-    check_supported(path, read_index(path))
+    index = read_index(path)
+    check_supported(path, index)
+    return index.arch
 
 
 def check_gguf_fully(path: Path) -> None:

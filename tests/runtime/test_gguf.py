@@ -27,7 +27,9 @@ def _scalar(field):
 def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTER,
                     blocks=None, arch: str = "llama",
                     head_dim: int | None = None,
-                    extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+                    extra: dict[str, np.ndarray] | None = None,
+                    rope_dims: int | None = None,
+                    metadata: dict[str, int | float] | None = None) -> dict[str, np.ndarray]:
     """A tiny GGUF at `path`; returns its tensors by GGUF name (float32 values; None for a
     type the gguf package cannot dequantize).
 
@@ -38,6 +40,8 @@ def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTE
       a tensor stored quantized (its values are then gguf's dequantized ones), or None
     - head_dim: the attention heads' size (default hidden / heads)
     - extra: more float32 tensors by name (llama.cpp's `rope_freqs.weight`)
+    - rope_dims: the rotary dimension (default the head's); metadata: more keys (an int is
+      written as uint32, a float as float32)
     """
     from promptlang import default_model
 
@@ -57,7 +61,12 @@ def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTE
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(len(tokens))
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(rope_dims or head_dim)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_float32(key, value)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_file_type(0)                                   # all float32
@@ -325,6 +334,54 @@ def test_each_family_as_a_gguf_answers_as_transformers_does(tmp_path, monkeypatc
         theirs = reference.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False,
                                     pad_token_id=0)[0, len(ids):].tolist()
     assert ours.token_ids == theirs[:len(ours.token_ids)] and ours.token_ids
+
+
+def test_a_phi_3_gguf_keeps_its_partial_rotary_and_long_context_factors(tmp_path, monkeypatch):
+    """Phi-3.5/Phi-4-mini files carry a rotary dimension smaller than the head's and two sets
+    of frequency factors, which transformers' GGUF loader drops: promptlang keeps them, and
+    answers as transformers' Phi-3 with those parameters (up to the original context length,
+    where the short factors hold)."""
+    from transformers import AutoModelForCausalLM, Phi3ForCausalLM
+
+    from promptlang.runtime import engine
+
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    head_dim, rope_dims = HIDDEN // HEADS, 6
+    rng = np.random.default_rng(4)
+    short = (1.0 + rng.uniform(0.0, 3.0, rope_dims // 2)).astype(np.float32)
+    long = (short * 4).astype(np.float32)
+    path = tmp_path / "phi3.gguf"
+    write_tiny_gguf(path, seed=5, arch="phi3", rope_dims=rope_dims,
+                    extra={"rope_factors_short.weight": short, "rope_factors_long.weight": long},
+                    metadata={"phi3.rope.scaling.original_context_length": 128,
+                              "phi3.rope.scaling.attn_factor": 1.25})
+    llm = engine.load(str(path))
+    config = llm.adapter.model.config
+    assert config.rope_parameters["partial_rotary_factor"] == rope_dims / head_dim
+    assert config.rope_parameters["short_factor"] == short.tolist()
+    assert config.rope_parameters["long_factor"] == long.tolist()
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                 dtype=torch.float32, local_files_only=True)
+    stated = plain.config
+    stated.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0,
+                              "partial_rotary_factor": rope_dims / head_dim,
+                              "short_factor": short.tolist(), "long_factor": long.tolist(),
+                              "original_max_position_embeddings": 128, "attention_factor": 1.25}
+    reference = Phi3ForCausalLM(stated).eval()
+    reference.load_state_dict(plain.state_dict())
+    schema = '<schema name="f"><system>You are tiny.</system><module name="m">Some notes.</module></schema>'
+    prompt = '<prompt schema="f"><m/><user>Hi there</user><assistant></prompt>'
+    ids = llm.bind(prompt, schema=schema).token_ids()
+    assert len(ids) + 5 < 128
+    ours = llm.generate(prompt, schema=schema, max_new_tokens=5)
+    with torch.no_grad():
+        theirs = reference.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False,
+                                    pad_token_id=0)[0, len(ids):].tolist()
+        stated_logits = reference(torch.tensor([ids])).logits
+        dropped_logits = plain(torch.tensor([ids])).logits
+    assert ours.token_ids == theirs[:len(ours.token_ids)] and ours.token_ids
+    # the parameters the loader drops change this model's numbers
+    assert (stated_logits - dropped_logits).abs().max() > 1e-3
 
 
 def llama3_rope_factors(head_dim: int, theta: float, factor: float, low: float, high: float,
