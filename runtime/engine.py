@@ -135,6 +135,8 @@ class LLM:
         self.adapter = adapter
         self.tokenizer = tokenizer
         self.store = store
+        # where `load` spent its time, in seconds: file, weights, tokenizer, adapter, blocks
+        self.load_steps: dict[str, float] = {}
         self.isolate = isolate
         self.recompute = _policy(recompute)      # used when neither request nor schema says
         self.exact_reuse = exact_reuse           # keep and serve exact units (recompute/exact.py)
@@ -689,8 +691,9 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     exact_reuse: keep the units a request makes exact and serve them to later requests with
     the same tokens before them (docs/RECOMPUTE.md, "Exact reuse").
     quantized: a model from a GGUF (the default one included) has the fused layers read its
-    Q4_1 linear weights and Q8_0 LM head as stored for decode steps and short passes (the
-    same values as the float copy, bit for bit: fast/fused.py attach_blocks, attach_q8_head).
+    linear weights (Q4_1; Q5_0, Q8_0 and the K-quants where the 512-bit tiles run) and Q8_0
+    LM head as stored (the same values as the float copy, bit for bit: fast/fused.py
+    attach_blocks, attach_q8_head), and keeps no float copy of them (fast/blocks.py).
     quantize ("q4_1" or "q8_0"; Llama-family float32 checkpoints, not a GGUF): weight-only
     quantization -- the decoder's linear weights become Q4_1 or Q8_0 blocks (the LM head
     Q8_0) and the model computes with their dequantized values everywhere, while the fused
@@ -734,12 +737,17 @@ def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, e
     from promptlang.runtime.model.quantize import checked_scheme, quantize_model, serve_numerics
     compute_dtype = resolve(compute)        # before the model loads: a bad value fails fast
     scheme = checked_scheme(quantize, name_or_path, dtype)
-    hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype)
+    steps: dict[str, float] = {}
+    hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype, steps=steps)
+    began = time.perf_counter()
     # before adapt: the fingerprint must see the quantized weights
     blocks = None if scheme is None else quantize_model(hf_model, scheme)
     adapter = adapt(hf_model)
+    adapted = time.perf_counter()
+    steps["adapter"] = adapted - began
     source = gguf_source(name_or_path) if quantized else None
     serve_numerics(adapter, source, dtype, scheme, blocks, bf16_attention, int8_linears)
+    steps["blocks"] = time.perf_counter() - adapted
     if compute_dtype == torch.bfloat16 and dtype == torch.float32:
         attach_bf16(adapter, progress=lambda text: print(f"promptlang: {text}", file=sys.stderr))
     budgets = (memory_budget_bytes, disk_budget_bytes)
@@ -755,4 +763,5 @@ def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, e
         seam_adapter = find_seam_adapter(adapter.weights_fingerprint)
     if seam_adapter not in (None, False):
         llm.use_seam_adapter(seam_adapter)
+    llm.load_steps = steps
     return llm

@@ -332,3 +332,11 @@ def test_check_help_documents_both_kinds_and_the_pml_options(capsys):
     assert status == 0
     for words in (".py", "PML", "--tokenizer", "--no-layout", "--schema"):
         assert words in out
+
+
+def test_run_says_where_the_load_s_time_went():
+    from promptlang.cli.run import load_parts
+
+    assert load_parts({"file": 0.31, "weights": 1.04, "blocks": 0.2}) == \
+        " (file 0.3, weights 1.0, blocks 0.2)"
+    assert load_parts({}) == ""

@@ -57,6 +57,13 @@ def register(subparsers: Any) -> None:
     run.set_defaults(func=_run)
 
 
+def load_parts(steps: dict[str, float]) -> str:
+    """ " (file 0.3, weights 1.1, ...)": where a load's time went, or "" if not recorded."""
+    if not steps:
+        return ""
+    return " (" + ", ".join(f"{name} {seconds:.1f}" for name, seconds in steps.items()) + ")"
+
+
 def _run(args: argparse.Namespace) -> int:
     from promptlang.errors import DocumentKindError
     from promptlang.inputs import read_text
@@ -101,7 +108,7 @@ def _run(args: argparse.Namespace) -> int:
           f"cached {result.cached_tokens} ({result.exact_units} units exact, "
           f"{result.approximate_tokens} tokens encoded apart from what precedes them"
           f"{f', {result.primed_units} primed' if result.primed_units else ''}); "
-          f"model load {loaded:.1f} s", file=sys.stderr)
+          f"model load {loaded:.1f} s{load_parts(llm.load_steps)}", file=sys.stderr)
     if result.complete is not None:
         print(f"[{mode}] the answer is {'a whole' if result.complete else 'an INCOMPLETE'} "
               f"output of the constraint", file=sys.stderr)

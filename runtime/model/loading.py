@@ -38,20 +38,30 @@ from promptlang.hf_tokenizer import HFTokenizer, context_length
 
 
 def load_hf_model(name_or_path: str | Path | None = None, *, device: str | torch.device = "cpu",
-                  dtype: torch.dtype = torch.float32) -> tuple[Any, HFTokenizer]:
+                  dtype: torch.dtype = torch.float32,
+                  steps: dict[str, float] | None = None) -> tuple[Any, HFTokenizer]:
     """(model in eval mode, its HFTokenizer). None loads the default model
     (SmolLM2-135M-Instruct), converting its GGUF once; anything else is a
-    transformers model id or folder, read from local files only."""
+    transformers model id or folder, read from local files only. `steps`, where given,
+    receives the seconds of each part: "file" (a GGUF's checks, hash and first conversion),
+    "weights", "tokenizer"."""
+    began = time.perf_counter()
     if name_or_path is None:
         folder = _default_model_folder()
     elif str(name_or_path).endswith(".gguf"):
         folder = _gguf_folder(Path(name_or_path))
     else:
         folder = str(name_or_path)
+    read = time.perf_counter()
     model = _from_pretrained(folder, dtype)
     model.to(device)
     model.eval()
+    weighed = time.perf_counter()
     tokenizer = HFTokenizer.from_pretrained(folder, max_positions=context_length(model.config))
+    if steps is not None:
+        steps["file"] = read - began
+        steps["weights"] = weighed - read
+        steps["tokenizer"] = time.perf_counter() - weighed
     if name_or_path is None:
         from promptlang.default_model import DEFAULT_MODEL_NAME
 

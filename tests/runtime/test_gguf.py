@@ -287,6 +287,10 @@ def test_a_k_quant_gguf_is_served_from_its_blocks_as_stored(tmp_path, monkeypatc
     tensors = write_tiny_gguf(path, hidden=256, inter=512, blocks=_k_quant_blocks, arch=arch)
     served = engine.load(str(path), recompute="none")
     plain = engine.load(str(path), recompute="none", quantized=False)
+    # where the load's time went (`promptlang run` prints it)
+    assert list(served.load_steps) == ["file", "weights", "tokenizer", "adapter", "blocks"]
+    assert all(seconds >= 0 for seconds in served.load_steps.values())
+    assert not served.adapter.fast.decoder.float_copies and plain.adapter.fast.decoder.float_copies
     layer = served.adapter.model.model.layers[1]
     assert torch.equal(layer.mlp.down_proj.weight,
                        torch.from_numpy(np.ascontiguousarray(tensors["blk.1.ffn_down.weight"])))
