@@ -5,7 +5,8 @@
 The first line is the session: {"gguf": path, "threads": N, "n_ctx": N}, answered by
 {"version": llama_cpp.__version__, "load_s": the model's load} or {"error": why}; then each
 line one request, {"tokens": [...], "decode": N}, answered by {"ttft_s", "reused",
-"decode_s_per_token", "rss_bytes": the process's resident memory after it} or {"error": why}; the process ends at end of input. The requests run in order on ONE
+"decode_s_per_token", "rss_bytes": the process's resident memory after it} or {"error":
+why}; the process ends at end of input. The requests run in order on ONE
 `llama_cpp.Llama`, so its prompt cache works as it does for its users: a request whose
 tokens start with the previous request's reuses that common prefix and computes the rest
 ("reused" says how many; any other request is computed whole). Per request: the time from

@@ -718,23 +718,29 @@ AIW void kq_row_w(const int kind, const uint8_t* row, long k, float* dst) {
     }
 }
 
+#define KQ_FN __attribute__((noinline, optimize("fp-contract=off"), target("avx512f")))
 #define KQ_TILES(KIND, NAME) \
-    __attribute__((noinline, optimize("fp-contract=off"), target("avx512f"))) \
-    static void NAME##_tile1_w(const float* a, long lda, const uint8_t* b, long stride, long k, \
-                               float* c, long ldc) { kq_tile_w(1, KIND, a, lda, b, stride, k, c, ldc); } \
-    __attribute__((noinline, optimize("fp-contract=off"), target("avx512f"))) \
-    static void NAME##_tile2_w(const float* a, long lda, const uint8_t* b, long stride, long k, \
-                               float* c, long ldc) { kq_tile_w(2, KIND, a, lda, b, stride, k, c, ldc); } \
-    __attribute__((noinline, optimize("fp-contract=off"), target("avx512f"))) \
-    static void NAME##_tile3_w(const float* a, long lda, const uint8_t* b, long stride, long k, \
-                               float* c, long ldc) { kq_tile_w(3, KIND, a, lda, b, stride, k, c, ldc); } \
-    __attribute__((noinline, optimize("fp-contract=off"), target("avx512f"))) \
-    static void NAME##_row_w(const uint8_t* row, long k, float* dst) { kq_row_w(KIND, row, k, dst); }
+    KQ_FN static void NAME##_tile1_w(const float* a, long lda, const uint8_t* b, long stride, \
+                                     long k, float* c, long ldc) { \
+        kq_tile_w(1, KIND, a, lda, b, stride, k, c, ldc); \
+    } \
+    KQ_FN static void NAME##_tile2_w(const float* a, long lda, const uint8_t* b, long stride, \
+                                     long k, float* c, long ldc) { \
+        kq_tile_w(2, KIND, a, lda, b, stride, k, c, ldc); \
+    } \
+    KQ_FN static void NAME##_tile3_w(const float* a, long lda, const uint8_t* b, long stride, \
+                                     long k, float* c, long ldc) { \
+        kq_tile_w(3, KIND, a, lda, b, stride, k, c, ldc); \
+    } \
+    KQ_FN static void NAME##_row_w(const uint8_t* row, long k, float* dst) { \
+        kq_row_w(KIND, row, k, dst); \
+    }
 __attribute__((noinline, target("avx512f")))
 static void q8_row_w(const uint8_t* row, long k, float* dst) { kq_row_w(8, row, k, dst); }
 KQ_TILES(KIND_Q5_0, q5_0) KQ_TILES(KIND_Q4_K, q4k) KQ_TILES(KIND_Q5_K, q5k)
 KQ_TILES(KIND_Q6_K, q6k)
 #undef KQ_TILES
+#undef KQ_FN
 
 typedef void (*TileFn)(const float*, long, const uint8_t*, long, long, float*, long);
 

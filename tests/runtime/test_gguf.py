@@ -373,7 +373,8 @@ def test_a_phi_3_gguf_keeps_its_partial_rotary_and_long_context_factors(tmp_path
                               "original_max_position_embeddings": 128, "attention_factor": 1.25}
     reference = Phi3ForCausalLM(stated).eval()
     reference.load_state_dict(plain.state_dict())
-    schema = '<schema name="f"><system>You are tiny.</system><module name="m">Some notes.</module></schema>'
+    schema = ('<schema name="f"><system>You are tiny.</system>'
+              '<module name="m">Some notes.</module></schema>')
     prompt = '<prompt schema="f"><m/><user>Hi there</user><assistant></prompt>'
     ids = llm.bind(prompt, schema=schema).token_ids()
     assert len(ids) + 5 < 128
