@@ -1,9 +1,10 @@
 """`promptlang.load("model.gguf")`: any GGUF file, converted once into PROMPTLANG_HOME.
 
 The test writes its own tiny GGUF with the `gguf` package: a 2-layer Llama of random float32
-weights, with the default model's tokenizer metadata (vocabulary, merges, chat template)
-copied from its GGUF. The loaded model must compute what the same weights compute in a
-plain transformers model, and the second load must read the converted copy."""
+weights, with the default model's tokenizer metadata (the chat template, and its first VOCAB
+tokens and the merges among them, or all of them) copied from its GGUF. The loaded model must compute what the
+same weights compute in a plain transformers model, and the second load must read the
+converted copy."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, CONTEXT = 32, 64, 2, 4, 2, 256
+VOCAB = 2048
 
 
 def _strings(field) -> list[str]:
@@ -29,7 +31,8 @@ def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTE
                     head_dim: int | None = None,
                     extra: dict[str, np.ndarray] | None = None,
                     rope_dims: int | None = None,
-                    metadata: dict[str, int | float] | None = None) -> dict[str, np.ndarray]:
+                    metadata: dict[str, int | float] | None = None,
+                    vocab: int | None = VOCAB) -> dict[str, np.ndarray]:
     """A tiny GGUF at `path`; returns its tensors by GGUF name (float32 values; None for a
     type the gguf package cannot dequantize).
 
@@ -42,6 +45,8 @@ def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTE
     - extra: more float32 tensors by name (llama.cpp's `rope_freqs.weight`)
     - rope_dims: the rotary dimension (default the head's); metadata: more keys (an int is
       written as uint32, a float as float32)
+    - vocab: the default model's first `vocab` tokens and the merges within them (None: its
+      whole tokenizer)
     """
     from promptlang import default_model
 
@@ -49,7 +54,12 @@ def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTE
 
     source = gguf.GGUFReader(str(default_model.default_gguf_path()))
     f = source.fields
-    tokens = _strings(f["tokenizer.ggml.tokens"])
+    # the default model's first `vocab` tokens (every single character among them) and the
+    # merges within them: a smaller tokenizer, quicker to convert and to read
+    tokens = _strings(f["tokenizer.ggml.tokens"])[:vocab]
+    kept = set(tokens)
+    merges = [m for m in _strings(f["tokenizer.ggml.merges"])
+              if all(part in kept for part in m.split(" ")) and m.replace(" ", "") in kept]
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
@@ -74,8 +84,8 @@ def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTE
     writer.add_tokenizer_pre(bytes(f["tokenizer.ggml.pre"].parts[-1]).decode())
     writer.add_token_list(tokens)
     writer.add_token_types([int(f["tokenizer.ggml.token_type"].parts[i][0])
-                            for i in f["tokenizer.ggml.token_type"].data])
-    writer.add_token_merges(_strings(f["tokenizer.ggml.merges"]))
+                            for i in f["tokenizer.ggml.token_type"].data][:vocab])
+    writer.add_token_merges(merges)
     writer.add_bos_token_id(int(_scalar(f["tokenizer.ggml.bos_token_id"])))
     writer.add_eos_token_id(int(_scalar(f["tokenizer.ggml.eos_token_id"])))
     writer.add_unk_token_id(int(_scalar(f["tokenizer.ggml.unknown_token_id"])))
@@ -139,7 +149,7 @@ def test_a_gguf_file_loads_converted_once_and_computes_its_weights(tmp_path, mon
 
     monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
     path = tmp_path / "tiny.gguf"
-    tensors = write_tiny_gguf(path)
+    tensors = write_tiny_gguf(path, vocab=None)       # the whole tokenizer: compared below
     llm = engine.load(str(path), recompute="none")
     model = llm.adapter.model
     assert model.config.num_hidden_layers == LAYERS and model.config.hidden_size == HIDDEN
