@@ -164,7 +164,8 @@ def _load_memory_goals(report: PeersReport) -> list[Goal]:
                     report.rss_bytes <= limit,
                     f"{report.rss_bytes / 1e6:,.0f} MB after a request over the document "
                     f"({report.rss_bytes / report.file_bytes:.1f}x the "
-                    f"{report.file_bytes / 1e6:,.0f} MB file; its KV {(report.kv_bytes or 0) / 1e6:,.0f} MB; limit "
+                    f"{report.file_bytes / 1e6:,.0f} MB file, its KV "
+                    f"{(report.kv_bytes or 0) / 1e6:,.0f} MB, limit "
                     f"{limit / 1e6:,.0f} MB){theirs}"))
     return out
 

@@ -89,14 +89,15 @@ GGUF_LINEARS = {"attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj
 def quantized_blocks(gguf: Path, config) -> tuple[dict[tuple[int, str], torch.Tensor],
                                                    torch.Tensor | None]:
     """A Llama-family GGUF's quantized weights as stored, mapped from the file (its pages,
-    shared, not a copy; gguf_index.py):
+    shared, not a copy: gguf_index.py). Two things:
 
-    - its linear weights of the types the kernels read (Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
-      Q6_K), {(layer, parameter name): (kernel kind, [rows, row bytes] uint8)}, rows in
-      transformers' order: llama.cpp stores a Llama's q and k projections' rows permuted for
-      its rotary layout, and transformers' GGUF loader permutes them back (the same
-      permutation is applied here, to whole block rows, in a copy; other architectures' rows
-      are as stored); other quantization types are left out (they stay float);
+    - its linear weights of the types the kernels read (native.KINDS: Q4_1, Q5_0, Q8_0,
+      Q4_K, Q5_K, Q6_K), {(layer, parameter name): (kernel kind, [rows, row bytes] uint8)}.
+      Rows are in transformers' order. llama.cpp stores a Llama's q and k projections' rows
+      permuted for its rotary layout, and transformers' GGUF loader permutes them back, so
+      the same permutation is applied here, to whole block rows, in a copy. Other
+      architectures' rows are as stored. Other quantization types are left out: they stay
+      float.
     - its LM head's Q8_0 blocks ([vocab, hidden / 32 * 34] uint8: `output.weight`, or the
       token embedding a tied head shares), or None if not Q8_0."""
     from promptlang.runtime.model.gguf_index import read_index

@@ -71,7 +71,7 @@ def test_the_memory_goal_allows_the_file_and_the_kv():
     assert verdicts(700_000_000)[memory].passed is True
     fails = verdicts(800_000_000)[memory]
     assert fails.passed is False
-    assert fails.detail == ("800 MB after a request over the document (2.0x the 400 MB file; "
-                            "its KV 150 MB; limit 750 MB); llama.cpp 900 MB")
+    assert fails.detail == ("800 MB after a request over the document (2.0x the 400 MB file, "
+                            "its KV 150 MB, limit 750 MB); llama.cpp 900 MB")
     load = verdicts(1)["load in a new process <= 2 s"]
     assert load.passed is False and load.detail.endswith("; llama.cpp 0.40 s")

@@ -33,8 +33,8 @@ def write_tiny_gguf(path, seed: int = 0, hidden: int = HIDDEN, inter: int = INTE
                     rope_dims: int | None = None,
                     metadata: dict[str, int | float] | None = None,
                     vocab: int | None = VOCAB) -> dict[str, np.ndarray]:
-    """A tiny GGUF at `path`; returns its tensors by GGUF name (float32 values; None for a
-    type the gguf package cannot dequantize).
+    """A tiny GGUF written at `path`. Returns its tensors by GGUF name: float32 values, or None
+    for a type the gguf package cannot dequantize.
 
     - arch: "llama" (tied embeddings), "qwen2" (with the q/k/v projections' biases),
       "qwen3" (with q and k norms) or "phi3" (fused q/k/v and gate/up projections, an
