@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import promptlang.runtime.fast.native as native
+from promptlang.runtime.fast.linear import MAX_ROWS
 
 
 class BlockLinear(torch.nn.Module):
@@ -58,8 +59,6 @@ class BlockLinear(torch.nn.Module):
         """Inside the runtime's passes, up to fast/linear.py's MAX_ROWS rows: pl_linear's tiles
         over the blocks (what NativeLinear gave over the float copy); else F.linear over the
         weight made from the blocks (what nn.Linear gave)."""
-        from promptlang.runtime.fast.linear import MAX_ROWS
-
         bias = self.bias
         state = self._state() if self._state is not None else None
         if (state is not None and state.in_runtime_pass and native.enabled()

@@ -100,11 +100,15 @@ def quantized_blocks(gguf: Path, config) -> tuple[dict[tuple[int, str], torch.Te
       float.
     - its LM head's Q8_0 blocks ([vocab, hidden / 32 * 34] uint8: `output.weight`, or the
       token embedding a tied head shares), or None if not Q8_0."""
+    from gguf import GGMLQuantizationType
+
+    from promptlang.runtime.fast import native
     from promptlang.runtime.model.gguf_index import read_index
 
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    kinds = {3: 4, 8: 8, 6: 6, 12: 12, 13: 13, 14: 14}   # ggml type -> kernels.c's kind
+    kinds = {GGMLQuantizationType[name].value: kind           # ggml type -> kernels.c's kind
+             for kind, (name, _, _) in native.KINDS.items()}
     index = read_index(gguf)
     linears = {}
     for name, entry in index.tensors.items():
@@ -178,17 +182,21 @@ def _convert_default_model(folder: Path, converted: Path) -> None:
                   folder / default_model.TOKENIZER_SUBDIR)
 
 
-def _convert_gguf(gguf: Path, converted: Path, tokenizer_dir: Path | None = None) -> None:
+def _convert_gguf(gguf: Path, converted: Path, tokenizer_dir: Path | None = None,
+                  reader=None) -> None:
     """Write the float copy of `gguf` to `converted` (through a private temporary folder
-    renamed at the end); the tokenizer's files from `tokenizer_dir`, else from the GGUF."""
+    renamed at the end); the tokenizer's files from `tokenizer_dir`, else from the GGUF.
+    `reader`: the file's GGUFReader where the caller has one (else it is opened here)."""
+    from gguf import GGUFReader
     from safetensors.torch import save_model
 
     from promptlang import default_model
 
     began = time.perf_counter()
     model = _from_pretrained(str(gguf.parent), torch.float32, gguf_file=gguf.name)
-    _keep_rope_factors(gguf, model.config)
-    _keep_phi3_rope(gguf, model.config)
+    reader = reader if reader is not None else GGUFReader(str(gguf))
+    _keep_rope_factors(gguf, reader, model.config)
+    _keep_phi3_rope(gguf, reader, model.config)
     work = default_model.partial_path(converted.parent, converted.name)
     try:
         # shared tensors (tied embeddings) are written once; from_pretrained re-ties them
@@ -215,15 +223,13 @@ def _convert_gguf(gguf: Path, converted: Path, tokenizer_dir: Path | None = None
     _say(f"converted in {time.perf_counter() - began:.0f} s, saved to {converted}")
 
 
-def _keep_rope_factors(gguf: Path, config) -> None:
+def _keep_rope_factors(gguf: Path, reader, config) -> None:
     """Give `config` the rotary frequency factors llama.cpp stores for a Llama 3.x model's
     rope scaling (the tensor `rope_freqs.weight`: each frequency divided by its factor),
     which transformers' GGUF loader leaves out: as transformers' "longrope" parameters with
-    the same factors at every length and no attention scaling, the same frequencies."""
-    from gguf import GGUFReader
-
-    tensor = next((t for t in GGUFReader(str(gguf)).tensors if t.name == "rope_freqs.weight"),
-                  None)
+    the same factors at every length and no attention scaling, the same frequencies.
+    `reader`: the file's GGUFReader."""
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if tensor is None:
         return
     factors = [float(v) for v in tensor.data.astype("float32").reshape(-1)]
@@ -239,18 +245,21 @@ def _keep_rope_factors(gguf: Path, config) -> None:
                               "original_max_position_embeddings": config.max_position_embeddings}
 
 
-def _keep_phi3_rope(gguf: Path, config) -> None:
+def _keep_phi3_rope(gguf: Path, reader, config) -> None:
     """Give a Phi-3 family `config` what transformers' GGUF loader leaves out of the file: a
     rotary dimension smaller than the head's (`phi3.rope.dimension_count`: Phi-4-mini rotates
     three quarters of each head) as `partial_rotary_factor`, and the long-context rope
     scaling llama.cpp stores as two tensors of frequency factors (`rope_factors_short`,
     `rope_factors_long`) as transformers' "longrope" parameters, with the file's original
-    context length and attention factor where it gives them."""
-    from gguf import GGUFReader
+    context length and attention factor where it gives them. `reader`: the file's
+    GGUFReader.
 
+    transformers takes the long factors for a pass that reaches past the original context
+    length, so the cached passes of a longer prompt are not all computed with one set: such
+    a model is served as the file intends up to that length (4k tokens for Phi-3.5-mini and
+    Phi-4-mini)."""
     if getattr(config, "model_type", None) != "phi3":
         return
-    reader = GGUFReader(str(gguf))
 
     def field(key: str):
         found = reader.fields.get(key)
@@ -305,10 +314,10 @@ def _gguf_folder(gguf: Path) -> str:
 
     with file_lock(root / ".lock"):
         if not _converted_ready(converted):
-            check_gguf_fully(gguf)
+            reader = check_gguf_fully(gguf)
             _say(f"converting {gguf.name} to float weights (once)...")
             try:
-                _convert_gguf(gguf.resolve(), converted)
+                _convert_gguf(gguf.resolve(), converted, reader=reader)
             except (ValueError, KeyError, IndexError, TypeError, RuntimeError, EOFError,
                     struct.error) as err:
                 raise ModelError(f"{gguf}: cannot convert this GGUF file "
@@ -360,13 +369,13 @@ def check_gguf(path: Path, size: int) -> str:
     return index.arch
 
 
-def check_gguf_fully(path: Path) -> None:
+def check_gguf_fully(path: Path):
     """check_gguf's file read by the gguf package's own parser too (every metadata value
-    decoded): before a conversion, which reads them all."""
+    decoded): before a conversion, which reads them all. Returns the GGUFReader."""
     from gguf import GGUFReader
 
     try:
-        GGUFReader(str(path))
+        return GGUFReader(str(path))
     except Exception as err:                 # the gguf package's parser on a damaged file
         raise ModelError(f"{path}: a damaged GGUF file ({type(err).__name__}: "
                          f"{str(err)[:200]})") from None
