@@ -204,17 +204,18 @@ def test_requests_follow_the_replica_holding_their_modules(cluster):
 
 
 def test_load_imbalance_outweighs_affinity(cluster):
-    """12 long requests (160 tokens) for modules one replica holds, sent 0.1 s apart: past
+    """12 long requests (320 tokens) for modules one replica holds, sent 0.1 s apart: past
     the imbalance threshold (4 queued) some go to the other replica. The router reads
     Serve's cached queue lengths, which lag the requests just sent, so the requests are
-    spaced for the cache to see the pile-up; sent all at the same instant (as this test did
-    before the shared pool) all 12 went to the holder in 3 of 4 runs of the suite once the engine
-    got faster."""
+    spaced for the cache to see the pile-up, and long enough to pile up: sent all at the
+    same instant (as this test did before the shared pool) all 12 went to the holder in 3 of
+    4 runs of the suite once the engine got faster, and at 160 tokens a request all 12 did in
+    2 of 4 full runs once the decode steps read only the GGUF's blocks."""
     holder, _ = cluster.ask([0, 1])
 
     def ask(i: int) -> str:
         time.sleep(0.1 * i)
-        return cluster.ask([0, 1], max_tokens=160)[0]
+        return cluster.ask([0, 1], max_tokens=320)[0]
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         replicas = list(pool.map(ask, range(12)))
