@@ -204,21 +204,23 @@ def test_requests_follow_the_replica_holding_their_modules(cluster):
 
 
 def test_load_imbalance_outweighs_affinity(cluster):
-    """12 long requests (320 tokens) for modules one replica holds, sent 0.1 s apart: past
-    the imbalance threshold (4 queued) some go to the other replica. The router reads
-    Serve's cached queue lengths, which lag the requests just sent, so the requests are
-    spaced for the cache to see the pile-up, and long enough to pile up: sent all at the
-    same instant (as this test did before the shared pool) all 12 went to the holder in 3 of
-    4 runs of the suite once the engine got faster, and at 160 tokens a request all 12 did in
-    2 of 4 full runs once the decode steps read only the GGUF's blocks."""
+    """12 long requests for modules one replica holds, sent 0.1 s apart: past the imbalance
+    threshold (4 queued) some go to the other replica. Each answer must take its whole
+    160 tokens for the requests to pile up: the short question's answer ends after 15
+    tokens whatever `max_tokens` says, so each was answered in ~0.1 s and the holder's queue
+    rarely passed the threshold (all 12 went to it in some runs); the question asking for
+    every item of the document runs to `max_tokens` (checked below)."""
     holder, _ = cluster.ask([0, 1])
 
-    def ask(i: int) -> str:
+    def ask(i: int) -> tuple[str, int]:
         time.sleep(0.1 * i)
-        return cluster.ask([0, 1], max_tokens=320)[0]
+        replica, answer = cluster.ask([0, 1], max_tokens=160, question=LONG)
+        return replica, answer["usage"]["completion_tokens"]
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        replicas = list(pool.map(ask, range(12)))
+        served = list(pool.map(ask, range(12)))
+    assert all(tokens == 160 for _, tokens in served), served
+    replicas = [replica for replica, _ in served]
     assert replicas.count(holder) >= 4 and replicas.count(holder) < 12, replicas
 
 
