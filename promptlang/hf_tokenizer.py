@@ -112,6 +112,11 @@ class HFTokenizer:
             self._fingerprint = "hf-" + digest.hexdigest()
         return self._fingerprint
 
+    def adopt_fingerprint(self, fingerprint: str) -> None:
+        """Take `fingerprint` as this tokenizer's: one computed earlier from the same files
+        (a converted model's load record), not computed again."""
+        self._fingerprint = fingerprint
+
     @property
     def max_positions(self) -> int | None:
         return self._max_positions

@@ -733,20 +733,27 @@ def _load(name_or_path, device, dtype, isolate, store, store_dtype, recompute, e
           tail_budget_bytes=TAIL_BUDGET, seam_adapter=True, memory_budget_bytes=None,
           disk_budget_bytes=None, compute="float32") -> LLM:
     from promptlang.runtime.model.compute import attach_bf16, resolve
-    from promptlang.runtime.model.loading import gguf_source, load_hf_model
+    from promptlang.runtime.model.loading import gguf_source, load_model_files
     from promptlang.runtime.model.quantize import checked_scheme, quantize_model, serve_numerics
     compute_dtype = resolve(compute)        # before the model loads: a bad value fails fast
     scheme = checked_scheme(quantize, name_or_path, dtype)
     steps: dict[str, float] = {}
-    hf_model, tokenizer = load_hf_model(name_or_path, device=device, dtype=dtype, steps=steps)
+    hf_model, tokenizer, record = load_model_files(name_or_path, device=device, dtype=dtype,
+                                                   steps=steps)
     began = time.perf_counter()
     # before adapt: the fingerprint must see the quantized weights
     blocks = None if scheme is None else quantize_model(hf_model, scheme)
-    adapter = adapt(hf_model)
+    # a converted copy's weights, as loaded, have the fingerprint an earlier load recorded
+    recorded = f"model_fingerprint:{dtype}"
+    known = record.get(recorded) if record is not None and scheme is None else None
+    adapter = adapt(hf_model, known if isinstance(known, str) else None)
+    if record is not None and scheme is None and known is None:
+        record.put(recorded, adapter.weights_fingerprint)
     adapted = time.perf_counter()
     steps["adapter"] = adapted - began
     source = gguf_source(name_or_path) if quantized else None
-    serve_numerics(adapter, source, dtype, scheme, blocks, bf16_attention, int8_linears)
+    serve_numerics(adapter, source, dtype, scheme, blocks, bf16_attention, int8_linears,
+                   record)
     steps["blocks"] = time.perf_counter() - adapted
     if compute_dtype == torch.bfloat16 and dtype == torch.float32:
         attach_bf16(adapter, progress=lambda text: print(f"promptlang: {text}", file=sys.stderr))

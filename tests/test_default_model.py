@@ -212,6 +212,7 @@ def conversion(tmp_path_factory, default_tokenizer):
     folder = _seed_home(home, gguf=True, tokenizer=True)
     reads, gguf_results = [], []
     real_from_pretrained = loading._from_pretrained
+    real_load_converted = loading._load_converted
 
     def recording(source, dtype, **kwargs):
         model = real_from_pretrained(source, dtype, **kwargs)
@@ -220,9 +221,14 @@ def conversion(tmp_path_factory, default_tokenizer):
             gguf_results.append(_greedy_next(model, default_tokenizer))
         return model
 
+    def recording_converted(source, dtype):
+        reads.append((source, None))
+        return real_load_converted(source, dtype)
+
     saved = os.environ.get("PROMPTLANG_HOME")
     os.environ["PROMPTLANG_HOME"] = str(home)
     loading._from_pretrained = recording
+    loading._load_converted = recording_converted
     try:
         model, tokenizer = loading.load_hf_model()
         first_reads = list(reads)
@@ -238,6 +244,7 @@ def conversion(tmp_path_factory, default_tokenizer):
                "model": model, "tokenizer": tokenizer}
     finally:
         loading._from_pretrained = real_from_pretrained
+        loading._load_converted = real_load_converted
         if saved is None:
             os.environ.pop("PROMPTLANG_HOME", None)
         else:

@@ -86,6 +86,19 @@ class _Serving(NamedTuple):
     bf16_attention: bool
 
 
+def _equal_blocks(checks: dict[str, bool] | None, key: str, blocks: torch.Tensor,
+                  weight: torch.Tensor, kind: int) -> bool:
+    """Whether `blocks` (of `kind`) dequantize to `weight` bit for bit: `checks[key]` where an
+    earlier load recorded it, else compared here, 4096 rows at a time, and recorded."""
+    if checks is not None and isinstance(checks.get(key), bool):
+        return checks[key]
+    k = weight.shape[1]
+    same = all(torch.equal(native.q_dequant(blocks[i:i + 4096], k, kind=kind), weight[i:i + 4096])
+               for i in range(0, weight.shape[0], 4096))
+    if checks is not None:
+        checks[key] = same
+    return same
+
 class FusedDecoder:
     """pl_decoder for one model; build with `of`, which returns None for other structures."""
 
@@ -302,7 +315,8 @@ class FusedDecoder:
         self._table = (ptrs, table)
         return table
 
-    def attach_blocks(self, blocks, kind: int | None = 4) -> int:
+    def attach_blocks(self, blocks, kind: int | None = 4,
+                      checks: dict[str, bool] | None = None) -> int:
         """Serve linear weights from quantized blocks of `kind` instead of their float32
         copies, as a GGUF stores them:
 
@@ -314,9 +328,12 @@ class FusedDecoder:
         - kind None: each value is a (kind, blocks) pair, a GGUF's mix of types
 
         Each is checked to dequantize to the float weight the layer holds now, bit for bit
-        (native.q_dequant), and one that does not stays float. A float weight replaced or
-        changed in place later turns every quantized weight off. Returns how many weights
-        are served quantized."""
+        (native.q_dequant), and one that does not stays float. `checks`: the outcomes of an
+        earlier load of the same files by the same kernels ({"layer:name:kind": equal}),
+        taken as they are, and given this call's comparisons (a converted copy's load
+        record: runtime/model/load_record.py). A float weight replaced or changed in place
+        later turns every quantized weight off. Returns how many weights are served
+        quantized."""
         self._drop_blocks()
         entries = blocks.items() if kind is None else (
             (where, (kind, q)) for where, q in blocks.items())
@@ -346,7 +363,7 @@ class FusedDecoder:
             if q.dtype != torch.uint8 or weight.shape[1] % per_block or tuple(q.shape) != expected:
                 continue
             q = q.contiguous()
-            if torch.equal(native.q_dequant(q, weight.shape[1], kind=block_kind), weight):
+            if _equal_blocks(checks, f"{layer}:{name}:{block_kind}", q, weight, block_kind):
                 self._blocks[slot] = q
                 kinds[slot] = block_kind
         distinct = set(kinds.values())
@@ -387,12 +404,14 @@ class FusedDecoder:
                 self._blocks[slot] = int8_rows(weight.detach())
         return self._attached()
 
-    def attach_q8_head(self, blocks: torch.Tensor) -> bool:
+    def attach_q8_head(self, blocks: torch.Tensor, checks: dict[str, bool] | None = None
+                       ) -> bool:
         """Serve the LM head from Q8_0 blocks ([vocab, hidden / 32 * 34] uint8: a GGUF's
         output or tied embedding, as stored) for up to Q_MAX_ROWS rows: ~3.8x fewer
         bytes than its float32 copy, the largest single read of a step. Checked to
         dequantize to the head's weight bit for bit (the logits then differ from torch's
-        head by summation order only); False (float stays) otherwise."""
+        head by summation order only); False (float stays) otherwise. `checks`: as
+        attach_blocks's."""
         self._q8_head = None
         weight = self.lm_head.weight
         head_fits = (self.lm_head.bias is None and weight.dtype == torch.float32
@@ -403,8 +422,7 @@ class FusedDecoder:
         if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected or not self.available():
             return False
         blocks = blocks.contiguous()
-        same = all(torch.equal(native.q_dequant(blocks[i:i + 4096], self.hidden, kind=8),
-                               weight[i:i + 4096]) for i in range(0, weight.shape[0], 4096))
+        same = _equal_blocks(checks, "head:8", blocks, weight, 8)
         if same:
             self._q8_head = (blocks, (weight.data_ptr(), weight._version))
         return same
@@ -433,24 +451,32 @@ class FusedDecoder:
         the kernel does not run reads it), and pl_decoder reads the blocks for every pass,
         however many rows. Returns the float32 bytes let go (0: none served from blocks, or
         int8 rows, which are an approximation of the float weights)."""
-        from promptlang.runtime.fast.blocks import BlockLinear
 
         if self._blocks_kind == 1 or self._quantized() is None:
             return 0
-        freed = 0
-        for slot, blocks in self._blocks.items():
-            parent, attr = self._owner(slot)
-            linear = getattr(parent, attr)
-            if type(linear) is not torch.nn.Linear:
-                continue
-            kind = self._kinds_table[slot] if self._kinds_table is not None else self._blocks_kind
-            freed += linear.weight.numel() * linear.weight.element_size()
-            setattr(parent, attr, BlockLinear(linear, kind, blocks))
+        freed = sum(self._to_blocks(slot, blocks) for slot, blocks in self._blocks.items())
         freed += self._drop_head()
         self._dropped = True
         self._own_parameters()
         self._reslot()
         return freed
+
+    def _to_blocks(self, slot: int, blocks: torch.Tensor) -> int:
+        """The linear layer of `slot` replaced by a BlockLinear over `blocks`: the bytes let
+        go (0 where it is not a plain nn.Linear)."""
+        from promptlang.runtime.fast.blocks import BlockLinear
+
+        parent, attr = self._owner(slot)
+        linear = getattr(parent, attr)
+        if type(linear) is not torch.nn.Linear:
+            return 0
+        kind = self._kinds_table[slot] if self._kinds_table is not None else self._blocks_kind
+        setattr(parent, attr, BlockLinear(linear, kind, blocks))
+        # a NativeLinear forward refers to its layer: that cycle broken, the layer and its
+        # float copy go now, not when the collector next runs (one tensor left keeps its
+        # whole file mapped, and what was read of it resident)
+        linear.__dict__.pop("forward", None)
+        return linear.weight.numel() * linear.weight.element_size()
 
     def _drop_head(self) -> int:
         """The LM head kept as its Q8_0 blocks only (and the token embedding, where the head
@@ -466,8 +492,10 @@ class FusedDecoder:
         freed = weight.numel() * weight.element_size()
         model, base = self._outer[0], self._outer[1]
         tied = type(self.embed) is torch.nn.Embedding and self.embed.weight is weight
-        model.lm_head = BlockLinear(self.lm_head, 8, blocks)
+        head = self.lm_head
+        model.lm_head = BlockLinear(head, 8, blocks)
         self.lm_head = model.lm_head
+        head.__dict__.pop("forward", None)        # its NativeLinear's cycle (_to_blocks)
         if tied:
             base.embed_tokens = BlockEmbedding(self.embed, blocks)
             self.embed = base.embed_tokens

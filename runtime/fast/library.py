@@ -35,13 +35,18 @@ class Unavailable(Exception):
     """Why the kernels cannot be had on this machine now (a sentence); caught by native.py."""
 
 
+def source_digest() -> str:
+    """What the library is built from (kernels.c and the flags), as 16 hex digits: the
+    library's name, and the version of the kernels' numbers."""
+    return hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+
+
 def trusted_library() -> Path:
     """The built library for this kernels.c, checked before it is loaded: rebuilt if untrusted."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise Unavailable("no C compiler found (install one, or name it in $CC)")
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    digest = source_digest()
     try:
         folder = private_dir(native_dir())
     except OSError as exc:

@@ -155,6 +155,11 @@ def products_available(kind: str = "bf16") -> bool:
     return _toggle("pl_products", {"bf16": 16, "int8": 8}[kind])
 
 
+def kernels_version() -> str:
+    """The version of the kernels' numbers: a digest of kernels.c and its build flags."""
+    return library.source_digest()
+
+
 def group_shared(on: bool | None = None) -> bool:
     """Whether a batched pass computes the query rows of all its requests that read one
     stored unit in place as one attention task over that unit (one pass over its keys, full

@@ -108,7 +108,9 @@ class ModelAdapter:
     chunk_size: int = 512     # longer inputs run as chunks (see _forward_chunked)
     max_batch_tokens: int = MAX_TOKENS    # the most tokens `forward_batch` fuses in one pass
 
-    def __init__(self, hf_model: torch.nn.Module):
+    def __init__(self, hf_model: torch.nn.Module, fingerprint: str | None = None):
+        """`fingerprint`: model_fingerprint(hf_model) where the caller knows it already (a
+        converted copy's load record), else computed here."""
         self.model = hf_model.eval()
         self.config = hf_model.config
         self.model_type = self.config.model_type
@@ -116,7 +118,7 @@ class ModelAdapter:
         self.dtype = next(hf_model.parameters()).dtype
         self.device = next(hf_model.parameters()).device
         self.sliding_window = self._sliding_window()
-        self.fingerprint = model_fingerprint(hf_model)   # the store's key: + approximations
+        self.fingerprint = fingerprint or model_fingerprint(hf_model)   # the store's key
         self.weights_fingerprint = self.fingerprint      # the weights alone (seam adapters)
         self.family: Family = FAMILIES.get(self.model_type) or Family(self.scheme)
         self.state = model_state(hf_model)         # shared by every adapter of this model

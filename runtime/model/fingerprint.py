@@ -20,7 +20,7 @@ def model_fingerprint(hf_model: torch.nn.Module) -> str:
     """Identifies what determines the KV: the config, and the name, shape, dtype and every
     byte of every weight. Each tensor's raw bytes are hashed in place (one device->CPU copy
     for tensors elsewhere), on a few threads (hashlib releases the GIL): one pass over the
-    weights per load."""
+    weights per load (a converted copy's is kept in its load record: load_record.py)."""
     from concurrent.futures import ThreadPoolExecutor
     from os import cpu_count
 

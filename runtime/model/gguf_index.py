@@ -24,6 +24,7 @@ from promptlang.errors import ModelError
 # GGUF metadata value types -> the size of a fixed-size value
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")
 MAX_DIMS = 4
 DEFAULT_ALIGNMENT = 32
 
@@ -82,6 +83,26 @@ class _Cursor:
         (size,) = self.unpack("<Q")
         self.take(size)
 
+    def skip_strings(self, count: int) -> None:
+        """`count` strings one after another (a vocabulary: 150k of them), each length read
+        and checked in one loop, without a call per string."""
+        data = self.data
+        end = len(data)
+        length = _LENGTH.unpack_from
+        at = self.at
+        for _ in range(count):
+            if at + 8 > end:
+                break
+            at += 8 + length(data, at)[0]
+            if at > end:
+                break
+        else:
+            self.at = at
+            return
+        self.at = at
+        raise ModelError(f"{self.path}: a damaged GGUF file (a value runs past the end of "
+                         f"the file at byte {min(at, end):,})")
+
     def skip_value(self, kind: int, depth: int = 0) -> None:
         if kind in _FIXED:
             self.take(_FIXED[kind])
@@ -95,8 +116,7 @@ class _Cursor:
                 if count * 8 > len(self.data) - self.at:
                     raise ModelError(f"{self.path}: a damaged GGUF file (an array of "
                                      f"{count:,} strings in {len(self.data) - self.at:,} bytes)")
-                for _ in range(count):
-                    self.skip_string()
+                self.skip_strings(count)
             else:
                 for _ in range(min(count, len(self.data) - self.at)):
                     self.skip_value(inner, depth + 1)

@@ -8,10 +8,17 @@ to it and every later load reads that instead (seconds):
         model.safetensors     state dict, tied weights stored once
         config.json           without the GGUF quantization_config
         generation_config.json, tokenizer files
+        promptlang-load.json  what a load computed from these files (load_record.py)
 
 Any other GGUF file (`load("model.gguf")`) is converted the same way, once, into
 `$PROMPTLANG_HOME/models/gguf/<name>-<sha256 of the file>-c<conversion>/` (its tokenizer from
-the GGUF's own metadata); a changed file, or a new conversion format, is a new copy.
+the GGUF's own metadata); a changed file, or a new conversion format, is a new copy. The
+file's digest is remembered by its path and stat (`.digests.json` there), so a later load
+does not read the whole file to find its copy.
+
+A converted copy is read by `_load_converted` (its weights mapped, never initialised: what
+the GGUF's blocks serve is never read), and a load takes the fingerprints and the blocks'
+bit check an earlier load of the same files computed from its LoadRecord.
 
 A GGUF-loaded model refuses `save_pretrained` ("quantized with gguf and is not
 serializable"), hence safetensors' `save_model` plus the config by hand.
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import pickle
 import shutil
@@ -35,6 +43,7 @@ import torch
 
 from promptlang.errors import ModelError
 from promptlang.hf_tokenizer import HFTokenizer, context_length
+from promptlang.runtime.model.load_record import LoadRecord
 
 
 def load_hf_model(name_or_path: str | Path | None = None, *, device: str | torch.device = "cpu",
@@ -45,6 +54,18 @@ def load_hf_model(name_or_path: str | Path | None = None, *, device: str | torch
     transformers model id or folder, read from local files only. `steps`, where given,
     receives the seconds of each part: "file" (a GGUF's checks, hash and first conversion),
     "weights", "tokenizer"."""
+    model, tokenizer, _ = load_model_files(name_or_path, device=device, dtype=dtype,
+                                           steps=steps)
+    return model, tokenizer
+
+
+def load_model_files(name_or_path: str | Path | None = None, *,
+                     device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                     steps: dict[str, float] | None = None
+                     ) -> tuple[Any, HFTokenizer, LoadRecord | None]:
+    """load_hf_model's model and tokenizer, and the converted copy's LoadRecord where the
+    model is one (the default model, a GGUF), else None. A converted copy's model is read
+    by _load_converted, its tokenizer's fingerprint kept in the record."""
     began = time.perf_counter()
     if name_or_path is None:
         folder = _default_model_folder()
@@ -52,12 +73,20 @@ def load_hf_model(name_or_path: str | Path | None = None, *, device: str | torch
         folder = _gguf_folder(Path(name_or_path))
     else:
         folder = str(name_or_path)
+    converted = name_or_path is None or str(name_or_path).endswith(".gguf")
+    record = LoadRecord(folder) if converted else None
     read = time.perf_counter()
-    model = _from_pretrained(folder, dtype)
+    model = _load_converted(folder, dtype) if converted else _from_pretrained(folder, dtype)
     model.to(device)
     model.eval()
     weighed = time.perf_counter()
     tokenizer = HFTokenizer.from_pretrained(folder, max_positions=context_length(model.config))
+    if record is not None:
+        known = record.get("tokenizer_fingerprint")
+        if isinstance(known, str):
+            tokenizer.adopt_fingerprint(known)
+        else:
+            record.put("tokenizer_fingerprint", tokenizer.fingerprint)
     if steps is not None:
         steps["file"] = read - began
         steps["weights"] = weighed - read
@@ -66,7 +95,7 @@ def load_hf_model(name_or_path: str | Path | None = None, *, device: str | torch
         from promptlang.default_model import DEFAULT_MODEL_NAME
 
         tokenizer.name = f"{DEFAULT_MODEL_NAME} (default)"
-    return model, tokenizer
+    return model, tokenizer, record
 
 
 def gguf_source(name_or_path: str | Path | None) -> Path | None:
@@ -136,6 +165,39 @@ def _mapped(rows) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(rows)
+
+
+def _load_converted(folder: str, dtype: torch.dtype) -> Any:
+    """The model of a converted copy (`folder`, written by _convert_gguf): built without
+    initialising its weights, then given the tensors of its safetensors file as they lie in
+    the mapped file (a weight the runtime serves from a GGUF's blocks is then never read),
+    its tied weights tied as from_pretrained ties them. transformers' from_pretrained
+    initialises a tied embedding stored under the head's name with random values before
+    tying it, and converts every tensor on its own. A copy
+    that lacks a weight, or holds one the model has not, is a ModelError."""
+    from safetensors import SafetensorError, safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    again = f"delete the folder {folder!r} and load again to convert it afresh"
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with safe_open(str(Path(folder) / "model.safetensors"), "pt") as weights:
+            state = {name: weights.get_tensor(name).to(dtype) for name in weights.keys()}
+    except (OSError, ValueError, SafetensorError) as err:
+        raise ModelError(f"the converted model {folder!r} cannot be read ({err}): "
+                         f"{again}") from None
+    found = model.load_state_dict(state, strict=False, assign=True)
+    missing = set(found.missing_keys)
+    model.tie_weights(missing_keys=missing, recompute_mapping=False)
+    wrong = sorted(missing) or sorted(found.unexpected_keys)
+    if wrong:
+        what = "lacks" if missing else "holds weights the model has not, such as"
+        raise ModelError(f"the converted model {folder!r} {what} {', '.join(wrong[:3])}: "
+                         f"{again}")
+    return model.eval()
 
 
 def _from_pretrained(source: str, dtype: torch.dtype, **kwargs: Any) -> Any:
@@ -306,7 +368,7 @@ def _gguf_folder(gguf: Path) -> str:
         raise ModelError(f"{str(gguf)!r} is not a regular file")
     arch = check_gguf(gguf, info.st_size)
     root = private_dir(private_dir(models_dir()) / "gguf")
-    digest = _sha256(gguf)[:16]
+    digest = _file_digest(gguf, info, root)
     converted = root / f"{gguf.stem}-{digest}-c{CONVERSIONS.get(arch, CONVERSION)}"
     if _converted_ready(converted):
         return str(converted)
@@ -415,6 +477,42 @@ def check_supported(path: Path, index) -> None:
             raise ModelError(f"{path}: tensor {entry.name!r} is of type {name}, which "
                              f"promptlang does not read (supported: {', '.join(known)}; "
                              f"read as stored: {', '.join(GGUF_STORED_TYPES)})")
+
+
+DIGESTS = ".digests.json"        # in the GGUF copies' folder: {path: {"stamp", "sha256"}}
+MAX_DIGESTS = 256
+
+
+def _file_digest(gguf: Path, info: os.stat_result, root: Path) -> str:
+    """The first 16 hex digits of the sha256 of `gguf` (stat `info`), which names its
+    converted copy: remembered in `root`/.digests.json by the file's path and stat (size,
+    modification and change times, inode, device), so that a later load does not read the
+    whole file again. Writing a file changes its change time, which no call can set back,
+    so a file written since is hashed again."""
+    from promptlang.home import write_private
+
+    key = str(gguf.resolve())
+    stamp = [info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev]
+    memo_path = root / DIGESTS
+    try:
+        memo = json.loads(memo_path.read_text(encoding="utf-8")) \
+            if memo_path.stat().st_size <= MAX_DIGESTS * 1024 else {}
+    except (OSError, ValueError):
+        memo = {}
+    memo = memo if isinstance(memo, dict) else {}
+    entry = memo.get(key)
+    if isinstance(entry, dict) and entry.get("stamp") == stamp \
+            and isinstance(entry.get("sha256"), str):
+        return entry["sha256"]
+    digest = _sha256(gguf)[:16]
+    memo.pop(key, None)
+    memo[key] = {"stamp": stamp, "sha256": digest}
+    kept = dict(list(memo.items())[-MAX_DIGESTS:])       # the most recently hashed
+    try:
+        write_private(memo_path, json.dumps(kept).encode())
+    except OSError:
+        pass                                             # hashed again next time
+    return digest
 
 
 def _sha256(path: Path) -> str:

@@ -77,14 +77,17 @@ def gguf_served() -> frozenset[int]:
 
 
 def serve_numerics(adapter, source, dtype, scheme: str | None, blocks, bf16_attention: bool,
-                   int8_linears: bool) -> None:
+                   int8_linears: bool, record=None) -> None:
     """What `load` gives the adapter's fused layers (if it has them): `quantize_model`'s
     blocks under `scheme`, else the GGUF `source`'s own (float32 only; source None: none),
     kept without their float32 copies (FusedDecoder.drop_float_copies), then the opt-in
     approximations -- bf16 attention products, int8 linear layers (which
     replace the blocks: fast/fused.py attach_int8), each with a warning where the CPU lacks
     them. KV computed with an approximation is not the model's: the adapter's fingerprint
-    (the store's key) then names the approximations too, so it is stored apart."""
+    (the store's key) then names the approximations too, so it is stored apart.
+    `record`: the converted copy's LoadRecord (load_record.py), which keeps which of the
+    GGUF's blocks equal its float weights, per version of the kernels, so that a later
+    load does not read every float weight again to compare."""
     from promptlang.runtime.fast import native
     from promptlang.runtime.model.loading import quantized_blocks
 
@@ -96,9 +99,14 @@ def serve_numerics(adapter, source, dtype, scheme: str | None, blocks, bf16_atte
     elif source is not None and dtype == torch.float32:
         linears, head = quantized_blocks(source, adapter.model.config)
         served = {where: pair for where, pair in linears.items() if pair[0] in gguf_served()}
-        decoder.attach_blocks(served, kind=None)           # each weight of its own type
+        key = f"blocks_equal:{native.kernels_version()}"
+        known = record.get(key) if record is not None else None
+        checks = dict(known) if isinstance(known, dict) else {}
+        decoder.attach_blocks(served, kind=None, checks=checks)    # each weight its own type
         if head is not None:
-            decoder.attach_q8_head(head)
+            decoder.attach_q8_head(head, checks=checks)
+        if record is not None and checks != known:
+            record.put(key, checks)
     approximations = []
     decoder.bf16_attention = bool(bf16_attention)
     if bf16_attention and native.products_available("bf16"):

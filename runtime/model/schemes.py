@@ -30,8 +30,8 @@ from promptlang.runtime.model.internals import (FLASH_WITH_LSE, attention_implem
 class RopeAdapter(ModelAdapter):
     scheme = "rope"
 
-    def __init__(self, hf_model):
-        super().__init__(hf_model)
+    def __init__(self, hf_model, fingerprint: str | None = None):
+        super().__init__(hf_model, fingerprint)
         if attention_implementation(self.config) in ("sdpa", ATTENTION):
             use_attention(hf_model, ATTENTION, attention, attention_mask)
 
@@ -88,8 +88,8 @@ class AlibiAdapter(ModelAdapter):
 
     scheme = "alibi"
 
-    def __init__(self, hf_model):
-        super().__init__(hf_model)
+    def __init__(self, hf_model, fingerprint: str | None = None):
+        super().__init__(hf_model, fingerprint)
         self._slopes = _alibi_slopes(self.config.n_head).to(self.device)   # [H]
         with self.lock:
             if not self.state.hooked:    # once per model, however many adapters wrap it
@@ -134,11 +134,12 @@ def _alibi_slopes(heads: int) -> torch.Tensor:
 _ADAPTERS = {"rope": RopeAdapter, "learned": LearnedPositionAdapter, "alibi": AlibiAdapter}
 
 
-def adapt(hf_model: torch.nn.Module) -> ModelAdapter:
-    """The adapter for `hf_model`'s position scheme; ModelError if it has none."""
+def adapt(hf_model: torch.nn.Module, fingerprint: str | None = None) -> ModelAdapter:
+    """The adapter for `hf_model`'s position scheme; ModelError if it has none.
+    `fingerprint`: the model's, where known already (ModelAdapter)."""
     model_type = getattr(getattr(hf_model, "config", None), "model_type", None)
     family = FAMILIES.get(model_type)
     if family is None:
         raise ModelError(f"unsupported architecture: {model_type} "
                          f"(supported: {', '.join(FAMILIES)})")
-    return _ADAPTERS[family.scheme](hf_model)
+    return _ADAPTERS[family.scheme](hf_model, fingerprint)

@@ -117,6 +117,24 @@ def test_the_float_copies_come_back_inside_quantized_off_and_on_restore():
         assert torch.equal(a, b)
 
 
+def test_the_layers_let_go_are_freed_at_once_not_by_the_collector():
+    """A float copy left to the garbage collector keeps its whole mapped file resident until
+    the collector runs: the layers replaced (and the head) must go when they are dropped."""
+    import gc
+    import weakref
+
+    model, adapter = served_model()
+    old = [weakref.ref(model.model.layers[0].mlp.down_proj),
+           weakref.ref(model.model.layers[-1].self_attn.q_proj), weakref.ref(model.lm_head),
+           weakref.ref(model.model.layers[-1].mlp.down_proj.weight)]
+    gc.disable()
+    try:
+        adapter.fast.decoder.drop_float_copies()
+        assert [ref() for ref in old] == [None] * len(old)
+    finally:
+        gc.enable()
+
+
 def test_the_state_dict_is_the_float_models():
     """A copy of the model loads the state dict as its own: the same keys, the same values."""
     model, adapter = served_model()
