@@ -345,6 +345,7 @@ def _load_and_memory(report: PeersReport, model: str | None, gguf: str | None,
     report.load_s = out["load_s"]
     report.rss_bytes = out["rss_bytes"]
     report.kv_bytes = out["kv_bytes"]
+    report.libraries_bytes = out.get("libraries_bytes")
 
 
 def linear_types(gguf: str) -> str:

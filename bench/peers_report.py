@@ -63,6 +63,7 @@ class PeersReport:
     load_s: float | None = None                # promptlang's load call, in a new process
     rss_bytes: int | None = None               # its resident memory after the document
     kv_bytes: int | None = None                # the KV its store held then
+    libraries_bytes: int | None = None         # its resident memory before the load
     file_bytes: int | None = None              # the GGUF's size
     llama_load_s: float | None = None
     llama_rss_bytes: int | None = None         # llama.cpp's, after its largest request
@@ -166,8 +167,18 @@ def _load_memory_goals(report: PeersReport) -> list[Goal]:
                     f"({report.rss_bytes / report.file_bytes:.1f}x the "
                     f"{report.file_bytes / 1e6:,.0f} MB file, its KV "
                     f"{(report.kv_bytes or 0) / 1e6:,.0f} MB, limit "
-                    f"{limit / 1e6:,.0f} MB){theirs}"))
+                    f"{limit / 1e6:,.0f} MB{_libraries(report)}){theirs}"))
     return out
+
+
+def _libraries(report: PeersReport) -> str:
+    """What of the resident memory was there before the load: the libraries imported."""
+    if not report.libraries_bytes:
+        return ""
+    own = report.rss_bytes - report.libraries_bytes
+    return (f"; {report.libraries_bytes / 1e6:,.0f} MB of it resident before the load, the "
+            f"libraries imported; the rest {own / 1e6:,.0f} MB = "
+            f"{own / report.file_bytes:.2f}x the file")
 
 
 def sections(report: PeersReport) -> list[Section]:
@@ -236,6 +247,7 @@ def to_json(report: PeersReport) -> dict[str, Any]:
             "quantized_max_diff": report.quantized_max_diff,
             "quantized_types": report.quantized_types,
             "load_s": report.load_s, "rss_bytes": report.rss_bytes, "kv_bytes": report.kv_bytes,
+            "libraries_bytes": report.libraries_bytes,
             "file_bytes": report.file_bytes, "llama_load_s": report.llama_load_s,
             "llama_rss_bytes": report.llama_rss_bytes, "memory_missing": report.memory_missing,
             "question_flops": report.question_flops,

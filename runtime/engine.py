@@ -38,6 +38,7 @@ from promptlang.runtime.decoding.healing import heal_point
 from promptlang.runtime.kv.unit import UnitKV
 from promptlang.runtime.passes.encoder import EncodeStats, UnitEncoder
 from promptlang.runtime.model import ModelAdapter, adapt
+from promptlang.runtime.model import heap
 from promptlang.runtime.model.seam import SeamModel, find_seam_adapter, load_seam
 from promptlang.runtime.recompute import (DEFAULT_POLICY, NO_RECOMPUTE, Recompute,
                                           RecomputePlan, candidates, choose_positions, exact,
@@ -284,6 +285,7 @@ class LLM:
                              primed=opened.primed)
         finally:
             self.assembler.release(buffer)
+            heap.release_if_grown()
 
     def open(self, prompt, *, schema=None, baseline: bool = False, room: int = 256,
              add_generation_prompt: bool = False, recompute=None) -> Opened:
@@ -616,6 +618,7 @@ class LLM:
         if opened.tail is not None:
             opened.tail.keep_decoded(self.tails, opened.buffer)
         self.assembler.release(opened.buffer)
+        heap.release_if_grown()          # a long prompt's activations: freed to the system
 
     # --- helpers ------------------------------------------------------------------------------
 

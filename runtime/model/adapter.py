@@ -32,6 +32,7 @@ from promptlang.runtime.fast.pieces import flagged_pieces, past_pieces
 from promptlang.runtime.model.compute import Bf16Compute
 from promptlang.runtime.model.families import FAMILIES, Family
 from promptlang.runtime.model.fingerprint import model_fingerprint
+from promptlang.runtime.model import heap
 from promptlang.runtime.model.internals import BufferLayer, buffer_cache
 from promptlang.runtime.model.state import model_state
 
@@ -248,6 +249,7 @@ class ModelAdapter:
                 past.values[:, :, s:s + q], torch.tensor([q - 1], device=positions.device),
                 past.positions if by_position else None, contexts))
             slots.append((past, s, q))
+        heap.note_pass(sum(q for _, _, q in slots))
         with self.lock:
             state = self.state
             before = state.in_runtime_pass
@@ -297,6 +299,7 @@ class ModelAdapter:
             tokens before it -- so the fused layers may serve it without a mask.
         """
         q = int(input_ids.shape[0])
+        heap.note_pass(q)
         if past is None:
             past = Past(*self.empty_kv(q), positions.new_empty(0))
         if past.shared and not self.reads_shared:
