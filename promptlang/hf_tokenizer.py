@@ -85,6 +85,7 @@ class HFTokenizer:
                                                       **kwargs)
         except (OSError, ValueError) as err:
             raise ModelError(_not_found(source, "tokenizer", local_files_only, err)) from None
+        _drop_build_copies(tokenizer)
         if max_positions is None:
             try:
                 config = AutoConfig.from_pretrained(source, local_files_only=local_files_only)
@@ -409,6 +410,26 @@ def _max_token_chars(tokenizer: Any) -> tuple[int, frozenset[str]] | None:
     for added in definition.get("added_tokens") or ():
         longest = max(longest, len(str(added.get("content", ""))))
     return max(1, longest) * shrink, vanishing
+
+
+# transformers' BPE tokenizer classes that keep the vocabulary and merges they built their
+# backend from as Python objects (tens of MB for a 150k-token vocabulary) and read them
+# nowhere after __init__ (the tokenizers backend holds its own)
+_BUILD_COPIES = {"Qwen2Tokenizer": "transformers.models.qwen2.tokenization_qwen2",
+                 "LlamaTokenizer": "transformers.models.llama.tokenization_llama",
+                 "GPT2Tokenizer": "transformers.models.gpt2.tokenization_gpt2"}
+
+
+def _drop_build_copies(tokenizer: Any) -> None:
+    """Let go of the Python copies of the vocabulary and merges a tokenizer of _BUILD_COPIES
+    keeps after building its backend."""
+    kind = type(tokenizer)
+    if _BUILD_COPIES.get(kind.__name__) != kind.__module__:
+        return
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        return
+    for name in ("_vocab", "_merges"):
+        tokenizer.__dict__.pop(name, None)
 
 
 def _added_prefix(tokenizer: Any) -> tuple[int, ...]:

@@ -436,3 +436,32 @@ def test_prepared_ids_keep_the_newest_long_texts():
     assert len(prepared) == PreparedIds.LIMIT
     assert prepared.get(texts[0]) is None and prepared.get(texts[1]) is None
     assert prepared.get(texts[-1]) == [len(texts) - 1, len(texts)]
+
+
+@pytest.mark.parametrize("kind", ["Qwen2Tokenizer", "GPT2Tokenizer"])
+def test_a_bpe_tokenizer_keeps_no_python_copy_of_its_vocabulary(tmp_path, kind):
+    """transformers' Qwen2/GPT-2 tokenizer classes keep the vocabulary and merges they built
+    their backend from (tens of MB for a large vocabulary): let go, the tokenizer encodes,
+    decodes and fingerprints as the class loaded plainly does."""
+    import json
+
+    import transformers
+
+    from promptlang import default_model
+
+    definition = json.loads((default_model.default_tokenizer_dir() / "tokenizer.json")
+                            .read_text(encoding="utf-8"))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+              for m in definition["model"]["merges"]]
+    built = getattr(transformers, kind)(vocab=definition["model"]["vocab"], merges=merges)
+    built.save_pretrained(tmp_path)
+    plain = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert type(plain).__name__ == kind and len(plain._vocab) == 49152 and plain._merges
+    ours = HFTokenizer.from_pretrained(tmp_path)
+    assert type(ours.tokenizer).__name__ == kind
+    assert "_vocab" not in vars(ours.tokenizer) and "_merges" not in vars(ours.tokenizer)
+    text = "Tokenizers split text: naïve café, 12345, and   spaces.\nA new line."
+    ids = plain(text, add_special_tokens=False).input_ids
+    assert ours.encode(text) == ids
+    assert ours.decode(ids) == plain.decode(ids)
+    assert ours.fingerprint == HFTokenizer(plain).fingerprint
