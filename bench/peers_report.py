@@ -32,11 +32,12 @@ class PeersOptions:
     rag_doc_tokens: int = 700
     rag_requests: int = 6
     gguf: str | None = None          # the GGUF llama.cpp loads (default: the default model's)
+    settle_s: float = 1.0            # idle seconds before each engine's turn (bench/peers.py)
 
     @classmethod
     def quick(cls) -> "PeersOptions":
         return cls(doc_tokens=120, questions=1, decode_tokens=4, rag_docs=3, rag_k=2,
-                   rag_doc_tokens=30, rag_requests=2)
+                   rag_doc_tokens=30, rag_requests=2, settle_s=0.0)
 
 
 @dataclass
@@ -206,7 +207,8 @@ def sections(report: PeersReport) -> list[Section]:
     lines = [f"same token ids to every engine; llama.cpp "
              f"{report.llama_version or 'not run: ' + str(report.llama_missing)}, in a "
              "process of its own, same thread count; document and decode: the engines in "
-             f"turn each round (decode: median of {DECODE_ROUNDS} runs each)",
+             f"turn each round, each turn after {o.settle_s:g} s idle (decode: median of "
+             f"{DECODE_ROUNDS} runs each)",
              "document: llama.cpp's TTFT is its prefix hit (the previous request held the "
              "document, and the previous question's opening where the question repeats it); "
              "promptlang serves the document module from its store, and the question's "

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from promptlang.cli import main
+from promptlang.bench.peers_report import PeersOptions
 from promptlang.runtime.kv.assembler import SHARE_MIN_TOKENS
 from tests.extras import needs_plots
 
@@ -304,6 +305,9 @@ def test_peers_quick_measures_promptlang_and_transformers_and_says_why_not_llama
                     "prefill"] in ("PASS", "FAIL")                  # measured without llama
     data = json.loads((tmp_path / "peers.json").read_text())
     assert data["llama_missing"] and data["llama_version"] is None
+    # a full run pauses before each engine's turn; the quick one does not, and says so
+    assert data["options"]["settle_s"] == 0 and "each turn after 0 s idle" in out
+    assert PeersOptions().settle_s == 1.0
     assert len(data["rag"]["promptlang (none)"]) == len(data["rag"]["transformers"]) == 2
     assert len(data["doc"]["promptlang"]) == 1 and data["decode"]["promptlang"] > 0
     assert len(data["doc_new"]["promptlang"]) == 1 and data["sgemm_flops_per_s"] > 0
