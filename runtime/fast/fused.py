@@ -99,6 +99,7 @@ def _equal_blocks(checks: dict[str, bool] | None, key: str, blocks: torch.Tensor
         checks[key] = same
     return same
 
+
 class FusedDecoder:
     """pl_decoder for one model; build with `of`, which returns None for other structures."""
 
@@ -451,7 +452,6 @@ class FusedDecoder:
         the kernel does not run reads it), and pl_decoder reads the blocks for every pass,
         however many rows. Returns the float32 bytes let go (0: none served from blocks, or
         int8 rows, which are an approximation of the float weights)."""
-
         if self._blocks_kind == 1 or self._quantized() is None:
             return 0
         freed = sum(self._to_blocks(slot, blocks) for slot, blocks in self._blocks.items())

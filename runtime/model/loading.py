@@ -173,8 +173,8 @@ def _load_converted(folder: str, dtype: torch.dtype) -> Any:
     the mapped file (a weight the runtime serves from a GGUF's blocks is then never read),
     its tied weights tied as from_pretrained ties them. transformers' from_pretrained
     initialises a tied embedding stored under the head's name with random values before
-    tying it, and converts every tensor on its own. A copy
-    that lacks a weight, or holds one the model has not, is a ModelError."""
+    tying it, and converts every tensor on its own. A copy that lacks a weight, holds one
+    the model has not, or holds one of another shape, is a ModelError."""
     from safetensors import SafetensorError, safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
@@ -189,7 +189,12 @@ def _load_converted(folder: str, dtype: torch.dtype) -> Any:
     except (OSError, ValueError, SafetensorError) as err:
         raise ModelError(f"the converted model {folder!r} cannot be read ({err}): "
                          f"{again}") from None
-    found = model.load_state_dict(state, strict=False, assign=True)
+    try:
+        found = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as err:                  # a weight of another shape than the model's
+        detail = str(err).strip().splitlines()[-1].strip()[:200]
+        raise ModelError(f"the converted model {folder!r} does not fit its config "
+                         f"({detail}): {again}") from None
     missing = set(found.missing_keys)
     model.tie_weights(missing_keys=missing, recompute_mapping=False)
     wrong = sorted(missing) or sorted(found.unexpected_keys)

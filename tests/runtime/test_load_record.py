@@ -178,6 +178,12 @@ def test_a_converted_copy_reads_as_from_pretrained_reads_it(tmp_path, monkeypatc
         save_file(damaged, str(converted / "model.safetensors"), metadata={"format": "pt"})
         with pytest.raises(ModelError, match=f"{name}.*delete the folder"):
             loading._load_converted(str(converted), torch.float32)
+    shaped = dict(weights)
+    (name,) = [k for k in weights if k.endswith("layers.0.mlp.down_proj.weight")]
+    shaped[name] = torch.zeros(3, 5)
+    save_file(shaped, str(converted / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelError, match="does not fit its config.*delete the folder"):
+        loading._load_converted(str(converted), torch.float32)
     (converted / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ModelError, match="cannot be read.*delete the folder"):
         loading._load_converted(str(converted), torch.float32)
