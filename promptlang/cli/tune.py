@@ -1,7 +1,7 @@
 """`promptlang tune`: learn a model's seam adapter by self-distillation, on this machine.
 
     promptlang tune [--model PATH] [--minutes N] [--seed S] [--resume] [--out DIR]
-                    [--same-shape SHARE] [SOURCE ...]
+                    [--link-tokens T] [--same-shape SHARE] [SOURCE ...]
 
 SOURCEs (PML schemas, folders of them, or Python files of @prompt functions) add their
 cached modules' text to the documents the model writes itself; nothing is downloaded and
@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Any
+
+MAX_LINK_TOKENS = 256
 
 
 def register(subparsers: Any) -> None:
@@ -39,6 +41,9 @@ def register(subparsers: Any) -> None:
     tune.add_argument("--written-docs", type=int, default=48, metavar="N",
                       help="documents the model writes for the corpus (default 48)")
     tune.add_argument("--rank", type=int, default=8, metavar="R", help="LoRA rank (default 8)")
+    tune.add_argument("--link-tokens", type=int, default=0, metavar="T",
+                      help="learned link tokens the tokens after the modules attend to, "
+                           "beside the LoRA (default 0: the LoRA alone; docs/RECOMPUTE.md)")
     tune.add_argument("--replay", type=int, default=0, metavar="K",
                       help="steps on earlier samples after each new one (default 0; a new "
                            "sample costs several steps)")
@@ -68,6 +73,10 @@ def _tune(args: argparse.Namespace) -> int:
     if args.replay < 0 or not args.answer_weight > 0:
         print("promptlang tune: --replay must be >= 0 and --answer-weight > 0", file=sys.stderr)
         return 2
+    if not 0 <= args.link_tokens <= MAX_LINK_TOKENS:
+        print(f"promptlang tune: --link-tokens must be between 0 and {MAX_LINK_TOKENS}",
+              file=sys.stderr)
+        return 2
     if not 0 <= args.same_shape <= 1:
         print("promptlang tune: --same-shape must be between 0 and 1", file=sys.stderr)
         return 2
@@ -81,6 +90,7 @@ def _tune(args: argparse.Namespace) -> int:
     options = TuneOptions(minutes=args.minutes, seed=args.seed, resume=args.resume,
                           written_docs=args.written_docs, rank=args.rank,
                           replay=args.replay, answer_weight=args.answer_weight,
+                          link_tokens=args.link_tokens,
                           same_shape=args.same_shape)
     bar = _Bar()
     writing = _Writing()

@@ -105,19 +105,25 @@ def _teacher(model: torch.nn.Module, plain: torch.Tensor, tail: int, answer_toke
 def student_logprobs(model: torch.nn.Module, sample: Sample,
                      adapter: SeamLoRA | None) -> torch.Tensor:
     """The student's log-probabilities [R, V] after each of `sample.ids`: the documents'
-    cached KV as the past, the ids computed at their positions (each sees every cached
-    token and the ids before it), with the adapter attached (None: the base model)."""
+    cached KV as the past (then the adapter's link tokens, where it has them: lora.py), the
+    ids computed at their positions (each sees every cached token and the ids before it),
+    with the adapter attached (None: the base model)."""
     rows = len(sample.ids)
-    past = sample.cached_keys.shape[2]
     dtype = next(model.parameters()).dtype
+    keys = sample.cached_keys.to(dtype)
+    values = sample.cached_values.to(dtype)
+    if adapter is not None and adapter.link_keys is not None:   # after the documents
+        link_keys, link_values = adapter.link_kv(model, int(sample.positions[0]) - 1, dtype)
+        keys = torch.cat([keys, link_keys], dim=2)
+        values = torch.cat([values, link_values], dim=2)
+    past = keys.shape[2]
     allowed = torch.ones(rows, past + rows, dtype=torch.bool)
     allowed[:, past:] = torch.tril(torch.ones(rows, rows, dtype=torch.bool))
     mask = torch.zeros(rows, past + rows, dtype=dtype)
     mask.masked_fill_(~allowed, float("-inf"))
     cache = DynamicCache(config=model.config)
-    for layer in range(sample.cached_keys.shape[0]):
-        cache.update(sample.cached_keys[layer][None].to(dtype),
-                     sample.cached_values[layer][None].to(dtype), layer)
+    for layer in range(keys.shape[0]):
+        cache.update(keys[layer][None], values[layer][None], layer)
     inputs = dict(input_ids=sample.ids[None], position_ids=sample.positions[None],
                   attention_mask=mask[None, None], cache=cache, use_cache=True)
     if adapter is None:

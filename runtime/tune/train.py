@@ -48,6 +48,8 @@ class TuneOptions:
     rank: int = 8
     alpha: float = 16.0
     lr: float = 1e-3
+    link_tokens: int = 0             # learned link tokens after the modules (lora.py; 0: none)
+    link_lr: float = 1e-2            # their learning rate
     written_docs: int = 48           # documents the model writes for the corpus
     doc_tokens: int = 160            # the longest document it writes, in tokens
     schema_docs: int = 8             # documents in each step's schema
@@ -123,8 +125,9 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
     model = plain_copy(llm.adapter.model)
     end_ids = set(llm.tokenizer.eos_ids)
     held_out, held_shaped = held_out_sets(engine, model, val_docs, options, end_ids)
-    adapter = SeamLoRA(shape_of(model, options.rank, options.alpha), seed=options.seed)
-    optimizer = torch.optim.AdamW(adapter.parameters(), lr=options.lr, weight_decay=0.0)
+    adapter = SeamLoRA(shape_of(model, options.rank, options.alpha, options.link_tokens),
+                       seed=options.seed)
+    optimizer = _optimizer(adapter, options)
     step = 0
     spent = 0.0
     state_path = adapter_dir / STATE_FILE
@@ -195,6 +198,16 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
     adapter.save(path, meta)
     return TuneReport(adapter_path=path, steps=step, seconds=seconds, evaluation=evaluation,
                       same_shape_evaluation=shaped, losses=losses)
+
+
+def _optimizer(adapter: SeamLoRA, options: TuneOptions) -> torch.optim.Optimizer:
+    """AdamW over the LoRA's matrices at `lr` and the link tokens (where any) at `link_lr`."""
+    links = [p for p in (adapter.link_keys, adapter.link_values) if p is not None]
+    lora = [p for p in adapter.parameters() if all(p is not q for q in links)]
+    groups = [{"params": lora, "lr": options.lr}]
+    if links:
+        groups.append({"params": links, "lr": options.link_lr})
+    return torch.optim.AdamW(groups, weight_decay=0.0)
 
 
 def split_corpus(docs: list[corpus_mod.Document], rng: random.Random,
