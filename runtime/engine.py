@@ -543,6 +543,7 @@ class LLM:
             parts.append(prefill(self.adapter, buffer, ids[:before], positions[:before],
                                  all_logits))
         if before < len(ids):
+            seam.place_links(buffer, positions[before])
             parts.append(prefill(seam, buffer, ids[before:], positions[before:], all_logits))
         return torch.cat(parts) if all_logits else parts[-1]
 

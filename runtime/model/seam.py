@@ -12,7 +12,12 @@ merged weights in under the model's lock, runs the transformers path (the fused 
 read their own weight table, so they are turned off for the pass), and swaps the base
 weights back. `forward_batch` answers None: a batch step runs such a request on its own.
 `numerics` names the adapter, so a prompt tail computed with it is never served to a
-request without it.
+request without it. An adapter with link tokens (runtime/model/lora.py) has them written
+into the request's KV buffer by `place_links`, after its cached units and before its first
+token computed here: every pass run through the SeamModel then attends to them as to any
+buffer token. They hold the position just before that token (the one their keys are
+rotated to) and, as a token id, the buffer's first token (a slot must hold some id; the
+decoder's lookup drafts read the ids, and a draft is checked by the model like any).
 """
 
 from __future__ import annotations
@@ -69,6 +74,30 @@ class SeamModel:
         with self.base.lock, fused.disabled(), self.base.float32_passes(), self._swapped():
             return self.base.forward(input_ids, positions, past, allowed, logits_rows,
                                      by_position=by_position)
+
+    @property
+    def link_tokens(self) -> int:
+        """The adapter's link tokens (0: none)."""
+        return self._lora.shape.link_tokens
+
+    @torch.inference_mode()
+    def place_links(self, buffer, first_position: int) -> None:
+        """The link tokens' KV into `buffer` after its tokens, for a pass whose first token
+        is at `first_position` (see the module docstring); nothing without link tokens."""
+        count = self.link_tokens
+        if not count:
+            return
+        position = max(int(first_position) - 1, 0)
+        keys, values = self._lora.link_kv(self.base.model, position, buffer.slot_keys.dtype)
+        n = buffer.length
+        if n + count > buffer.capacity:
+            buffer.reserve(n + count + 1)
+        device = buffer.slot_keys.device
+        buffer.slot_keys[:, :, n:n + count] = keys.detach().to(device)
+        buffer.slot_values[:, :, n:n + count] = values.detach().to(device)
+        first = int(buffer.token_ids[int(torch.argmin(buffer.positions[:n]))]) if n else 0
+        buffer.append(torch.full((count,), first, dtype=torch.int64),
+                      torch.full((count,), position, dtype=torch.int64))
 
     def forward_batch(self, items) -> None:
         """Never batched with other requests: the caller runs `forward` per request."""

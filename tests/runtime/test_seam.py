@@ -5,6 +5,7 @@ batch steps on the adapter, and how an adapter is found and refused."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -64,6 +65,67 @@ def test_tuned_serves_the_tokens_after_the_modules_as_the_tune_loop_s_student(se
     # the adapter changes the answer's distribution: the check above can fail
     untuned = student_logprobs(model, sample, None)[:tail]
     assert not torch.allclose(got, untuned, atol=1e-2)
+
+
+@pytest.fixture(scope="module")
+def linked(tmp_path_factory):
+    """An engine serving an adapter with link tokens (and its LoRA)."""
+    base = tiny_llama(0, VOCAB)
+    model = plain_copy(base)
+    adapter = _trained_like(SeamLoRA(shape_of(model, rank=4, alpha=8.0, link_tokens=3),
+                                     seed=1))
+    llm = _engine(base, recompute="none", exact_reuse=False)
+    path = _adapter_file(tmp_path_factory.mktemp("linked"), llm, adapter)
+    llm.use_seam_adapter(path)
+    return llm, model, adapter
+
+
+def test_link_tokens_are_served_as_the_tune_loop_s_student_reads_them(linked):
+    llm, model, adapter = linked
+    prompt = rag_prompt("s", [0, 2, 3], QUESTION)
+    sample = make_sample(llm, model, prompt, answer_tokens=3, end_ids={2})
+    served = llm.prefill(prompt, recompute="tuned", all_logits=True)
+    tail = len(sample.ids) - sample.answer_length
+    # the buffer holds the cached units, the three link tokens, then the computed tail
+    assert len(served.token_ids) == served.cached_length + 3 + tail
+    links = served.positions[served.cached_length:served.cached_length + 3]
+    assert links.tolist() == [int(sample.positions[0]) - 1] * 3
+    expected = student_logprobs(model, sample, adapter)[:tail]
+    got = torch.log_softmax(served.logits[-tail:].float(), dim=-1)
+    assert torch.allclose(got, expected, atol=1e-4)
+    without = SeamLoRA(adapter.shape, seed=1)          # the same LoRA, link values zero
+    without.load_state_dict(adapter.state_dict())
+    with torch.no_grad():
+        without.link_values.zero_()
+    assert not torch.allclose(got, student_logprobs(model, sample, without)[:tail], atol=1e-2)
+
+
+def test_decode_steps_attend_to_the_link_tokens_as_the_student_does(linked):
+    llm, model, adapter = linked
+    prompt = rag_prompt("s", [1, 3], QUESTION)
+    result = llm.generate(prompt, recompute="tuned", max_new_tokens=5, temperature=0.0,
+                          token_healing=False)
+    sample = make_sample(llm, model, prompt, answer_tokens=0, end_ids={2})
+    picked = []
+    with torch.no_grad():
+        while len(picked) < len(result.token_ids):
+            rows = student_logprobs(model, sample, adapter)
+            token = int(rows[-1].argmax())
+            picked.append(token)
+            sample = replace(sample, ids=torch.cat([sample.ids, torch.tensor([token])]),
+                             positions=torch.cat([sample.positions,
+                                                  sample.positions[-1:] + 1]))
+    assert list(result.token_ids) == picked
+
+
+def test_an_exact_request_is_the_same_beside_an_adapter_with_link_tokens(linked):
+    llm, _, _ = linked
+    plain = _engine(tiny_llama(0, VOCAB), exact_reuse=False)
+    prompt = rag_prompt("s", [3, 1], QUESTION)
+    with_seam = llm.prefill(prompt, recompute="exact", all_logits=True)
+    without = plain.prefill(prompt, recompute="exact", all_logits=True)
+    assert torch.equal(with_seam.logits, without.logits)
+    assert torch.equal(with_seam.token_ids, without.token_ids)
 
 
 def test_a_fresh_adapter_serves_exactly_what_none_serves(tmp_path):

@@ -29,12 +29,17 @@ TEXTS = ["the red boat sails at dawn from the north pier with nine crew",
 
 
 def _trained_like(adapter: SeamLoRA, seed: int = 3) -> SeamLoRA:
-    """Nonzero B everywhere (a fresh adapter's B is zero and changes nothing)."""
+    """Nonzero B everywhere (a fresh adapter's B is zero and changes nothing), and link
+    tokens' keys and values of a trained size where it has them."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for layer in adapter.b:
             for b in layer.values():
                 b.copy_(torch.randn(b.shape, generator=generator) * 0.05)
+        if adapter.link_keys is not None:
+            adapter.link_keys.copy_(torch.randn(adapter.link_keys.shape, generator=generator))
+            adapter.link_values.copy_(torch.randn(adapter.link_values.shape,
+                                                  generator=generator))
     return adapter
 
 
@@ -79,6 +84,57 @@ def test_a_fresh_adapter_changes_nothing_and_a_saved_one_loads_the_same(tmp_path
         want = model(input_ids=ids).logits
     with attached(model, loaded):
         assert torch.equal(model(input_ids=ids).logits, want)
+
+
+def test_link_keys_are_rotated_as_transformers_rotates_a_key_at_that_position():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = plain_copy(tiny_llama(0, VOCAB))
+    adapter = _trained_like(SeamLoRA(shape_of(model, link_tokens=3), seed=1))
+    assert adapter.link_keys.shape == (2, 2, 3, 16)         # layers, KV heads, T, head size
+    keys, values = adapter.link_kv(model, 37)
+    ids = torch.full((1, 3), 37)
+    cos, sin = model.model.rotary_emb(torch.zeros(1), ids)
+    raw = adapter.link_keys.detach()
+    _, expected = apply_rotary_pos_emb(raw, raw, cos, sin)    # [L, H, T, D]; cos [1, T, D]
+    assert torch.allclose(keys.detach(), expected, atol=1e-6)
+    assert torch.equal(values.detach(), adapter.link_values.detach())
+    # another position, other keys: the rotation is not the identity
+    assert not torch.allclose(adapter.link_kv(model, 38)[0].detach(), keys.detach(), atol=1e-3)
+
+
+def test_link_tokens_save_load_and_reach_the_student_with_gradients(tmp_path):
+    base = tiny_llama(0, VOCAB)
+    llm = _engine(base)
+    model = plain_copy(base)
+    llm.add_schema(rag_schema("s", "answer from the notes", "notes:\n\n", TEXTS))
+    sample = make_sample(llm, model, rag_prompt("s", [1, 3], "what does the baker sell?"),
+                         answer_tokens=4, end_ids={2})
+    adapter = _trained_like(SeamLoRA(shape_of(model, link_tokens=4), seed=5))
+    adapter.save(tmp_path / "a.safetensors", {"model_fingerprint": "x"})
+    loaded, _ = SeamLoRA.load(tmp_path / "a.safetensors")
+    assert loaded.shape == adapter.shape
+    assert torch.equal(loaded.link_keys, adapter.link_keys)
+    assert torch.equal(loaded.link_values, adapter.link_values)
+    with torch.no_grad():
+        for layer in adapter.b:                # the LoRA off: only the link tokens act
+            for b in layer.values():
+                b.zero_()
+    student = student_logprobs(model, sample, adapter)
+    none = student_logprobs(model, sample, None)
+    assert not torch.allclose(student, none, atol=1e-3)
+    student[0].sum().backward()
+    assert float(adapter.link_values.grad.abs().sum()) > 0
+    assert float(adapter.link_keys.grad.abs().sum()) > 0
+
+
+def test_an_adapter_file_without_link_tokens_loads_with_none(tmp_path):
+    model = plain_copy(tiny_llama(0, VOCAB))
+    SeamLoRA(shape_of(model), seed=2).save(tmp_path / "a.safetensors", {})
+    loaded, _ = SeamLoRA.load(tmp_path / "a.safetensors")
+    assert loaded.shape.link_tokens == 0 and loaded.link_keys is None
+    with pytest.raises(AdapterFileError, match="no link tokens"):
+        loaded.link_kv(model, 3)
 
 
 def test_a_file_that_is_not_an_adapter_is_a_clear_error(tmp_path):
@@ -186,6 +242,19 @@ def test_tune_runs_end_to_end_writes_its_files_and_resumes(tmp_path):
     # a resumed run's replay starts empty: steps 4 and 5 new samples, 6 step 5's again
     assert [(s["step"], s["replayed"]) for s in steps[-3:]] == [(4, False), (5, False),
                                                                 (6, True)]
+
+
+def test_tune_with_link_tokens_trains_them_at_their_own_rate(tmp_path):
+    llm = _engine(tiny_llama(0, VOCAB))
+    options = TuneOptions(minutes=5, max_steps=3, written_docs=16, doc_tokens=12,
+                          schema_docs=4, docs_per_request=(2,), answer_tokens=3, held_out=2,
+                          link_tokens=2, link_lr=0.05)
+    report = tune(llm, tmp_path / "adapter", options, say=lambda line: None)
+    loaded, meta = SeamLoRA.load(report.adapter_path)
+    assert loaded.shape.link_tokens == 2
+    assert json.loads(meta["options"])["link_tokens"] == 2
+    # three Adam steps at 0.05 moved the values off zero by about that much each
+    assert 0.02 < float(loaded.link_values.detach().abs().max()) < 0.2
 
 
 def test_the_corpus_shares_no_eight_words_with_the_benchmark_items():
