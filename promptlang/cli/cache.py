@@ -63,11 +63,14 @@ def _list_adapters() -> None:
     print("seam adapters:")
     for path in files:
         try:
-            _, meta = SeamLoRA.load(path)
+            adapter, meta = SeamLoRA.load(path)
         except AdapterFileError as e:
             print(f"  {path.parent.name}  unreadable: {e}")
             continue
-        print(f"  {path.parent.name}  model {meta.get('model_fingerprint', '?')[:16]}  "
+        form = f"LoRA rank {adapter.shape.rank}"
+        if adapter.shape.link_tokens:
+            form += f" + {adapter.shape.link_tokens} link tokens"
+        print(f"  {path.parent.name}  model {meta.get('model_fingerprint', '?')[:16]}  {form}  "
               f"{meta.get('steps', '?')} steps, {meta.get('minutes', '?')} min  "
               f"{format_size(path.stat().st_size)}  {path}")
 

@@ -336,4 +336,11 @@ def test_cache_ls_lists_the_adapters_tune_wrote(tmp_path, monkeypatch, capsys):
     assert main(["cache", "ls"]) == 0
     out = capsys.readouterr().out
     assert "seam adapters:" in out
-    assert "0123456789abcdef  model ffffffffffffffff  7 steps, 1.5 min" in out
+    assert "0123456789abcdef  model ffffffffffffffff  LoRA rank 8  7 steps, 1.5 min" in out
+    linked = tmp_path / "adapters" / "fedcba9876543210"
+    linked.mkdir(parents=True)
+    SeamLoRA(shape_of(model, rank=4, link_tokens=16)).save(linked / "seam-lora.safetensors",
+                                                           {"steps": "3"})
+    assert main(["cache", "ls"]) == 0
+    assert "fedcba9876543210  model ?  LoRA rank 4 + 16 link tokens  3 steps" in \
+        capsys.readouterr().out
