@@ -118,6 +118,42 @@ def test_decode_steps_attend_to_the_link_tokens_as_the_student_does(linked):
     assert list(result.token_ids) == picked
 
 
+def test_a_prompt_ending_in_a_module_computes_its_last_token_after_the_link_tokens(linked):
+    from promptlang.pml import nodes
+    from promptlang.runtime.tune.samples import Sample
+
+    llm, model, adapter = linked
+    prompt = nodes.PromptDoc("s", (nodes.ModuleRef("doc-0"), nodes.ModuleRef("doc-2")))
+    tuned = llm.prefill(prompt, recompute="tuned", all_logits=True)
+    result = llm.generate(prompt, recompute="tuned", max_new_tokens=4, temperature=0.0,
+                          token_healing=False)
+    # the prompt's last token is cached: it is computed again (as under every policy), on
+    # the adapter, after the link tokens; then every decode step
+    served = llm.prefill(prompt, recompute="none", all_logits=False)
+    n = len(served.token_ids)
+    last_id = int(served.token_ids[-1])
+    last = int(served.positions[-1])
+    assert last == int(served.positions.max())
+    picked = []
+    with torch.no_grad():
+        while True:
+            sample = Sample(cached_keys=served.keys[:, :, :n - 1],
+                            cached_values=served.values[:, :, :n - 1],
+                            ids=torch.tensor([last_id, *picked]),
+                            positions=torch.arange(last, last + 1 + len(picked)),
+                            teacher=torch.zeros(0), answer_length=0)
+            rows = student_logprobs(model, sample, adapter)
+            if not picked:
+                got = torch.log_softmax(tuned.logits[-1].float(), dim=-1)
+                assert torch.allclose(got, rows[0], atol=1e-4)
+                assert not torch.allclose(got, torch.log_softmax(served.logits[-1], dim=-1),
+                                          atol=1e-2)
+            if len(picked) == len(result.token_ids):
+                break
+            picked.append(int(rows[-1].argmax()))
+    assert list(result.token_ids) == picked
+
+
 def test_an_exact_request_is_the_same_beside_an_adapter_with_link_tokens(linked):
     llm, _, _ = linked
     plain = _engine(tiny_llama(0, VOCAB), exact_reuse=False)
