@@ -56,10 +56,14 @@ class BlockLinear(torch.nn.Module):
         destination[prefix + "weight"] = self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Inside the runtime's passes, up to fast/linear.py's MAX_ROWS rows: pl_linear's tiles
+        """A weight swapped in (the seam adapter's merged weight): F.linear over it. Else,
+        inside the runtime's passes, up to fast/linear.py's MAX_ROWS rows: pl_linear's tiles
         over the blocks (what NativeLinear gave over the float copy); else F.linear over the
         weight made from the blocks (what nn.Linear gave)."""
         bias = self.bias
+        swapped = self._parameters["weight"]
+        if swapped is not None:             # a weight swapped in for a while: the pass reads it
+            return F.linear(x, swapped.to(x.dtype), None if bias is None else bias.to(x.dtype))
         state = self._state() if self._state is not None else None
         if (state is not None and state.in_runtime_pass and native.enabled()
                 and native.available() and native.input_fits(x, self.in_features, MAX_ROWS)):

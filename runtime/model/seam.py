@@ -56,10 +56,10 @@ class SeamModel:
         self.name = name                  # the adapter file's digest
         self.source = source              # where it was loaded from, for messages
         self._lora = lora
-        self._projections = fitted_projections(base.model, lora, source)
-        # W + scale * B A per projection: made on the first pass (a load that never serves
-        # `tuned` holds no second copy of the attention weights)
-        self._merged: list[tuple[torch.nn.Module, torch.nn.Parameter]] | None = None
+        fitted_projections(base.model, lora, source)         # refused here if it does not fit
+        # W + scale * B A per projection, in fitted_projections' order: made on the first
+        # pass (a load that never serves `tuned` holds no second copy of those weights)
+        self._merged: list[torch.nn.Parameter] | None = None
 
     def __getattr__(self, name: str):
         return getattr(self.base, name)
@@ -106,13 +106,16 @@ class SeamModel:
     @contextlib.contextmanager
     def _swapped(self) -> Iterator[None]:
         """The merged weights in place of the base ones (the caller holds the model lock)."""
+        # the layers are looked up at each pass: the fused decoder puts a layer whose
+        # weight is kept as blocks in place of a float one, and back (fast/blocks.py)
+        projections = fitted_projections(self.base.model, self._lora, self.source)
         if self._merged is None:
-            self._merged = [(linear, torch.nn.Parameter(
+            self._merged = [torch.nn.Parameter(
                 self._lora.merged_weight(index, target, linear.weight.detach()),
-                requires_grad=False)) for index, target, linear in self._projections]
+                requires_grad=False) for index, target, linear in projections]
         base = []
         try:
-            for linear, merged in self._merged:
+            for (_, _, linear), merged in zip(projections, self._merged):
                 base.append((linear, linear._parameters["weight"]))
                 linear._parameters["weight"] = merged
             yield

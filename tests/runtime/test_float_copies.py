@@ -155,3 +155,25 @@ def test_a_block_embedding_looks_up_the_tables_rows():
     with pytest.raises(IndexError, match="out of range for an embedding of 50 rows"):
         embedding(torch.tensor([50]))
     assert embedding.to(torch.bfloat16)(ids).dtype == torch.bfloat16     # a bfloat16 twin's
+
+
+def test_a_seam_adapter_s_weights_are_read_where_the_float_copies_were_dropped():
+    """Policy `tuned` swaps merged weights into the attention projections for its passes
+    (runtime/model/seam.py): a layer kept as blocks must read the swapped weight, not its
+    blocks, and the swap must reach the layers in the model now, not those it replaced."""
+    from promptlang.runtime.model.lora import SeamLoRA, shape_of
+    from promptlang.runtime.model.seam import SeamModel
+    from tests.runtime.test_tune import _trained_like
+
+    model, adapter = served_model()
+    lora = _trained_like(SeamLoRA(shape_of(model, rank=4, alpha=8.0), seed=1))
+    seam = SeamModel(adapter, lora, name="test", source="test")
+    with_copies = passes(seam, 3)
+    assert not torch.allclose(with_copies[0], passes(adapter, 3)[0], atol=1e-3)
+    adapter.fast.decoder.drop_float_copies()
+    assert type(model.model.layers[0].self_attn.q_proj) is BlockLinear
+    dropped = passes(seam, 3)
+    for a, b in zip(with_copies, dropped):      # F.linear against pl_linear's sums
+        assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
+    # and the base model's passes are the base model's again after the seam's
+    assert model.model.layers[0].self_attn.q_proj._parameters["weight"] is None
