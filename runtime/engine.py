@@ -476,7 +476,9 @@ class LLM:
         # the assembler names tokens by the positions the units hold (renumbered with them)
         left_out = plan if numbers is None else RecomputePlan(
             frozenset(numbers.positions(plan.positions)))
-        buffer = self.assembler.acquire(cached + len(ids) + room, request_keys(units, left_out))
+        links = 0 if selected.seam is None else selected.seam.link_tokens
+        buffer = self.assembler.acquire(cached + len(ids) + links + room,
+                                        request_keys(units, left_out))
         with self._released_on_error(buffer):
             self.assembler.assemble(buffer, units, left_out)
             if tail is not None:

@@ -80,24 +80,25 @@ class SeamModel:
         """The adapter's link tokens (0: none)."""
         return self._lora.shape.link_tokens
 
-    @torch.inference_mode()
     def place_links(self, buffer, first_position: int) -> None:
         """The link tokens' KV into `buffer` after its tokens, for a pass whose first token
         is at `first_position` (see the module docstring); nothing without link tokens."""
         count = self.link_tokens
         if not count:
             return
-        position = max(int(first_position) - 1, 0)
-        keys, values = self._lora.link_kv(self.base.model, position, buffer.slot_keys.dtype)
         n = buffer.length
-        if n + count > buffer.capacity:
-            buffer.reserve(n + count + 1)
-        device = buffer.slot_keys.device
-        buffer.slot_keys[:, :, n:n + count] = keys.detach().to(device)
-        buffer.slot_values[:, :, n:n + count] = values.detach().to(device)
-        first = int(buffer.token_ids[int(torch.argmin(buffer.positions[:n]))]) if n else 0
-        buffer.append(torch.full((count,), first, dtype=torch.int64),
-                      torch.full((count,), position, dtype=torch.int64))
+        if n + count > buffer.capacity:       # pooled buffers stay normal tensors
+            with torch.inference_mode(False):
+                buffer.reserve(n + count + 1)
+        position = max(int(first_position) - 1, 0)
+        with torch.inference_mode():
+            keys, values = self._lora.link_kv(self.base.model, position, buffer.slot_keys.dtype)
+            device = buffer.slot_keys.device
+            buffer.slot_keys[:, :, n:n + count] = keys.to(device)
+            buffer.slot_values[:, :, n:n + count] = values.to(device)
+            first = int(buffer.token_ids[int(torch.argmin(buffer.positions[:n]))]) if n else 0
+            buffer.append(torch.full((count,), first, dtype=torch.int64),
+                          torch.full((count,), position, dtype=torch.int64))
 
     def forward_batch(self, items) -> None:
         """Never batched with other requests: the caller runs `forward` per request."""

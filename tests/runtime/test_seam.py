@@ -15,6 +15,7 @@ from promptlang.errors import AdapterFileError, ConfigError
 from promptlang.runtime.decoding.decode import Decoder, steps_together
 from promptlang.runtime.decoding.sampling import Decoding, SamplingParams
 from promptlang.runtime.engine import LLM
+from promptlang.runtime.kv.assembler import KVBuffer
 from promptlang.runtime.model import compute
 from promptlang.runtime.model import seam as seam_mod
 from promptlang.runtime.model.lora import SeamLoRA, attached, shape_of
@@ -152,6 +153,29 @@ def test_a_prompt_ending_in_a_module_computes_its_last_token_after_the_link_toke
                 break
             picked.append(int(rows[-1].argmax()))
     assert list(result.token_ids) == picked
+
+
+def test_link_tokens_leave_the_pooled_buffers_writable_outside_inference_mode(linked):
+    llm, _, adapter = linked
+    prompt = rag_prompt("s", [0, 1], QUESTION)
+    opened = llm.open(prompt, recompute="tuned", add_generation_prompt=False, room=0)
+    buffer = opened.buffer
+    try:
+        assert buffer.capacity >= buffer.length          # room was made for the links
+        # bench/rag.py's prefix writes a pooled buffer in place, outside inference mode
+        assert not buffer.slot_keys.is_inference()
+    finally:
+        llm.release_buffer(buffer)
+    # a buffer without room for them grows outside inference mode, from within it too
+    shape = adapter.link_keys.shape                      # [L, H_kv, T, D]
+    grown = KVBuffer(slot_keys=torch.zeros(shape[0], shape[1], 1, shape[3]),
+                     slot_values=torch.zeros(shape[0], shape[1], 1, shape[3]),
+                     positions=torch.zeros(1, dtype=torch.int64),
+                     token_ids=torch.zeros(1, dtype=torch.int64))
+    with torch.inference_mode():
+        llm.seam.place_links(grown, 5)
+    assert grown.length == 3 and not grown.slot_keys.is_inference()
+    assert grown.positions[:3].tolist() == [4, 4, 4]
 
 
 def test_an_exact_request_is_the_same_beside_an_adapter_with_link_tokens(linked):
