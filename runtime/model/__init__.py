@@ -9,7 +9,8 @@ The only code that knows transformers' cache classes and attention plumbing. Lay
     internals.py    every use of transformers' (and torch's) internals, with why
     state.py        promptlang's per-model state (lock, in-pass flag), beside the model
     fingerprint.py  what determines the KV, as a stable id (the store's key)
-    lora.py         the seam adapter: a LoRA on the attention projections (`promptlang tune`)
+    lora.py         the seam adapter: a LoRA on the attention projections, optional link
+                    tokens (`promptlang tune`)
     seam.py         serving it: SeamModel, the model with the adapter in its weights (policy
                     tuned), and where an adapter is found (the home's, else a shipped one)
 
