@@ -48,6 +48,17 @@ def _engine(model) -> LLM:
                           recompute="none", exact_reuse=False)
 
 
+def _baker_sample():
+    """A plain copy of a tiny model and one combination's sample (documents 1 and 3)."""
+    base = tiny_llama(0, VOCAB)
+    llm = _engine(base)
+    model = plain_copy(base)
+    llm.add_schema(rag_schema("s", "answer from the notes", "notes:\n\n", TEXTS))
+    sample = make_sample(llm, model, rag_prompt("s", [1, 3], "what does the baker sell?"),
+                         answer_tokens=4, end_ids={2})
+    return model, sample
+
+
 def test_the_adapter_adds_scale_b_a_x_to_each_projection_as_plain_pytorch_computes_it():
     model = plain_copy(tiny_llama(0, VOCAB))
     adapter = _trained_like(SeamLoRA(shape_of(model, rank=4, alpha=8.0), seed=1))
@@ -104,12 +115,7 @@ def test_link_keys_are_rotated_as_transformers_rotates_a_key_at_that_position():
 
 
 def test_link_tokens_save_load_and_reach_the_student_with_gradients(tmp_path):
-    base = tiny_llama(0, VOCAB)
-    llm = _engine(base)
-    model = plain_copy(base)
-    llm.add_schema(rag_schema("s", "answer from the notes", "notes:\n\n", TEXTS))
-    sample = make_sample(llm, model, rag_prompt("s", [1, 3], "what does the baker sell?"),
-                         answer_tokens=4, end_ids={2})
+    model, sample = _baker_sample()
     adapter = _trained_like(SeamLoRA(shape_of(model, link_tokens=4), seed=5))
     adapter.save(tmp_path / "a.safetensors", {"model_fingerprint": "x"})
     loaded, _ = SeamLoRA.load(tmp_path / "a.safetensors")
@@ -165,12 +171,7 @@ def test_the_student_without_adapter_is_the_runtime_s_none_prefill():
 
 
 def test_training_steps_lower_the_kl_of_the_sample_they_train_on():
-    base = tiny_llama(0, VOCAB)
-    llm = _engine(base)
-    model = plain_copy(base)
-    llm.add_schema(rag_schema("s", "answer from the notes", "notes:\n\n", TEXTS))
-    sample = make_sample(llm, model, rag_prompt("s", [1, 3], "what does the baker sell?"),
-                         answer_tokens=4, end_ids={2})
+    model, sample = _baker_sample()
     adapter = SeamLoRA(shape_of(model), seed=0)
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=3e-3)
     losses = []
