@@ -697,8 +697,7 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     exact_reuse: keep the units a request makes exact and serve them to later requests with
     the same tokens before them (docs/RECOMPUTE.md, "Exact reuse").
     quantized: a model from a GGUF (the default one included) has the fused layers read its
-    linear weights (Q4_1; Q5_0, Q8_0 and the K-quants where the 512-bit tiles run) and Q8_0
-    LM head as stored (the same values as the float copy, bit for bit: fast/fused.py
+    linear weights (Q4_1, Q5_0, Q8_0 and the K-quants) and Q8_0 LM head as stored (the same values as the float copy, bit for bit: fast/fused.py
     attach_blocks, attach_q8_head), and keeps no float copy of them (fast/blocks.py).
     quantize ("q4_1" or "q8_0"; Llama-family float32 checkpoints, not a GGUF): weight-only
     quantization -- the decoder's linear weights become Q4_1 or Q8_0 blocks (the LM head

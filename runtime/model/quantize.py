@@ -59,21 +59,12 @@ def attach(decoder, blocks, scheme: str) -> None:
         decoder.attach_q8_head(head)
 
 
-# The block kinds (fast/native.py KINDS) a GGUF's linear weights are served from as stored,
-# where they pay: Q4_1 on every CPU the kernels run on; Q5_0, Q8_0 and the K-quants where the
-# 512-bit tiles run (native.wide(): their weights made in registers); without those, their
-# row functions are plain C, slower on a decode-sized pass than the float copy, so they stay
-# float there. Either way a pass gives the same numbers (the blocks hold the float copy's
-# values, and the tiles sum in the float tiles' order).
-GGUF_SERVED = frozenset({4})
-GGUF_SERVED_WIDE = frozenset({4, 6, 8, 12, 13, 14})
-
-
-def gguf_served() -> frozenset[int]:
-    """The block kinds a GGUF's linear weights are served from on this CPU (see above)."""
-    from promptlang.runtime.fast import native
-
-    return GGUF_SERVED_WIDE if native.wide() else GGUF_SERVED
+# The block kinds (fast/native.py KINDS) a GGUF's linear weights are served from as stored, on
+# every CPU the kernels run on: Q4_1, Q5_0, Q8_0 and the K-quants, their weights made in
+# registers (256- or 512-bit) by a pass of 1-3 rows and a group of 4 rows at a time into a
+# buffer by a longer one. A pass gives the same numbers either way (the blocks hold the float
+# copy's values, and the tiles sum in the float tiles' order).
+GGUF_SERVED = frozenset({4, 6, 8, 12, 13, 14})
 
 
 def serve_numerics(adapter, source, dtype, scheme: str | None, blocks, bf16_attention: bool,
@@ -98,7 +89,7 @@ def serve_numerics(adapter, source, dtype, scheme: str | None, blocks, bf16_atte
         attach(decoder, blocks, scheme)
     elif source is not None and dtype == torch.float32:
         linears, head = quantized_blocks(source, adapter.model.config)
-        served = {where: pair for where, pair in linears.items() if pair[0] in gguf_served()}
+        served = {where: pair for where, pair in linears.items() if pair[0] in GGUF_SERVED}
         key = f"blocks_equal:{native.kernels_version()}"
         known = record.get(key) if record is not None else None
         checks = dict(known) if isinstance(known, dict) else {}

@@ -291,8 +291,7 @@ def test_a_k_quant_gguf_is_served_from_its_blocks_as_stored(tmp_path, monkeypatc
     from promptlang.runtime.model import quantize
 
     monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
-    # the K-quants are served where the 512-bit tiles run: every kind here, on any CPU
-    monkeypatch.setattr(quantize, "GGUF_SERVED", frozenset(native.KINDS))
+    assert quantize.GGUF_SERVED == frozenset(native.KINDS)
     path = tmp_path / "kquants.gguf"
     tensors = write_tiny_gguf(path, hidden=256, inter=512, blocks=_k_quant_blocks, arch=arch)
     served = engine.load(str(path), recompute="none")
@@ -311,16 +310,16 @@ def test_a_k_quant_gguf_is_served_from_its_blocks_as_stored(tmp_path, monkeypatc
     ours = served.generate(prompt, schema=schema, max_new_tokens=6)
     theirs = plain.generate(prompt, schema=schema, max_new_tokens=6)
     assert ours.token_ids == theirs.token_ids and len(ours.token_ids) == 6
-    monkeypatch.setattr(quantize, "GGUF_SERVED", frozenset({4}))       # as shipped
     wide = native.wide()
     try:
-        native.wide(False)             # 256-bit tiles only: the K-quants stay float
-        assert engine.load(str(path)).adapter.fast.decoder.quantized_weights == 0
+        native.wide(False)             # 256-bit tiles only: served from the blocks all the same
+        narrow = engine.load(str(path))
+        assert narrow.adapter.fast.decoder.quantized_weights == LAYERS * len(K_MIX)
+        plain = engine.load(str(path), quantized=False)
+        assert narrow.generate(prompt, schema=schema, max_new_tokens=6).token_ids == \
+            plain.generate(prompt, schema=schema, max_new_tokens=6).token_ids
     finally:
         native.wide(wide)
-    if wide:                           # the 512-bit tiles: served from their blocks
-        assert engine.load(str(path)).adapter.fast.decoder.quantized_weights == \
-            LAYERS * len(K_MIX)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])

@@ -111,14 +111,11 @@ def test_a_second_load_of_a_gguf_takes_what_the_first_computed(tmp_path, monkeyp
     from promptlang.runtime import engine
     from promptlang.runtime.fast import native
     from promptlang.runtime.model import adapter as adapter_module
-    from promptlang.runtime.model import quantize
     from tests.runtime.test_gguf import K_MIX, LAYERS, _k_quant_blocks, write_tiny_gguf
 
     if not native.available():
         pytest.skip("CPU kernels unavailable here")
     monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(quantize, "GGUF_SERVED", frozenset(native.KINDS))
-    monkeypatch.setattr(quantize, "GGUF_SERVED_WIDE", frozenset(native.KINDS))
     path = tmp_path / "kquants.gguf"
     write_tiny_gguf(path, hidden=256, inter=512, blocks=_k_quant_blocks)
     schema = '<schema name="k"><system>Tiny.</system></schema>'
