@@ -114,8 +114,19 @@ def run_peers(llm, options: PeersOptions = PeersOptions(), *, model_name: str = 
     report.quantized_weights, report.quantized_max_diff = quantized_check(llm)
     _load_and_memory(report, model, gguf, options.doc_tokens)
     report.quantized_types = linear_types(gguf) if gguf is not None else ""
+    report.approximations_missing = missing_approximations()
     report.goals = goals(report)
     return report
+
+
+def missing_approximations() -> list[str]:
+    """The approximations of APPROXIMATE's row this CPU cannot run (their passes then
+    compute as the model's): "int8 linears" without AVX512_VNNI, "bf16 attention" without
+    AVX512_BF16."""
+    from promptlang.runtime.fast import native
+
+    return [name for name, kind in (("int8 linears", "int8"), ("bf16 attention", "bf16"))
+            if not native.products_available(kind)]
 
 
 def _document(llm, options: PeersOptions, report: PeersReport, gguf: str | None,

@@ -69,6 +69,8 @@ class PeersReport:
     llama_load_s: float | None = None
     llama_rss_bytes: int | None = None         # llama.cpp's, after its largest request
     memory_missing: str | None = None          # why the load and memory run failed
+    # APPROXIMATE's approximations this CPU lacks (those passes computed as the model's)
+    approximations_missing: list[str] = field(default_factory=list)
     # kind -> the arithmetic of promptlang's first timed question (bench/floor.py)
     question_flops: dict[str, float] = field(default_factory=dict)
     sgemm_flops_per_s: float | None = None     # the run's float32 matmul rate (None: unknown)
@@ -225,6 +227,10 @@ def sections(report: PeersReport) -> list[Section]:
              "promptlang (none): documents as encoded apart (the fast path; its cost in "
              "answers: docs/RECOMPUTE.md); promptlang (exact): the default, answers as the "
              "full prefill's (a new combination computes its later documents again)"]
+    if report.approximations_missing:
+        lines.append(f"{APPROXIMATE}: this CPU cannot run its "
+                     f"{' and '.join(report.approximations_missing)} (no AVX512_VNNI / "
+                     "AVX512_BF16): those passes computed as the model's, the store bfloat16")
     return [Section(f"Peers ({report.model})", rows, lines),
             Section("Goals", (), [str(g) for g in report.goals
                                              if not _default_policy(g)]),
@@ -252,6 +258,7 @@ def to_json(report: PeersReport) -> dict[str, Any]:
             "libraries_bytes": report.libraries_bytes,
             "file_bytes": report.file_bytes, "llama_load_s": report.llama_load_s,
             "llama_rss_bytes": report.llama_rss_bytes, "memory_missing": report.memory_missing,
+            "approximations_missing": report.approximations_missing,
             "question_flops": report.question_flops,
             "sgemm_flops_per_s": report.sgemm_flops_per_s,
             "goals": [{"name": g.name, "passed": g.passed, "detail": g.detail}

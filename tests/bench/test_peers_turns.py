@@ -85,3 +85,20 @@ def test_the_memory_goal_allows_the_file_and_the_kv():
                                   "file, its KV 150 MB, limit 750 MB; 380 MB of it resident "
                                   "before the load, the libraries imported; the rest 620 MB = "
                                   "1.55x the file)")
+
+
+def test_the_approximate_row_says_what_this_cpu_could_not_run():
+    from promptlang.bench.peers import missing_approximations
+    from promptlang.bench.peers_report import APPROXIMATE, sections
+    from promptlang.runtime.fast import native
+
+    lacking = missing_approximations()
+    assert ("int8 linears" in lacking) == (not native.products_available("int8"))
+    assert ("bf16 attention" in lacking) == (not native.products_available("bf16"))
+    report = PeersReport(PeersOptions(), "m", approximations_missing=["int8 linears"])
+    lines = sections(report)[0].lines
+    assert lines[-1] == (f"{APPROXIMATE}: this CPU cannot run its int8 linears (no "
+                         "AVX512_VNNI / AVX512_BF16): those passes computed as the model's, "
+                         "the store bfloat16")
+    report.approximations_missing = []
+    assert not any("cannot run" in line for line in sections(report)[0].lines)
