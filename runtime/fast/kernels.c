@@ -527,11 +527,15 @@ void kq_prepare(const int kind, const uint8_t* q, KqBlock* kb) {
                 _mm256_storeu_si256((__m256i*)(kb->vals + 128 * half + 32 * s),
                                     _mm256_sub_epi8(v[s], off));
         }
-    } else {                                   /* Q8_0, Q5_0: d first */
+    } else {                                   /* Q8_0, Q5_0, Q4_1: d first */
         memcpy(&hd, q, 2);
         kb->dj[0] = _cvtsh_ss(hd);
         if (kind == KIND_Q5_0)
             memcpy(&kb->qh, q + 2, 4);
+        if (kind == 4) {                       /* Q4_1: then m */
+            memcpy(&hd, q + 2, 2);
+            kb->mj[0] = _cvtsh_ss(hd);
+        }
     }
 }
 
@@ -577,6 +581,7 @@ static inline long kq_per(int kind) {
 
 static inline long kq_bytes(int kind) {
     switch (kind) {
+    case 4: return Q4_BYTES;
     case 8: return Q8_BYTES;
     case KIND_Q5_0: return Q5_0_BYTES;
     case KIND_Q4_K: return Q4_K_BYTES;
@@ -664,15 +669,15 @@ static int kq_wide(int kind, TileFn* tiles, RowFn* row) {
     }
 }
 
-/* ---- Q8_0, Q5_0 and K-quant tiles on 256-bit vectors (every CPU the kernels run on) --------- *
+/* ---- Q4_1, Q8_0, Q5_0 and K-quant tiles on 256-bit vectors (every CPU the kernels run on) -- *
  * As the 512-bit ones, 8 weights at a time in the row's order, each multiplied in where the
  * 256-bit dot tiles (dot1x4, dot2x4, dot3x4) multiply the float weight: the same lanes, the
  * same order along k, so a pass from the blocks gives the float path's bits. Each weight is
- * computed as the reference dequantizer computes it, with no table: Q4_K and Q5_K dj * q - mj
- * (dj * q is exact in float32, so the subtraction rounds once, fused or not), Q5_0
- * d * (q - 16) (q - 16 put together as bytes first, q5_0_values), Q6_K dj * q (kq_prepare's
- * values), Q8_0 d * q. kq_row8 stores the same
- * registers into a row: the row functions of these kinds (the buffer of a pass of more rows,
+ * computed as the reference dequantizer computes it, with no table: Q4_1 d * q + m, Q4_K and
+ * Q5_K dj * q - mj (d * q and dj * q are exact in float32, so the addition rounds once, fused
+ * or not), Q5_0 d * (q - 16) (q - 16 put together as bytes first, q5_0_values), Q6_K dj * q
+ * (kq_prepare's values), Q8_0 d * q. kq_row8 stores the same registers into a row: the row
+ * functions of these kinds but Q4_1 (q4_row; the buffer of a pass of more rows,
  * pl_q_dequant). */
 /* Q5_0's 32 values q - 16 as int8 into kb->vals (byte operations, as kq_prepare's Q5_K):
  * weight e takes the low (e < 16) or high nibble of qs[e % 16] and bit e of qh */
@@ -705,6 +710,12 @@ __m256 kq_chunk8(const int kind, const uint8_t* q, const int c, const KqBlock* k
         __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(kb->vals + 8 * c)));
         return _mm256_mul_ps(_mm256_set1_ps(kb->dj[kind == KIND_Q6_K ? c >> 1 : 0]),
                              _mm256_cvtepi32_ps(v));
+    }
+    if (kind == 4) {                           /* Q4_1: d * q + m (d * q exact) */
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 4 + 8 * (c & 1))));
+        v = c >= 2 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0x0F));
+        return _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(kb->dj[0]), _mm256_cvtepi32_ps(v)),
+                             _mm256_set1_ps(kb->mj[0]));
     }
     const int s = c >> 2;                     /* Q4_K, Q5_K: sub-block s (32 weights) */
     __m256i v;
@@ -776,22 +787,25 @@ void kq_row8(const int kind, const uint8_t* row, long k, float* dst) {
     KQ_FN static void NAME##_tile3(const float* a, long lda, const uint8_t* b, long stride, \
                                    long k, float* c, long ldc) { \
         kq_tile8(3, KIND, a, lda, b, stride, k, c, ldc); \
-    } \
+    }
+#define KQ_ROW(KIND, NAME) \
     KQ_FN static void NAME##_row(const uint8_t* row, long k, float* dst) { \
         kq_row8(KIND, row, k, dst); \
     }
-KQ_TILES(8, q8_0) KQ_TILES(KIND_Q5_0, q5_0) KQ_TILES(KIND_Q4_K, q4k) KQ_TILES(KIND_Q5_K, q5k)
-KQ_TILES(KIND_Q6_K, q6k)
+KQ_TILES(4, q4_1) KQ_TILES(8, q8_0) KQ_TILES(KIND_Q5_0, q5_0) KQ_TILES(KIND_Q4_K, q4k)
+KQ_TILES(KIND_Q5_K, q5k) KQ_TILES(KIND_Q6_K, q6k)
+KQ_ROW(8, q8_0) KQ_ROW(KIND_Q5_0, q5_0) KQ_ROW(KIND_Q4_K, q4k) KQ_ROW(KIND_Q5_K, q5k)
+KQ_ROW(KIND_Q6_K, q6k)         /* Q4_1's row: q4_row */
+#undef KQ_ROW
 #undef KQ_TILES
 #undef KQ_FN
 
-/* the 256-bit tiles of 1, 2 and 3 rows of a kind (tiles[0..2]); 0 for a kind without them
- * (Q4_1: its buffer) */
+/* the 256-bit tiles of 1, 2 and 3 rows of a kind (tiles[0..2]); 0 for a kind without them */
 static int kq_narrow(int kind, TileFn* tiles) {
     switch (kind) {
 #define KQ_CASE(KIND, NAME) case KIND: tiles[0] = NAME##_tile1; tiles[1] = NAME##_tile2; \
         tiles[2] = NAME##_tile3; return 1;
-    KQ_CASE(8, q8_0) KQ_CASE(KIND_Q5_0, q5_0) KQ_CASE(KIND_Q4_K, q4k) KQ_CASE(KIND_Q5_K, q5k)
+    KQ_CASE(4, q4_1) KQ_CASE(8, q8_0) KQ_CASE(KIND_Q5_0, q5_0) KQ_CASE(KIND_Q4_K, q4k) KQ_CASE(KIND_Q5_K, q5k)
     KQ_CASE(KIND_Q6_K, q6k)
 #undef KQ_CASE
     default: return 0;

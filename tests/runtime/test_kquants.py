@@ -1,6 +1,6 @@
-"""K-quant (Q4_K, Q5_K, Q6_K), Q5_0 and Q8_0 blocks read as a GGUF stores them (kernels.c
-q4k_row, q5k_row, q6k_row, q5_0_row and their 512-bit kq_chunk; native.q_dequant,
-native.linear_q).
+"""K-quant (Q4_K, Q5_K, Q6_K), Q5_0, Q8_0 and Q4_1 blocks read as a GGUF stores them
+(kernels.c: the 256-bit kq_chunk8 and the 512-bit kq_chunk, their row functions and tiles;
+native.q_dequant, native.linear_q), on whichever tiles this CPU runs."""
 
 The oracle is the `gguf` package's own reference dequantizers, which we did not write: block
 by block, the kernels' float32 weights must be theirs bit for bit. gguf-py cannot quantize to
@@ -21,7 +21,8 @@ from promptlang.runtime.fast import native
 pytestmark = pytest.mark.skipif(not native.available(), reason="CPU kernels unavailable here")
 
 # kind -> (ggml type, offsets of the float16 fields in a block)
-KINDS = {6: (GGMLQuantizationType.Q5_0, (0,)), 8: (GGMLQuantizationType.Q8_0, (0,)),
+KINDS = {4: (GGMLQuantizationType.Q4_1, (0, 2)), 6: (GGMLQuantizationType.Q5_0, (0,)),
+         8: (GGMLQuantizationType.Q8_0, (0,)),
          12: (GGMLQuantizationType.Q4_K, (0, 2)),
          13: (GGMLQuantizationType.Q5_K, (0, 2)),
          14: (GGMLQuantizationType.Q6_K, (208,))}
