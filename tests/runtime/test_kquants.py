@@ -1,6 +1,7 @@
 """K-quant (Q4_K, Q5_K, Q6_K), Q5_0, Q8_0 and Q4_1 blocks read as a GGUF stores them
 (kernels.c: the 256-bit kq_chunk8 and the 512-bit kq_chunk, their row functions and tiles;
-native.q_dequant, native.linear_q), on whichever tiles this CPU runs."""
+native.q_dequant, native.linear_q), on the 256-bit tiles and on the 512-bit ones where the
+CPU has AVX-512F.
 
 The oracle is the `gguf` package's own reference dequantizers, which we did not write: block
 by block, the kernels' float32 weights must be theirs bit for bit. gguf-py cannot quantize to
@@ -19,6 +20,19 @@ from promptlang.errors import InvalidArgumentError
 from promptlang.runtime.fast import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="CPU kernels unavailable here")
+
+
+@pytest.fixture(params=["256-bit", "512-bit"], autouse=True)
+def tiles(request):
+    """Every test on the 256-bit tiles and again on the 512-bit ones (where the CPU has
+    AVX-512F): each makes the weights its own way."""
+    was = native.wide()
+    if request.param == "512-bit" and not native.wide(True):
+        native.wide(was)
+        pytest.skip("this CPU has no AVX-512F (or PROMPTLANG_AVX512=0)")
+    native.wide(request.param == "512-bit")
+    yield request.param
+    native.wide(was)
 
 # kind -> (ggml type, offsets of the float16 fields in a block)
 KINDS = {4: (GGMLQuantizationType.Q4_1, (0, 2)), 6: (GGMLQuantizationType.Q5_0, (0,)),
