@@ -882,7 +882,7 @@ static void dots_q(const float* a, long lda, long m, const uint8_t* b, long n, l
                 _mm_prefetch((const char*)(b + (j + 4) * stride + o), _MM_HINT_T0);
         if (w)
             group_w(a, lda, m, buf, k, k, c + j, ldc, NULL, 0, NULL);
-        else            /* dots' tiles (written out here they ran 2.4-3.4x slower at 16-64 rows) */
+        else            /* dots' tiles (written out here, they ran several times slower) */
             dots(a, lda, m, buf, k, 4, k, c + j, ldc, buf + 4 * k);
     }
     for (; j < n; j++) {
