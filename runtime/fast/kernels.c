@@ -628,20 +628,24 @@ AIW void kq_row_w(const int kind, const uint8_t* row, long k, float* dst) {
     }
 }
 
+/* one kind's tile functions of 1, 2 and 3 rows, NAME_tileR##SUFFIX, each TILE(R, KIND, ...)
+ * compiled with ATTR (both widths below) */
+#define KQ_TILE_SET(ATTR, TILE, SUFFIX, KIND, NAME) \
+    ATTR static void NAME##_tile1##SUFFIX(const float* a, long lda, const uint8_t* b, \
+                                          long stride, long k, float* c, long ldc) { \
+        TILE(1, KIND, a, lda, b, stride, k, c, ldc); \
+    } \
+    ATTR static void NAME##_tile2##SUFFIX(const float* a, long lda, const uint8_t* b, \
+                                          long stride, long k, float* c, long ldc) { \
+        TILE(2, KIND, a, lda, b, stride, k, c, ldc); \
+    } \
+    ATTR static void NAME##_tile3##SUFFIX(const float* a, long lda, const uint8_t* b, \
+                                          long stride, long k, float* c, long ldc) { \
+        TILE(3, KIND, a, lda, b, stride, k, c, ldc); \
+    }
 #define KQ_FN __attribute__((noinline, optimize("fp-contract=off"), target("avx512f")))
 #define KQ_TILES(KIND, NAME) \
-    KQ_FN static void NAME##_tile1_w(const float* a, long lda, const uint8_t* b, long stride, \
-                                     long k, float* c, long ldc) { \
-        kq_tile_w(1, KIND, a, lda, b, stride, k, c, ldc); \
-    } \
-    KQ_FN static void NAME##_tile2_w(const float* a, long lda, const uint8_t* b, long stride, \
-                                     long k, float* c, long ldc) { \
-        kq_tile_w(2, KIND, a, lda, b, stride, k, c, ldc); \
-    } \
-    KQ_FN static void NAME##_tile3_w(const float* a, long lda, const uint8_t* b, long stride, \
-                                     long k, float* c, long ldc) { \
-        kq_tile_w(3, KIND, a, lda, b, stride, k, c, ldc); \
-    } \
+    KQ_TILE_SET(KQ_FN, kq_tile_w, _w, KIND, NAME) \
     KQ_FN static void NAME##_row_w(const uint8_t* row, long k, float* dst) { \
         kq_row_w(KIND, row, k, dst); \
     }
@@ -775,19 +779,7 @@ void kq_row8(const int kind, const uint8_t* row, long k, float* dst) {
 }
 
 #define KQ_FN __attribute__((noinline, optimize("fp-contract=off")))
-#define KQ_TILES(KIND, NAME) \
-    KQ_FN static void NAME##_tile1(const float* a, long lda, const uint8_t* b, long stride, \
-                                   long k, float* c, long ldc) { \
-        kq_tile8(1, KIND, a, lda, b, stride, k, c, ldc); \
-    } \
-    KQ_FN static void NAME##_tile2(const float* a, long lda, const uint8_t* b, long stride, \
-                                   long k, float* c, long ldc) { \
-        kq_tile8(2, KIND, a, lda, b, stride, k, c, ldc); \
-    } \
-    KQ_FN static void NAME##_tile3(const float* a, long lda, const uint8_t* b, long stride, \
-                                   long k, float* c, long ldc) { \
-        kq_tile8(3, KIND, a, lda, b, stride, k, c, ldc); \
-    }
+#define KQ_TILES(KIND, NAME) KQ_TILE_SET(KQ_FN, kq_tile8, , KIND, NAME)
 #define KQ_ROW(KIND, NAME) \
     KQ_FN static void NAME##_row(const uint8_t* row, long k, float* dst) { \
         kq_row8(KIND, row, k, dst); \
@@ -799,6 +791,7 @@ KQ_ROW(KIND_Q6_K, q6k)         /* Q4_1's row: q4_row */
 #undef KQ_ROW
 #undef KQ_TILES
 #undef KQ_FN
+#undef KQ_TILE_SET
 
 /* the 256-bit tiles of 1, 2 and 3 rows of a kind (tiles[0..2]); 0 for a kind without them */
 static int kq_narrow(int kind, TileFn* tiles) {
