@@ -121,8 +121,8 @@ def run_peers(llm, options: PeersOptions = PeersOptions(), *, model_name: str = 
 
 def missing_approximations() -> list[str]:
     """The approximations of APPROXIMATE's row this CPU cannot run (their passes then
-    compute as the model's): "int8 linears" without AVX512_VNNI, "bf16 attention" without
-    AVX512_BF16."""
+    compute as the model's): "bf16 attention" without AVX512_BF16, "int8 linears" where the
+    kernels cannot run."""
     from promptlang.runtime.fast import native
 
     return [name for name, kind in (("int8 linears", "int8"), ("bf16 attention", "bf16"))

@@ -229,8 +229,8 @@ def sections(report: PeersReport) -> list[Section]:
              "full prefill's (a new combination computes its later documents again)"]
     if report.approximations_missing:
         lines.append(f"{APPROXIMATE}: this CPU cannot run its "
-                     f"{' and '.join(report.approximations_missing)} (no AVX512_VNNI / "
-                     "AVX512_BF16): those passes computed as the model's, the store bfloat16")
+                     f"{' and '.join(report.approximations_missing)} (bf16 attention needs "
+                     "AVX512_BF16): those passes computed as the model's")
     return [Section(f"Peers ({report.model})", rows, lines),
             Section("Goals", (), [str(g) for g in report.goals
                                              if not _default_policy(g)]),

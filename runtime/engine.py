@@ -706,7 +706,8 @@ def load(name_or_path: str | os.PathLike | None = None, *, device: str | torch.d
     bf16_attention: passes of 8+ new tokens compute the attention's products from bfloat16
     inputs (fused layers, CPUs with AVX512_BF16): approximate.
     int8_linears: the fused layers' linear layers multiply int8 weights (a scale per row) by
-    12-bit inputs (a scale per token; CPUs with AVX512_VNNI): approximate.
+    12-bit inputs (a scale per token; integer products, AVX512_VNNI's where the CPU has them):
+    approximate.
     What each costs and buys is measured in docs/BENCHMARKS.md.
     tail_budget_bytes: KV of recent requests' last uncached tokens kept for later requests that
     start them the same way after the same units (runtime/kv/tails.py; 0: off).

@@ -31,7 +31,7 @@ def add_approximations(parser: argparse.ArgumentParser) -> None:
                              "steps and KV stay float32: docs/BENCHMARKS.md)")
     parser.add_argument("--int8-linears", action="store_true",
                         help="approximate: the fused layers multiply int8 weights by 12-bit "
-                             "inputs (CPUs with AVX512_VNNI; Llama family)")
+                             "inputs (integer products: AVX512_VNNI, else AVX2; Llama family)")
     parser.add_argument("--bf16-attention", action="store_true",
                         help="approximate: passes of 8+ new tokens compute the attention's "
                              "products from bfloat16 inputs (CPUs with AVX512_BF16)")

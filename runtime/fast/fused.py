@@ -385,12 +385,12 @@ class FusedDecoder:
     def attach_int8(self) -> int:
         """Serve every linear weight of the decoder layers as int8 rows (kernels.c I8_KIND:
         each output row quantized with its own scale, built here from the float weights the
-        layers hold now), their inputs quantized to 12 bits per token in each pass: VNNI's
-        integer products (32 an instruction, on Zen 4 at about the float32 FMA's rate), for
+        layers hold now), their inputs quantized to 12 bits per token in each pass: integer
+        products (AVX512_VNNI's, 32 an instruction, where the CPU has them; else AVX2's), for
         every pass however many rows. An approximation (docs/BENCHMARKS.md measures it), off
         unless asked for; replaces attached blocks. Returns how many weights are served (0,
-        and the blocks stay, where the CPU lacks AVX512_VNNI or a width is not a multiple
-        of 64)."""
+        and the blocks stay, where the kernels cannot run or a width is not a multiple of
+        64)."""
         k_ok = all(n % 64 == 0 and n <= native.Q4_MAX_K
                    for n in (self.hidden, self.inter, self.heads * self.head_dim))
         if not k_ok or not self.available() or not native.products_available("int8"):

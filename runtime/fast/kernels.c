@@ -934,7 +934,7 @@ void pl_linear(const float* x, long m, long k, const float* w, long n, const flo
  * Scores are kept in base 2 (the queries are scaled by log2(e) as well as 1/sqrt(d)), so the
  * softmax takes exp2_neg directly. */
 
-/* ---- int8 weights x 12-bit inputs (AVX512_VNNI; opt-in, approximate) ------------------------ *
+/* ---- int8 weights x 12-bit inputs (opt-in, approximate; AVX512_VNNI or AVX2) ---------------- *
  * Kind I8_KIND weights (fused.py attach_int8, int8_rows) are one buffer per linear layer: n x k
  * int8 (each output row quantized with its own scale: w = s_w[j] * q), then s_w ([n] float).
  * The int8 values of the first n16 = n - n % 16 rows lie in panels of 16 rows, k-pairs
@@ -948,28 +948,34 @@ void pl_linear(const float* x, long m, long k, const float* w, long n, const flo
  * row's scale; docs/BENCHMARKS.md, *int8 linear layers*.) The sums are integers, exact in
  * any order: a row's results do not depend on the other rows of its pass (a request alone
  * and in a batch get the same numbers). k % 64 == 0 and k <= Q4_MAX_K (|sum| <= 2047 * 127 *
- * 8192 < 2^31). */
+ * 8192 < 2^31). Without AVX512_VNNI (or with the 512-bit tiles off) the same integers come
+ * from AVX2's vpmaddwd, 8 output columns a register: the same numbers, bit for bit. */
 #define I8_KIND 1
 #define X_MAX 2047
 #define VNNI __attribute__((noinline, target("avx512f,avx512bw,avx512vnni")))
 #define AIV static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vnni")))
 
-static int i8_ok = -1;
+static int vnni_ok = -1;     /* the CPU has AVX512_VNNI (and F, BW): checked once */
 int pl_bf16_products(void);
 
 /* which products the CPU can take: kind 16, bfloat16 (AVX512_BF16); kind 8, the int8 weights'
- * (AVX512_VNNI) */
+ * (every CPU the kernels run on: AVX512_VNNI's tiles, else AVX2's) */
 int pl_products(int kind) {
     if (kind == 16) return pl_bf16_products();
-    if (i8_ok < 0)
-        i8_ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                && __builtin_cpu_supports("avx512vnni");
-    return kind == 8 && i8_ok;
+    return kind == 8;
+}
+
+/* whether the int8 sums take the 512-bit VNNI tiles (else the 256-bit ones) */
+int pl_vnni(void) {
+    if (vnni_ok < 0)
+        vnni_ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                  && __builtin_cpu_supports("avx512vnni");
+    return vnni_ok && wide_tiles;
 }
 
 /* u[0:k] = x[0:k] quantized to 12 bits, s = its scale (0 for a zero row); 16 lanes at a
  * time (max |x| ignores a NaN, as fmaxf does; rounding to nearest even, as nearbyintf) */
-VNNI static void quantize_row(const float* x, long k, int16_t* u, float* s) {
+VNNI static void quantize_row_w(const float* x, long k, int16_t* u, float* s) {
     __m512 vm = _mm512_setzero_ps();
     long i = 0;
     for (; i + 16 <= k; i += 16) vm = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), vm);
@@ -982,6 +988,37 @@ VNNI static void quantize_row(const float* x, long k, int16_t* u, float* s) {
         _mm256_storeu_si256((__m256i*)(u + i), _mm512_cvtsepi32_epi16(
             _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), vi))));
     for (; i < k; i++) u[i] = (int16_t)nearbyintf(x[i] * inv);
+}
+
+/* quantize_row_w on 256-bit vectors: the same maximum, products and rounding, so the same
+ * u and s */
+static void quantize_row8(const float* x, long k, int16_t* u, float* s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 vm = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 16 <= k; i += 16) {
+        vm = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), vm);
+        vm = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i + 8)), vm);
+    }
+    float m = hmax(vm);
+    for (long t = i; t < k; t++) m = fmaxf(m, fabsf(x[t]));
+    float inv = m > 0.f ? (float)X_MAX / m : 0.f;
+    *s = m / (float)X_MAX;
+    __m256 vi = _mm256_set1_ps(inv);
+    for (i = 0; i + 16 <= k; i += 16) {
+        __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), vi));
+        __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), vi));
+        __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+        _mm256_storeu_si256((__m256i*)(u + i), packed);
+    }
+    for (; i < k; i++) u[i] = (int16_t)nearbyintf(x[i] * inv);
+}
+
+static void quantize_row(const float* x, long k, int16_t* u, float* s) {
+    if (pl_vnni())
+        quantize_row_w(x, k, u, s);
+    else
+        quantize_row8(x, k, u, s);
 }
 
 /* R rows of u x one panel (16 weight rows, k-pairs interleaved): the integer sums of each
@@ -1028,6 +1065,60 @@ VNNI static int32_t dot_i8(const int16_t* u, const int8_t* q, long k) {
     return _mm512_reduce_add_epi32(acc);
 }
 
+/* panel_i8 on 256-bit vectors: each 16-weight-row step in two registers (the panel's rows
+ * 0-7 and 8-15), vpmaddwd then an add where vpdpwssd does both; R <= 6 rows of u */
+static inline __attribute__((always_inline))
+void panel_i8n(const int R, const int16_t* u, long ldu, const int8_t* q, long k,
+               const float* sx, const float* sw, float* y, long ldy) {
+    const int U = R < 2 ? 4 : R < 4 ? 2 : 1;            /* k % 64 == 0: k / 2 pairs % 4 == 0 */
+    __m256i acc[4][6][2];
+    for (int v = 0; v < U; v++)
+        for (int r = 0; r < R; r++) acc[v][r][0] = acc[v][r][1] = _mm256_setzero_si256();
+    for (long i = 0; i < k; i += 2 * U)
+        for (int v = 0; v < U; v++) {
+            const int8_t* p = q + (i + 2 * v) * 16;
+            __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
+            __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 16)));
+            for (int r = 0; r < R; r++) {
+                int32_t pair;                         /* two int16 inputs, one broadcast */
+                memcpy(&pair, u + r * ldu + i + 2 * v, sizeof pair);
+                __m256i x = _mm256_set1_epi32(pair);
+                acc[v][r][0] = _mm256_add_epi32(acc[v][r][0], _mm256_madd_epi16(w0, x));
+                acc[v][r][1] = _mm256_add_epi32(acc[v][r][1], _mm256_madd_epi16(w1, x));
+            }
+        }
+    for (int v = 1; v < U; v++)
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++)
+                acc[0][r][h] = _mm256_add_epi32(acc[0][r][h], acc[v][r][h]);
+    for (int h = 0; h < 2; h++) {
+        __m256 vs = _mm256_loadu_ps(sw + 8 * h);
+        for (int r = 0; r < R; r++)
+            _mm256_storeu_ps(y + r * ldy + 8 * h,
+                             _mm256_mul_ps(_mm256_cvtepi32_ps(acc[0][r][h]),
+                                           _mm256_mul_ps(_mm256_set1_ps(sx[r]), vs)));
+    }
+}
+
+#define PANEL8_I8(R) __attribute__((noinline)) static void panel##R##_i8n(const int16_t* u, \
+        long ldu, const int8_t* q, long k, const float* sx, const float* sw, float* y, \
+        long ldy) { panel_i8n(R, u, ldu, q, k, sx, sw, y, ldy); }
+PANEL8_I8(1) PANEL8_I8(2) PANEL8_I8(3) PANEL8_I8(4) PANEL8_I8(5) PANEL8_I8(6)
+#undef PANEL8_I8
+
+/* dot_i8 on 256-bit vectors */
+static int32_t dot8_i8(const int16_t* u, const int8_t* q, long k) {
+    __m256i acc = _mm256_setzero_si256();
+    for (long i = 0; i < k; i += 16)
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(
+            _mm256_loadu_si256((const __m256i*)(u + i)),
+            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + i)))));
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+    return _mm_cvtsi128_si32(h);
+}
+
 /* columns [j0, j1) of y (row stride ldy) = the m quantized rows (u, s_x) . the I8_KIND weight
  * buffer wq of n rows of k: whole panels 12 input rows at a time, the plain rows after them
  * one sum each (the same integers: exact in any order). j0 is a multiple of 16, and j1 too
@@ -1037,25 +1128,37 @@ static void linear_i8(const int16_t* u, const float* sx, long m, long k, const u
                       long n, long j0, long j1, float* y, long ldy) {
     const int8_t* q = (const int8_t*)wq;
     const float* sw = (const float*)(wq + n * k);
+    const int wide = pl_vnni();
+    const long most = wide ? 12 : 6;         /* input rows a panel call takes */
     long n16 = n - n % 16, j = j0;
     for (; j < j1 && j < n16; j += 16) {
         const int8_t* panel = q + j * k;
         for (long i = 0; i < m; ) {
-            long R = m - i < 12 ? m - i : 12;
+            long R = m - i < most ? m - i : most;
             const int16_t* ui = u + i * k;
             float* yi = y + i * ldy + j;
-            switch (R) {
+            if (wide) {
+                switch (R) {
 #define P(n_) case n_: panel##n_##_i8(ui, k, panel, k, sx + i, sw + j, yi, ldy); break;
-                P(1) P(2) P(3) P(4) P(5) P(6) P(7) P(8) P(9) P(10) P(11) P(12)
+                    P(1) P(2) P(3) P(4) P(5) P(6) P(7) P(8) P(9) P(10) P(11) P(12)
 #undef P
+                }
+            } else {
+                switch (R) {
+#define P(n_) case n_: panel##n_##_i8n(ui, k, panel, k, sx + i, sw + j, yi, ldy); break;
+                    P(1) P(2) P(3) P(4) P(5) P(6)
+#undef P
+                }
             }
             i += R;
         }
     }
     for (; j < j1; j++)                  /* the plain rows after the last whole panel */
-        for (long i = 0; i < m; i++)
-            y[i * ldy + j] = (float)dot_i8(u + i * k, q + n16 * k + (j - n16) * k, k)
-                             * (sx[i] * sw[j]);
+        for (long i = 0; i < m; i++) {
+            const int8_t* row = q + n16 * k + (j - n16) * k;
+            int32_t sum = wide ? dot_i8(u + i * k, row, k) : dot8_i8(u + i * k, row, k);
+            y[i * ldy + j] = (float)sum * (sx[i] * sw[j]);
+        }
 }
 
 /* y[m][n] = x[m][k] . the I8_KIND weights wq (n rows)^T, one thread: linear_i8 alone (tests);

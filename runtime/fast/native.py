@@ -151,8 +151,16 @@ def _toggle(kernel: str, on: bool | None) -> bool:
 
 
 def products_available(kind: str = "bf16") -> bool:
-    """Whether pl_decoder's bf16 attention (AVX512_BF16) or int8 linears ("int8": VNNI) run."""
+    """Whether pl_decoder's bf16 attention (AVX512_BF16) or int8 linears ("int8": AVX512_VNNI's
+    tiles, else AVX2's) run."""
     return _toggle("pl_products", {"bf16": 16, "int8": 8}[kind])
+
+
+def vnni() -> bool:
+    """Whether the int8 linears' sums take AVX512_VNNI's 512-bit tiles now (the CPU has it
+    and the 512-bit tiles are on: `wide`); else AVX2's, with the same numbers."""
+    lib = _lib or _load()
+    return False if lib is None else bool(lib.pl_vnni())
 
 
 def kernels_version() -> str:
@@ -249,8 +257,7 @@ def linear_i8(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
     fits = rows.numel() == n * (k + 4)
     if not fits or (_lib or _load()).pl_linear_i8(x.data_ptr(), m, k, rows.data_ptr(), n,
                                                     y.data_ptr()) != 0:
-        raise InvalidArgumentError("linear_i8 takes k % 64 == 0 rows of n weights, on a CPU "
-                                   "with VNNI")
+        raise InvalidArgumentError("linear_i8 takes k % 64 == 0 rows of n weights")
     return y
 
 

@@ -110,9 +110,9 @@ def serve_numerics(adapter, source, dtype, scheme: str | None, blocks, bf16_atte
     elif source is not None and blocks is None and dtype == torch.float32:
         decoder.drop_float_copies()        # the GGUF's blocks are the weights' only copy
     elif int8_linears:
-        warnings.warn("promptlang: int8_linears needs AVX512_VNNI and layer widths that are "
-                      "multiples of 64; the linear layers stay as they were", RuntimeWarning,
-                      stacklevel=3)
+        warnings.warn("promptlang: int8_linears needs the CPU kernels and layer widths that "
+                      "are multiples of 64; the linear layers stay as they were",
+                      RuntimeWarning, stacklevel=3)
     if approximations:
         named = f"{adapter.fingerprint}+{'+'.join(approximations)}".encode()
         adapter.fingerprint = hashlib.sha256(named).hexdigest()[:32]

@@ -95,10 +95,9 @@ def test_the_approximate_row_says_what_this_cpu_could_not_run():
     lacking = missing_approximations()
     assert ("int8 linears" in lacking) == (not native.products_available("int8"))
     assert ("bf16 attention" in lacking) == (not native.products_available("bf16"))
-    report = PeersReport(PeersOptions(), "m", approximations_missing=["int8 linears"])
+    report = PeersReport(PeersOptions(), "m", approximations_missing=["bf16 attention"])
     lines = sections(report)[0].lines
-    assert lines[-1] == (f"{APPROXIMATE}: this CPU cannot run its int8 linears (no "
-                         "AVX512_VNNI / AVX512_BF16): those passes computed as the model's, "
-                         "the store bfloat16")
+    assert lines[-1] == (f"{APPROXIMATE}: this CPU cannot run its bf16 attention (bf16 "
+                         "attention needs AVX512_BF16): those passes computed as the model's")
     report.approximations_missing = []
     assert not any("cannot run" in line for line in sections(report)[0].lines)
