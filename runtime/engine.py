@@ -145,6 +145,7 @@ class LLM:
         self.assembler = Assembler(adapter)
         self.tails = TailCache(tail_budget_bytes)    # prompt tails seen before (tails.py)
         self.seam: SeamModel | None = None           # policy tuned's (use_seam_adapter)
+        self.seam_encoder: UnitEncoder | None = None  # its units' encoder, if it encodes
         self._schemas: dict[str, tuple[nodes.Schema, SchemaLayout | None]] = {}
         self._lock = threading.Lock()
 
@@ -163,7 +164,8 @@ class LLM:
 
     @property
     def encoder_calls(self) -> int:
-        return self.encoder.calls
+        seam = 0 if self.seam_encoder is None else self.seam_encoder.calls
+        return self.encoder.calls + seam
 
     # --- schemas ----------------------------------------------------------------------------
 
@@ -372,22 +374,26 @@ class LLM:
 
     def _retrieve(self, bound: BoundPrompt, policy: Recompute) -> _Retrieved:
         """Each unit's KV: from an exact entry made by an earlier request with the same tokens
-        before it (recompute/exact.py), else from the store, encoded on a miss."""
+        before it (recompute/exact.py), else from the store, encoded on a miss (under
+        `tuned` with an adapter that encodes, by that adapter, under keys of its own)."""
         layout = bound.layout
+        encoder = self.encoder
+        if policy.kind == "tuned" and self.seam_encoder is not None:
+            encoder = self.seam_encoder
         # the request's side (compute.py); its token count only where there is a twin
         bf16 = self.adapter.compute is not None and self.adapter.bf16_request(
             len(bound.token_ids()))
         side = "|bf16-passes" if bf16 else ""     # exact entries: made on the request's side
-        keys = {unit_id: self.encoder.key(layout, unit_id) + side for unit_id in bound.units}
-        context_of = lambda unit_id: self.encoder.context_of(layout.units[unit_id])  # noqa: E731
+        keys = {unit_id: encoder.key(layout, unit_id) + side for unit_id in bound.units}
+        context_of = lambda unit_id: encoder.context_of(layout.units[unit_id])  # noqa: E731
         missed = candidates(bound, context_of)         # unit -> its tokens that missed some
         numbers, missed, served = self._exact_entries(bound, policy, keys, missed)
         context_of = exact.context_with(context_of, bound, list(served))
         primed = frozenset(primed_units(bound, context_of) if policy.primed else ())
         stats = EncodeStats()
-        by_unit = {unit_id: self.encoder.get(layout, unit_id, stats, primed=primed)
+        by_unit = {unit_id: encoder.get(layout, unit_id, stats, primed=primed)
                    for unit_id in bound.units}
-        units = [served.get(u, (self.encoder.key(layout, u, primed),
+        units = [served.get(u, (encoder.key(layout, u, primed),
                                 kv if numbers is None else numbers.unit(kv)))
                  for u, kv in by_unit.items() if kv.length]
         return _Retrieved(keys=keys,
@@ -554,6 +560,10 @@ class LLM:
         tune` for this model; None: none). AdapterFileError if it is not one for this
         model."""
         self.seam = None if path is None else load_seam(self.adapter, path)
+        self.seam_encoder = None
+        if self.seam is not None and self.seam.encodes:
+            self.seam_encoder = UnitEncoder(self.seam, self.store, self.tokenizer.fingerprint,
+                                            isolate=self.encoder.isolate)
 
     def _remember_exact(self, bound: BoundPrompt, buffer: KVBuffer, retrieved: _Retrieved,
                         plan: RecomputePlan) -> None:

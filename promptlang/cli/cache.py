@@ -70,6 +70,8 @@ def _list_adapters() -> None:
         form = f"LoRA rank {adapter.shape.rank}"
         if adapter.shape.link_tokens:
             form += f" + {adapter.shape.link_tokens} link tokens"
+        if adapter.shape.encodes:
+            form += ", also encoding the modules"
         print(f"  {path.parent.name}  model {meta.get('model_fingerprint', '?')[:16]}  {form}  "
               f"{meta.get('steps', '?')} steps, {meta.get('minutes', '?')} min  "
               f"{format_size(path.stat().st_size)}  {path}")

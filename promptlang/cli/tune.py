@@ -1,7 +1,7 @@
 """`promptlang tune`: learn a model's seam adapter by self-distillation, on this machine.
 
     promptlang tune [--model PATH] [--minutes N] [--seed S] [--resume] [--out DIR]
-                    [--link-tokens T] [--same-shape SHARE] [SOURCE ...]
+                    [--link-tokens T | --encode] [--same-shape SHARE] [SOURCE ...]
 
 SOURCEs (PML schemas, folders of them, or Python files of @prompt functions) add their
 cached modules' text to the documents the model writes itself; nothing is downloaded and
@@ -44,6 +44,10 @@ def register(subparsers: Any) -> None:
     tune.add_argument("--link-tokens", type=int, default=0, metavar="T",
                       help="learned link tokens the tokens after the modules attend to, "
                            "beside the LoRA (default 0: the LoRA alone; docs/RECOMPUTE.md)")
+    tune.add_argument("--encode", action="store_true",
+                      help="the adapter also encodes the modules (Block-Attention's form): "
+                           "their KV is then the adapter's, stored apart from the base "
+                           "model's (docs/RECOMPUTE.md)")
     tune.add_argument("--replay", type=int, default=0, metavar="K",
                       help="steps on earlier samples after each new one (default 0; a new "
                            "sample costs several steps)")
@@ -77,6 +81,9 @@ def _tune(args: argparse.Namespace) -> int:
         print(f"promptlang tune: --link-tokens must be between 0 and {MAX_LINK_TOKENS}",
               file=sys.stderr)
         return 2
+    if args.encode and args.link_tokens:
+        print("promptlang tune: --encode takes no --link-tokens", file=sys.stderr)
+        return 2
     if not 0 <= args.same_shape <= 1:
         print("promptlang tune: --same-shape must be between 0 and 1", file=sys.stderr)
         return 2
@@ -90,7 +97,7 @@ def _tune(args: argparse.Namespace) -> int:
     options = TuneOptions(minutes=args.minutes, seed=args.seed, resume=args.resume,
                           written_docs=args.written_docs, rank=args.rank,
                           replay=args.replay, answer_weight=args.answer_weight,
-                          link_tokens=args.link_tokens,
+                          link_tokens=args.link_tokens, encodes=args.encode,
                           same_shape=args.same_shape)
     bar = _Bar()
     writing = _Writing()

@@ -7,6 +7,10 @@ The adapter is active only while `attached(model, adapter)` holds, and only on t
 that pass computes: a cached module's KV (encoded apart, by the base model) is never
 touched, so the store stays shared and every exact path stays the base model's.
 
+An adapter that encodes (`encodes`, Block-Attention's form) is also active while each
+module is encoded apart: the modules' KV is then the adapter's, stored apart from the base
+model's (its store keys name the adapter), and the tokens after them read that KV.
+
 Link tokens (`link_tokens` T > 0): T learned keys and values per layer and KV head, placed
 after the last cached module. They are constants, not tokens the model computes (prefix
 tuning's form): each request's tokens after its last cached module, and its decode steps,
@@ -45,6 +49,7 @@ class LoRAShape:
     link_tokens: int = 0                 # learned link tokens (0: none)
     kv_heads: int = 0                    # their shape: the model's KV heads and head size
     head_dim: int = 0
+    encodes: bool = False                # also active while the modules are encoded
 
     @property
     def scale(self) -> float:
@@ -52,7 +57,7 @@ class LoRAShape:
 
 
 def shape_of(model: torch.nn.Module, rank: int = 8, alpha: float = 16.0,
-             link_tokens: int = 0) -> LoRAShape:
+             link_tokens: int = 0, encodes: bool = False) -> LoRAShape:
     """The LoRA shape for a transformers causal LM with Llama-style attention projections."""
     layers = attention_layers(model)
     sizes = {}
@@ -63,7 +68,8 @@ def shape_of(model: torch.nn.Module, rank: int = 8, alpha: float = 16.0,
     kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_dim = sizes["k_proj"][1] // kv_heads
     return LoRAShape(layers=len(layers), sizes=sizes, rank=rank, alpha=alpha,
-                     link_tokens=link_tokens, kv_heads=kv_heads, head_dim=head_dim)
+                     link_tokens=link_tokens, kv_heads=kv_heads, head_dim=head_dim,
+                     encodes=encodes)
 
 
 class SeamLoRA(torch.nn.Module):
@@ -71,6 +77,9 @@ class SeamLoRA(torch.nn.Module):
 
     def __init__(self, shape: LoRAShape, *, seed: int = 0):
         super().__init__()
+        if shape.encodes and shape.link_tokens:
+            raise AdapterFileError("a seam adapter that encodes the modules takes no link "
+                                   "tokens")
         self.shape = shape
         generator = torch.Generator().manual_seed(seed)
         self.a = torch.nn.ModuleList()
@@ -248,7 +257,7 @@ def _shape_json(shape: LoRAShape) -> dict:
     return {"layers": shape.layers, "rank": shape.rank, "alpha": shape.alpha,
             "sizes": {name: list(size) for name, size in shape.sizes.items()},
             "link_tokens": shape.link_tokens, "kv_heads": shape.kv_heads,
-            "head_dim": shape.head_dim}
+            "head_dim": shape.head_dim, "encodes": shape.encodes}
 
 
 def _shape_from_json(data: dict) -> LoRAShape:
@@ -257,4 +266,5 @@ def _shape_from_json(data: dict) -> LoRAShape:
                      sizes={name: (int(s[0]), int(s[1])) for name, s in data["sizes"].items()},
                      link_tokens=int(data.get("link_tokens", 0)),
                      kv_heads=int(data.get("kv_heads", 0)),
-                     head_dim=int(data.get("head_dim", 0)))
+                     head_dim=int(data.get("head_dim", 0)),
+                     encodes=bool(data.get("encodes", False)))

@@ -12,7 +12,9 @@ merged weights in under the model's lock, runs the transformers path (the fused 
 read their own weight table, so they are turned off for the pass), and swaps the base
 weights back. `forward_batch` answers None: a batch step runs such a request on its own.
 `numerics` names the adapter, so a prompt tail computed with it is never served to a
-request without it. An adapter with link tokens (runtime/model/lora.py) has them written
+request without it. An adapter that encodes also serves as the encoder's model for the
+requests under `tuned`: their units are encoded through `forward` too, and stored under
+keys made from `fingerprint`, which names the adapter. An adapter with link tokens (runtime/model/lora.py) has them written
 into the request's KV buffer by `place_links`, after its cached units and before its first
 token computed here: every pass run through the SeamModel then attends to them as to any
 buffer token. They hold the position just before that token (the one their keys are
@@ -74,6 +76,18 @@ class SeamModel:
         with self.base.lock, fused.disabled(), self.base.float32_passes(), self._swapped():
             return self.base.forward(input_ids, positions, past, allowed, logits_rows,
                                      by_position=by_position)
+
+    @property
+    def encodes(self) -> bool:
+        """Whether the adapter also encodes the modules (runtime/model/lora.py)."""
+        return self._lora.shape.encodes
+
+    @property
+    def fingerprint(self) -> str:
+        """The store's key for the units this model encodes: the base model's, with the
+        adapter named (an adapter that encodes stores its units apart from the base's)."""
+        named = f"{self.base.fingerprint}+seam-{self.name}".encode()
+        return hashlib.sha256(named).hexdigest()[:32]
 
     @property
     def link_tokens(self) -> int:

@@ -10,6 +10,10 @@ A sample is a prompt that imports k of a schema's document modules and asks a qu
   document's KV encoded apart, from the store, at its layout position), then the tokens
   after the documents computed by the plain model with the adapter attached. Only that
   last pass carries gradients: the cached KV is the base model's.
+- Student of an adapter that encodes (lora.py): the cached tokens are computed again with
+  the adapter attached, each seeing what the runtime's encoder lets it see (its own unit's
+  tokens and its context units' at positions up to its own), in one pass with the tokens
+  after them; gradients reach the modules' KV too.
 
 `student_logprobs(..., adapter=None)` is exactly the runtime's `none` prefill (tested), so
 an untrained adapter (B = 0) starts from today's fast path.
@@ -38,6 +42,9 @@ class Sample:
     teacher: torch.Tensor          # [R, V]: the teacher's log-probabilities after each
     answer_length: int             # of `ids`, the last answer_length are the answer
     records: bool = False          # a combination of same-shaped records (corpus.py)
+    cached_ids: torch.Tensor | None = None        # [S]: the cached tokens' ids
+    cached_positions: torch.Tensor | None = None  # [S]: their positions
+    cached_sees: torch.Tensor | None = None       # [S, S] bool: what each sees when encoded
 
 
 def rag_schema(name: str, system: str, label: str, texts: list[str]) -> nodes.Schema:
@@ -76,7 +83,36 @@ def make_sample(llm, teacher_model: torch.nn.Module, prompt: nodes.PromptDoc,
                   ids=ids,
                   positions=positions,
                   teacher=teacher_rows,
-                  answer_length=len(answer))
+                  answer_length=len(answer),
+                  cached_ids=served.token_ids[:n],
+                  cached_positions=served.positions[:n],
+                  cached_sees=encoder_visibility(llm, served.bound, served.positions[:n]))
+
+
+def encoder_visibility(llm, bound, positions: torch.Tensor) -> torch.Tensor:
+    """[S, S] bool: which cached tokens (at `positions`, in buffer order) each one attends
+    to when the runtime's encoder computes it: its own unit's and its context units'
+    tokens (runtime/passes/encoder.py) at positions up to its own."""
+    unit_at = {}
+    for unit_id in bound.units:
+        for segment in bound.layout.units[unit_id].segments:
+            for position in segment.positions:
+                unit_at[position] = unit_id
+    owners = []
+    for position in positions.tolist():
+        if position not in unit_at:
+            raise InvalidArgumentError(f"cached position {position} belongs to no served unit")
+        owners.append(unit_at[position])
+    index = {unit_id: i for i, unit_id in enumerate(bound.units)}
+    seen = torch.zeros(len(index), len(index), dtype=torch.bool)
+    for unit_id, i in index.items():
+        seen[i, i] = True
+        for context_id in llm.encoder.context_of(bound.layout.units[unit_id]):
+            if context_id in index:
+                seen[i, index[context_id]] = True
+    owner = torch.tensor([index[u] for u in owners], dtype=torch.int64)
+    earlier = positions[None, :] <= positions[:, None]
+    return seen[owner][:, owner] & earlier
 
 
 @torch.no_grad()
@@ -108,6 +144,8 @@ def student_logprobs(model: torch.nn.Module, sample: Sample,
     cached KV as the past (then the adapter's link tokens, where it has them: lora.py), the
     ids computed at their positions (each sees every cached token and the ids before it),
     with the adapter attached (None: the base model)."""
+    if adapter is not None and adapter.shape.encodes:
+        return _encoding_student(model, sample, adapter)
     rows = len(sample.ids)
     dtype = next(model.parameters()).dtype
     keys = sample.cached_keys.to(dtype)
@@ -131,6 +169,31 @@ def student_logprobs(model: torch.nn.Module, sample: Sample,
     else:
         with attached(model, adapter):
             logits = model(**inputs).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _encoding_student(model: torch.nn.Module, sample: Sample,
+                      adapter: SeamLoRA) -> torch.Tensor:
+    """`student_logprobs` for an adapter that encodes: the cached tokens and `sample.ids`
+    in one pass with the adapter attached, each cached token seeing what the encoder lets
+    it see, each of the ids every cached token and the ids before it."""
+    if sample.cached_sees is None:
+        raise InvalidArgumentError("this sample keeps no cached tokens to encode again")
+    cached = len(sample.cached_ids)
+    rows = len(sample.ids)
+    dtype = next(model.parameters()).dtype
+    allowed = torch.zeros(cached + rows, cached + rows, dtype=torch.bool)
+    allowed[:cached, :cached] = sample.cached_sees
+    allowed[cached:, :cached] = True
+    allowed[cached:, cached:] = torch.tril(torch.ones(rows, rows, dtype=torch.bool))
+    mask = torch.zeros(cached + rows, cached + rows, dtype=dtype)
+    mask.masked_fill_(~allowed, float("-inf"))
+    ids = torch.cat([sample.cached_ids, sample.ids])
+    positions = torch.cat([sample.cached_positions, sample.positions])
+    with attached(model, adapter):
+        logits = model(input_ids=ids[None], position_ids=positions[None],
+                       attention_mask=mask[None, None], use_cache=False,
+                       logits_to_keep=rows).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
 
 

@@ -69,6 +69,61 @@ def test_tuned_serves_the_tokens_after_the_modules_as_the_tune_loop_s_student(se
 
 
 @pytest.fixture(scope="module")
+def encoding(tmp_path_factory):
+    """An engine serving an adapter that also encodes the modules."""
+    base = tiny_llama(0, VOCAB)
+    model = plain_copy(base)
+    adapter = _trained_like(SeamLoRA(shape_of(model, rank=4, alpha=8.0, encodes=True),
+                                     seed=1))
+    llm = _engine(base, recompute="none", exact_reuse=False)
+    path = _adapter_file(tmp_path_factory.mktemp("encoding"), llm, adapter)
+    llm.use_seam_adapter(path)
+    return llm, model, adapter
+
+
+def test_a_fresh_adapter_that_encodes_is_the_runtime_s_none(encoding):
+    """The student's own encoding of the cached tokens (each seeing what the runtime's
+    encoder lets it see) is the store's KV: with B = 0 it answers as `none`."""
+    llm, model, adapter = encoding
+    prompt = rag_prompt("s", [0, 2, 3], QUESTION)
+    sample = make_sample(llm, model, prompt, answer_tokens=3, end_ids={2})
+    fresh = SeamLoRA(adapter.shape, seed=5)
+    assert torch.allclose(student_logprobs(model, sample, fresh),
+                          student_logprobs(model, sample, None), atol=1e-5)
+
+
+def test_an_adapter_that_encodes_is_served_as_the_tune_loop_s_student(encoding):
+    llm, model, adapter = encoding
+    prompt = rag_prompt("s", [1, 2, 3], QUESTION)
+    sample = make_sample(llm, model, prompt, answer_tokens=3, end_ids={2})
+    served = llm.prefill(prompt, recompute="tuned", all_logits=True)
+    tail = len(served.token_ids) - served.cached_length
+    expected = student_logprobs(model, sample, adapter)[:tail]
+    got = torch.log_softmax(served.logits[-tail:].float(), dim=-1)
+    assert torch.allclose(got, expected, atol=1e-4)
+    # the same LoRA on the tokens after the modules alone reads other KV: the check can fail
+    after_only = SeamLoRA(replace(adapter.shape, encodes=False), seed=1)
+    after_only.load_state_dict(adapter.state_dict())
+    assert not torch.allclose(got, student_logprobs(model, sample, after_only)[:tail],
+                              atol=1e-2)
+
+
+def test_units_an_adapter_encodes_are_stored_apart_from_the_base_model_s(encoding):
+    llm, model, adapter = encoding
+    prompt = rag_prompt("s", [0, 1], QUESTION)
+    before = llm.encoder_calls
+    tuned = llm.prefill(prompt, recompute="tuned", all_logits=False)
+    assert llm.encoder_calls > before          # encoded by the adapter, not the base's KV
+    served = llm.prefill(prompt, recompute="none", all_logits=False)
+    fresh = _engine(tiny_llama(0, VOCAB), recompute="none", exact_reuse=False)
+    alone = fresh.prefill(prompt, recompute="none", all_logits=False)
+    assert torch.equal(served.keys, alone.keys)
+    assert torch.allclose(served.logits, alone.logits, atol=1e-6)
+    assert not torch.allclose(tuned.keys[:, :, :tuned.cached_length],
+                              served.keys[:, :, :served.cached_length], atol=1e-3)
+
+
+@pytest.fixture(scope="module")
 def linked(tmp_path_factory):
     """An engine serving an adapter with link tokens (and its LoRA)."""
     base = tiny_llama(0, VOCAB)

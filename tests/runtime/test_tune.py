@@ -258,6 +258,33 @@ def test_tune_with_link_tokens_trains_them_at_their_own_rate(tmp_path):
     assert 0.02 < float(loaded.link_values.detach().abs().max()) < 0.2
 
 
+def test_tune_with_an_adapter_that_encodes_trains_through_the_modules(tmp_path):
+    llm = _engine(tiny_llama(0, VOCAB))
+    options = TuneOptions(minutes=5, max_steps=2, written_docs=16, doc_tokens=12,
+                          schema_docs=4, docs_per_request=(2,), answer_tokens=3, held_out=2,
+                          encodes=True)
+    report = tune(llm, tmp_path / "adapter", options, say=lambda line: None)
+    assert report.steps == 2
+    loaded, meta = SeamLoRA.load(report.adapter_path)
+    assert loaded.shape.encodes
+    assert json.loads(meta["options"])["encodes"] is True
+    # the evaluation's student with the adapter encodes the modules again: it moved
+    assert report.evaluation.kl_after != report.evaluation.kl_before
+
+
+def test_an_adapter_that_encodes_takes_no_link_tokens_and_saves_its_form(tmp_path):
+    model = plain_copy(tiny_llama(0, VOCAB))
+    with pytest.raises(AdapterFileError, match="no link tokens"):
+        SeamLoRA(shape_of(model, rank=2, link_tokens=2, encodes=True))
+    adapter = SeamLoRA(shape_of(model, rank=2, encodes=True))
+    adapter.save(tmp_path / "a.safetensors", {})
+    loaded, _ = SeamLoRA.load(tmp_path / "a.safetensors")
+    assert loaded.shape.encodes
+    plain = SeamLoRA(shape_of(model, rank=2))
+    plain.save(tmp_path / "b.safetensors", {})
+    assert not SeamLoRA.load(tmp_path / "b.safetensors")[0].shape.encodes
+
+
 def test_the_corpus_shares_no_eight_words_with_the_benchmark_items():
     """Tuning data must be disjoint from every evaluation item: tune's word lists and
     phrasings against the bench's item templates (bench/qa.py, bench/qa_kinds.py)."""
