@@ -1,7 +1,8 @@
 """`promptlang tune`: learn a model's seam adapter by self-distillation, on this machine.
 
     promptlang tune [--model PATH] [--minutes N] [--seed S] [--resume] [--out DIR]
-                    [--link-tokens T | --encode] [--same-shape SHARE] [SOURCE ...]
+                    [--link-tokens T | --encode] [--same-shape SHARE] [--quote SHARE]
+                    [SOURCE ...]
 
 SOURCEs (PML schemas, folders of them, or Python files of @prompt functions) add their
 cached modules' text to the documents the model writes itself; nothing is downloaded and
@@ -58,6 +59,10 @@ def register(subparsers: Any) -> None:
                       help="the share of rounds (0-1) on same-shaped records: documents "
                            "that say the same things in the same words about different "
                            "places, told apart only by names and facts (default 0)")
+    tune.add_argument("--quote", type=float, default=0.0, metavar="SHARE",
+                      help="the share of rounds (0-1) whose request asks for a sentence of "
+                           "an imported document by its first words, the answer that "
+                           "sentence: rows that read the documents' own words (default 0)")
     tune.add_argument("--out", metavar="DIR",
                       help="output folder (default: the home's adapters/<model fingerprint>)")
     tune.set_defaults(func=_tune)
@@ -84,8 +89,9 @@ def _tune(args: argparse.Namespace) -> int:
     if args.encode and args.link_tokens:
         print("promptlang tune: --encode takes no --link-tokens", file=sys.stderr)
         return 2
-    if not 0 <= args.same_shape <= 1:
-        print("promptlang tune: --same-shape must be between 0 and 1", file=sys.stderr)
+    if not 0 <= args.same_shape <= 1 or not 0 <= args.quote <= 1:
+        print("promptlang tune: --same-shape and --quote must be between 0 and 1",
+              file=sys.stderr)
         return 2
     schemas = []
     if args.sources:
@@ -98,7 +104,7 @@ def _tune(args: argparse.Namespace) -> int:
                           written_docs=args.written_docs, rank=args.rank,
                           replay=args.replay, answer_weight=args.answer_weight,
                           link_tokens=args.link_tokens, encodes=args.encode,
-                          same_shape=args.same_shape)
+                          same_shape=args.same_shape, quote=args.quote)
     bar = _Bar()
     writing = _Writing()
     try:

@@ -36,6 +36,9 @@ SYSTEMS = ("You answer questions using only the documents the user gives you.",
            "Answer from the provided context. Be short and precise.")
 LABELS = ("Documents:\n\n", "Here are some notes.\n\n", "Context:\n\n")
 QUESTION_FORMS = ("Question: {q}", "{q}", "Using the notes above: {q}")
+QUOTE_FORMS = ('Which sentence of the notes begins "{start}"? Write it out.',
+               'Copy out the sentence from the notes that starts with "{start}".')
+QUOTE_START_WORDS = 4            # the words of a quoted sentence the request gives
 
 # Same-shaped records: one group's documents say the same things in the same words about
 # different places (a made-up name, a kind from THINGS), so only the names and the facts tell
@@ -101,6 +104,17 @@ def same_shape_group(rng: random.Random, filler: str, count: int,
         records.append(Record(f"About {subject}. {body}",
                               tuple(_capital(f.question.format(s=subject)) for f in fields)))
     return records
+
+
+def quote(rng: random.Random, text: str) -> tuple[str, str] | None:
+    """A sentence of `text` to quote: (a request for it, naming its first words; the
+    sentence), or None where no sentence has 4 words more than those."""
+    sentences = [s for s in _sentences(text) if len(s.split()) >= QUOTE_START_WORDS + 4]
+    if not sentences:
+        return None
+    sentence = rng.choice(sentences)
+    start = " ".join(sentence.split()[:QUOTE_START_WORDS])
+    return rng.choice(QUOTE_FORMS).format(start=start), sentence
 
 
 def _sentences(text: str) -> list[str]:

@@ -42,6 +42,7 @@ class Sample:
     teacher: torch.Tensor          # [R, V]: the teacher's log-probabilities after each
     answer_length: int             # of `ids`, the last answer_length are the answer
     records: bool = False          # a combination of same-shaped records (corpus.py)
+    quoted: bool = False           # its answer is a sentence of a document, not the teacher's
     cached_ids: torch.Tensor | None = None        # [S]: the cached tokens' ids
     cached_positions: torch.Tensor | None = None  # [S]: their positions
     cached_sees: torch.Tensor | None = None       # [S, S] bool: what each sees when encoded
@@ -64,8 +65,11 @@ def rag_prompt(name: str, docs: list[int], question: str) -> nodes.PromptDoc:
 
 
 def make_sample(llm, teacher_model: torch.nn.Module, prompt: nodes.PromptDoc,
-                answer_tokens: int, end_ids: set[int]) -> Sample:
-    """Teacher and student inputs of `prompt` (its schema registered on `llm`)."""
+                answer_tokens: int, end_ids: set[int], answer_text: str | None = None
+                ) -> Sample:
+    """Teacher and student inputs of `prompt` (its schema registered on `llm`). The answer
+    is the teacher's greedy one, or `answer_text`'s tokens (at most `answer_tokens`) where
+    given: the teacher then reads them, as the student does."""
     served = llm.prefill(prompt, recompute="none", all_logits=True)
     n = served.cached_length
     tail_ids = served.token_ids[n:]
@@ -74,7 +78,12 @@ def make_sample(llm, teacher_model: torch.nn.Module, prompt: nodes.PromptDoc,
     if len(tail_ids) == 0 or not torch.equal(plain[len(plain) - len(tail_ids):], tail_ids):
         raise InvalidArgumentError("the prompt's tokens after its documents are not its last "
                                    "tokens")
-    teacher_rows, answer = _teacher(teacher_model, plain, len(tail_ids), answer_tokens, end_ids)
+    if answer_text is None:
+        teacher_rows, answer = _teacher(teacher_model, plain, len(tail_ids), answer_tokens,
+                                        end_ids)
+    else:
+        answer = llm.tokenizer.encode(answer_text)[:answer_tokens]
+        teacher_rows = _teacher_reading(teacher_model, plain, len(tail_ids), answer)
     step = torch.arange(1, len(answer) + 1, dtype=tail_positions.dtype)
     positions = torch.cat([tail_positions, tail_positions[-1] + step])
     ids = torch.cat([tail_ids, torch.tensor(answer, dtype=tail_ids.dtype)])
@@ -84,6 +93,7 @@ def make_sample(llm, teacher_model: torch.nn.Module, prompt: nodes.PromptDoc,
                   positions=positions,
                   teacher=teacher_rows,
                   answer_length=len(answer),
+                  quoted=answer_text is not None,
                   cached_ids=served.token_ids[:n],
                   cached_positions=served.positions[:n],
                   cached_sees=encoder_visibility(llm, served.bound, served.positions[:n]))
@@ -136,6 +146,16 @@ def _teacher(model: torch.nn.Module, plain: torch.Tensor, tail: int, answer_toke
         if token in end_ids:
             break
     return torch.cat(rows), answer
+
+
+@torch.no_grad()
+def _teacher_reading(model: torch.nn.Module, plain: torch.Tensor, tail: int,
+                     answer: list[int]) -> torch.Tensor:
+    """The full prefill's log-probabilities after each of the last `tail` tokens and after
+    each token of `answer`, read after them in the same pass: [tail + len(answer), V]."""
+    ids = torch.cat([plain, torch.tensor(answer, dtype=plain.dtype)])
+    out = model(input_ids=ids[None], use_cache=False, logits_to_keep=tail + len(answer))
+    return torch.log_softmax(out.logits[0].float(), dim=-1)
 
 
 def student_logprobs(model: torch.nn.Module, sample: Sample,

@@ -60,6 +60,7 @@ class TuneOptions:
     replay: int = 0                  # steps on earlier samples after each new one
     replay_samples: int = 32         # the most recent samples those are drawn from
     same_shape: float = 0.0          # the share of rounds on same-shaped records
+    quote: float = 0.0               # the share of rounds that quote a document's sentence
     held_out: int = 16               # held-out combinations for the evaluation (of each kind
                                      # trained on: the corpus's, and records where same_shape)
     checkpoint_minutes: float = 5.0
@@ -154,6 +155,8 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
             draw = _draw
             if options.same_shape > 0 and rng.random() < options.same_shape:
                 draw = _draw_same_shape
+            elif options.quote > 0 and rng.random() < options.quote:
+                draw = _draw_quote
             sample = draw(engine, model, train_docs, rng, options, end_ids, f"tune-{step}")
             earlier = replay.draw(options.replay)
             replay.add(sample)
@@ -171,6 +174,7 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
                 log.write(json.dumps({"step": step, "loss": float(loss.detach()),
                                       "replayed": trained is not sample,
                                       "records": trained.records,
+                                      "quoted": trained.quoted,
                                       "seconds": round(time.perf_counter() - started, 2)})
                           + "\n")
                 if bar is not None:
@@ -324,22 +328,41 @@ def _draw_same_shape(engine, model, docs: list[corpus_mod.Document], rng: random
     return replace(sample, records=True)
 
 
+def _draw_quote(engine, model, docs: list[corpus_mod.Document], rng: random.Random,
+                options: TuneOptions, end_ids: set[int], name: str) -> Sample:
+    """One combination as `_draw`'s whose request asks for a sentence of an imported
+    document by its first words (corpus.quote), the answer that sentence: the teacher reads
+    the document's own words, so the rows that predict them say what the full prefill
+    takes from that document. A document with no such sentence is asked its question."""
+    chosen = rng.sample(docs, options.schema_docs)
+    return _combination(engine, model, [d.text for d in chosen],
+                        [(d.question,) for d in chosen], rng, options, end_ids, name,
+                        quoting=True)
+
+
 def _combination(engine, model, texts: list[str], questions: list[tuple[str, ...]],
                  rng: random.Random, options: TuneOptions, end_ids: set[int],
-                 name: str) -> Sample:
+                 name: str, quoting: bool = False) -> Sample:
     """`texts` as a schema's documents, a prompt importing k of them and asking one of an
-    imported document's `questions`; its teacher and student."""
+    imported document's `questions` (`quoting`: for one of its sentences); its teacher and
+    student."""
     schema = rag_schema(name, rng.choice(corpus_mod.SYSTEMS), rng.choice(corpus_mod.LABELS),
                         texts)
     k = min(rng.choice(options.docs_per_request), len(texts))
     imported = sorted(rng.sample(range(len(texts)), k))
-    asks = questions[rng.choice(imported)]
-    asked = asks[0] if len(asks) == 1 else rng.choice(asks)    # one: the stream as before
-    question = rng.choice(corpus_mod.QUESTION_FORMS).format(q=asked)
+    which = rng.choice(imported)
+    quoted = corpus_mod.quote(rng, texts[which]) if quoting else None
+    if quoted is None:
+        asks = questions[which]
+        asked = asks[0] if len(asks) == 1 else rng.choice(asks)  # one: the stream as before
+        question = rng.choice(corpus_mod.QUESTION_FORMS).format(q=asked)
+        answer = None
+    else:
+        question, answer = quoted
     engine.add_schema(schema)
     try:
         return make_sample(engine, model, rag_prompt(name, imported, question),
-                           options.answer_tokens, end_ids)
+                           options.answer_tokens, end_ids, answer)
     finally:
         engine.remove_schema(name)
 

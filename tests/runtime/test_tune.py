@@ -285,6 +285,37 @@ def test_an_adapter_that_encodes_takes_no_link_tokens_and_saves_its_form(tmp_pat
     assert not SeamLoRA.load(tmp_path / "b.safetensors")[0].shape.encodes
 
 
+def test_a_quoted_sentence_is_asked_by_its_first_words():
+    text = "Short one. The ferry leaves the north pier at seven each morning. Ok."
+    request, sentence = corpus.quote(random.Random(0), text)
+    assert sentence == "The ferry leaves the north pier at seven each morning."
+    assert '"The ferry leaves the"' in request
+    assert corpus.quote(random.Random(0), "Too short. Also short here.") is None
+
+
+def test_the_teacher_reads_a_given_answer_as_it_wrote_its_own():
+    from promptlang.runtime.tune.samples import _teacher, _teacher_reading
+
+    model = plain_copy(tiny_llama(0, VOCAB))
+    plain = torch.tensor([1, 5, 9, 14, 3, 22, 7, 11])
+    rows, answer = _teacher(model, plain, 3, answer_tokens=4, end_ids=set())
+    assert len(answer) == 4
+    assert torch.allclose(_teacher_reading(model, plain, 3, answer), rows, atol=1e-5)
+
+
+def test_tune_quoting_rounds_train_on_the_documents_own_sentences(tmp_path):
+    llm = _engine(tiny_llama(0, VOCAB))
+    options = TuneOptions(minutes=5, max_steps=2, written_docs=16, doc_tokens=40,
+                          schema_docs=4, docs_per_request=(2,), answer_tokens=6, held_out=2,
+                          quote=1.0)
+    report = tune(llm, tmp_path / "adapter", options, say=lambda line: None)
+    assert report.steps == 2
+    lines = [json.loads(line) for line in
+             (tmp_path / "adapter" / "tune-log.jsonl").read_text().splitlines()
+             if '"loss"' in line]
+    assert len(lines) == 2 and all("quoted" in line for line in lines)
+
+
 def test_the_corpus_shares_no_eight_words_with_the_benchmark_items():
     """Tuning data must be disjoint from every evaluation item: tune's word lists and
     phrasings against the bench's item templates (bench/qa.py, bench/qa_kinds.py)."""
@@ -293,7 +324,7 @@ def test_the_corpus_shares_no_eight_words_with_the_benchmark_items():
         (root / name).read_text().lower() for name in ("qa.py", "qa_kinds.py")))
     grams = {tuple(bench_words[i:i + 8]) for i in range(len(bench_words) - 7)}
     ours = " ".join(corpus.PLACES + corpus.THINGS + corpus.ASPECTS + corpus.SYSTEMS
-                    + corpus.LABELS + corpus.QUESTION_FORMS)
+                    + corpus.LABELS + corpus.QUESTION_FORMS + corpus.QUOTE_FORMS)
     ours += " " + " ".join(corpus.subjects(random.Random(0), 50))
     for field in corpus.RECORD_FIELDS:
         ours += " " + " ".join(field.phrasings) + " " + field.question
