@@ -54,31 +54,42 @@ def setup(tmp_path_factory):
     return llm, model, adapter, path
 
 
-def test_tuned_serves_the_tokens_after_the_modules_as_the_tune_loop_s_student(setup):
-    llm, model, adapter, _ = setup
-    prompt = rag_prompt("s", [0, 2, 3], QUESTION)
+def _served_as_the_student(llm, model, adapter, docs):
+    """`tuned`'s logits of the tokens after the modules, checked equal to the tune loop's
+    student's; (those logits, the sample, the tail's length) for more checks."""
+    prompt = rag_prompt("s", docs, QUESTION)
     sample = make_sample(llm, model, prompt, answer_tokens=3, end_ids={2})
     served = llm.prefill(prompt, recompute="tuned", all_logits=True)
     tail = len(served.token_ids) - served.cached_length
     expected = student_logprobs(model, sample, adapter)[:tail]
     got = torch.log_softmax(served.logits[-tail:].float(), dim=-1)
     assert torch.allclose(got, expected, atol=1e-4)
+    return got, sample, tail
+
+
+def test_tuned_serves_the_tokens_after_the_modules_as_the_tune_loop_s_student(setup):
+    llm, model, adapter, _ = setup
+    got, sample, tail = _served_as_the_student(llm, model, adapter, [0, 2, 3])
     # the adapter changes the answer's distribution: the check above can fail
     untuned = student_logprobs(model, sample, None)[:tail]
     assert not torch.allclose(got, untuned, atol=1e-2)
 
 
+def _serving(folder, **form):
+    """An engine serving a trained-like adapter of `form` (shape_of's options), the plain
+    model the tune loop's student runs on, and the adapter."""
+    base = tiny_llama(0, VOCAB)
+    model = plain_copy(base)
+    adapter = _trained_like(SeamLoRA(shape_of(model, rank=4, alpha=8.0, **form), seed=1))
+    llm = _engine(base, recompute="none", exact_reuse=False)
+    llm.use_seam_adapter(_adapter_file(folder, llm, adapter))
+    return llm, model, adapter
+
+
 @pytest.fixture(scope="module")
 def encoding(tmp_path_factory):
     """An engine serving an adapter that also encodes the modules."""
-    base = tiny_llama(0, VOCAB)
-    model = plain_copy(base)
-    adapter = _trained_like(SeamLoRA(shape_of(model, rank=4, alpha=8.0, encodes=True),
-                                     seed=1))
-    llm = _engine(base, recompute="none", exact_reuse=False)
-    path = _adapter_file(tmp_path_factory.mktemp("encoding"), llm, adapter)
-    llm.use_seam_adapter(path)
-    return llm, model, adapter
+    return _serving(tmp_path_factory.mktemp("encoding"), encodes=True)
 
 
 def test_a_fresh_adapter_that_encodes_is_the_runtime_s_none(encoding):
@@ -94,13 +105,7 @@ def test_a_fresh_adapter_that_encodes_is_the_runtime_s_none(encoding):
 
 def test_an_adapter_that_encodes_is_served_as_the_tune_loop_s_student(encoding):
     llm, model, adapter = encoding
-    prompt = rag_prompt("s", [1, 2, 3], QUESTION)
-    sample = make_sample(llm, model, prompt, answer_tokens=3, end_ids={2})
-    served = llm.prefill(prompt, recompute="tuned", all_logits=True)
-    tail = len(served.token_ids) - served.cached_length
-    expected = student_logprobs(model, sample, adapter)[:tail]
-    got = torch.log_softmax(served.logits[-tail:].float(), dim=-1)
-    assert torch.allclose(got, expected, atol=1e-4)
+    got, sample, tail = _served_as_the_student(llm, model, adapter, [1, 2, 3])
     # the same LoRA on the tokens after the modules alone reads other KV: the check can fail
     after_only = SeamLoRA(replace(adapter.shape, encodes=False), seed=1)
     after_only.load_state_dict(adapter.state_dict())
@@ -111,9 +116,11 @@ def test_an_adapter_that_encodes_is_served_as_the_tune_loop_s_student(encoding):
 def test_units_an_adapter_encodes_are_stored_apart_from_the_base_model_s(encoding):
     llm, model, adapter = encoding
     prompt = rag_prompt("s", [0, 1], QUESTION)
-    before = llm.encoder_calls
     tuned = llm.prefill(prompt, recompute="tuned", all_logits=False)
-    assert llm.encoder_calls > before          # encoded by the adapter, not the base's KV
+    layout = tuned.bound.layout
+    for unit in tuned.bound.units:            # keys that name the adapter
+        assert llm.seam_encoder.key(layout, unit) != llm.encoder.key(layout, unit)
+        assert llm.store.get(llm.seam_encoder.key(layout, unit)) is not None
     served = llm.prefill(prompt, recompute="none", all_logits=False)
     fresh = _engine(tiny_llama(0, VOCAB), recompute="none", exact_reuse=False)
     alone = fresh.prefill(prompt, recompute="none", all_logits=False)
@@ -126,14 +133,7 @@ def test_units_an_adapter_encodes_are_stored_apart_from_the_base_model_s(encodin
 @pytest.fixture(scope="module")
 def linked(tmp_path_factory):
     """An engine serving an adapter with link tokens (and its LoRA)."""
-    base = tiny_llama(0, VOCAB)
-    model = plain_copy(base)
-    adapter = _trained_like(SeamLoRA(shape_of(model, rank=4, alpha=8.0, link_tokens=3),
-                                     seed=1))
-    llm = _engine(base, recompute="none", exact_reuse=False)
-    path = _adapter_file(tmp_path_factory.mktemp("linked"), llm, adapter)
-    llm.use_seam_adapter(path)
-    return llm, model, adapter
+    return _serving(tmp_path_factory.mktemp("linked"), link_tokens=3)
 
 
 def test_link_tokens_are_served_as_the_tune_loop_s_student_reads_them(linked):

@@ -260,9 +260,7 @@ def test_tune_with_link_tokens_trains_them_at_their_own_rate(tmp_path):
 
 def test_tune_with_an_adapter_that_encodes_trains_through_the_modules(tmp_path):
     llm = _engine(tiny_llama(0, VOCAB))
-    options = TuneOptions(minutes=5, max_steps=2, written_docs=16, doc_tokens=12,
-                          schema_docs=4, docs_per_request=(2,), answer_tokens=3, held_out=2,
-                          encodes=True)
+    options = _short_run(encodes=True)
     report = tune(llm, tmp_path / "adapter", options, say=lambda line: None)
     assert report.steps == 2
     loaded, meta = SeamLoRA.load(report.adapter_path)
@@ -303,11 +301,16 @@ def test_the_teacher_reads_a_given_answer_as_it_wrote_its_own():
     assert torch.allclose(_teacher_reading(model, plain, 3, answer), rows, atol=1e-5)
 
 
+def _short_run(**changes) -> TuneOptions:
+    """Two steps on a small corpus, with `changes`."""
+    return TuneOptions(**{**dict(minutes=5, max_steps=2, written_docs=16, doc_tokens=12,
+                                 schema_docs=4, docs_per_request=(2,), answer_tokens=3,
+                                 held_out=2), **changes})
+
+
 def test_tune_quoting_rounds_train_on_the_documents_own_sentences(tmp_path):
     llm = _engine(tiny_llama(0, VOCAB))
-    options = TuneOptions(minutes=5, max_steps=2, written_docs=16, doc_tokens=40,
-                          schema_docs=4, docs_per_request=(2,), answer_tokens=6, held_out=2,
-                          quote=1.0)
+    options = _short_run(doc_tokens=40, answer_tokens=6, quote=1.0)
     report = tune(llm, tmp_path / "adapter", options, say=lambda line: None)
     assert report.steps == 2
     lines = [json.loads(line) for line in
@@ -365,9 +368,7 @@ def test_tune_names_are_not_the_benchmark_s_names():
 
 def test_tune_on_same_shaped_records_measures_them_apart(tmp_path):
     llm = _engine(tiny_llama(0, VOCAB))
-    options = TuneOptions(minutes=5, max_steps=2, written_docs=16, doc_tokens=12,
-                          schema_docs=4, docs_per_request=(2,), answer_tokens=3, held_out=2,
-                          same_shape=1.0)
+    options = _short_run(same_shape=1.0)
     report = tune(llm, tmp_path / "adapter", options, say=lambda line: None)
     assert report.steps == 2
     shaped = report.same_shape_evaluation
