@@ -18,6 +18,7 @@ evaluation) and the corpus it was trained on.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import random
@@ -156,7 +157,7 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
             if options.same_shape > 0 and rng.random() < options.same_shape:
                 draw = _draw_same_shape
             elif options.quote > 0 and rng.random() < options.quote:
-                draw = _draw_quote
+                draw = functools.partial(_draw, quoting=True)
             sample = draw(engine, model, train_docs, rng, options, end_ids, f"tune-{step}")
             earlier = replay.draw(options.replay)
             replay.add(sample)
@@ -310,12 +311,18 @@ def _mean(values: list[float]) -> float:
 
 
 def _draw(engine, model, docs: list[corpus_mod.Document], rng: random.Random,
-          options: TuneOptions, end_ids: set[int], name: str) -> Sample:
+          options: TuneOptions, end_ids: set[int], name: str, *,
+          quoting: bool = False) -> Sample:
     """One combination: a schema of `schema_docs` documents, a prompt importing k of them
-    (schema order) and asking one's question; its teacher and student."""
+    (schema order) and asking one's question; its teacher and student. `quoting`: the
+    request asks instead for a sentence of an imported document by its first words
+    (corpus.quote), the answer that sentence, so the teacher reads the document's own words
+    and the rows that predict them say what the full prefill takes from that document (a
+    document with no such sentence is asked its question)."""
     chosen = rng.sample(docs, options.schema_docs)
     return _combination(engine, model, [d.text for d in chosen],
-                        [(d.question,) for d in chosen], rng, options, end_ids, name)
+                        [(d.question,) for d in chosen], rng, options, end_ids, name,
+                        quoting=quoting)
 
 
 def _draw_same_shape(engine, model, docs: list[corpus_mod.Document], rng: random.Random,
@@ -326,18 +333,6 @@ def _draw_same_shape(engine, model, docs: list[corpus_mod.Document], rng: random
     sample = _combination(engine, model, [r.text for r in records],
                           [r.questions for r in records], rng, options, end_ids, name)
     return replace(sample, records=True)
-
-
-def _draw_quote(engine, model, docs: list[corpus_mod.Document], rng: random.Random,
-                options: TuneOptions, end_ids: set[int], name: str) -> Sample:
-    """One combination as `_draw`'s whose request asks for a sentence of an imported
-    document by its first words (corpus.quote), the answer that sentence: the teacher reads
-    the document's own words, so the rows that predict them say what the full prefill
-    takes from that document. A document with no such sentence is asked its question."""
-    chosen = rng.sample(docs, options.schema_docs)
-    return _combination(engine, model, [d.text for d in chosen],
-                        [(d.question,) for d in chosen], rng, options, end_ids, name,
-                        quoting=True)
 
 
 def _combination(engine, model, texts: list[str], questions: list[tuple[str, ...]],
