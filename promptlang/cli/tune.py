@@ -2,6 +2,7 @@
 
     promptlang tune [--model PATH] [--minutes N] [--seed S] [--resume] [--out DIR]
                     [--link-tokens T | --encode] [--same-shape SHARE] [--quote SHARE]
+                    [--gapless SHARE]
                     [SOURCE ...]
 
 SOURCEs (PML schemas, folders of them, or Python files of @prompt functions) add their
@@ -63,6 +64,10 @@ def register(subparsers: Any) -> None:
                       help="the share of rounds (0-1) whose request asks for a sentence of "
                            "an imported document by its first words, the answer that "
                            "sentence: rows that read the documents' own words (default 0)")
+    tune.add_argument("--gapless", type=float, default=0.0, metavar="SHARE",
+                      help="the share of rounds (0-1) whose schema holds only the documents "
+                           "the request imports, so its positions have no gaps; otherwise "
+                           "each document left out leaves one (default 0)")
     tune.add_argument("--out", metavar="DIR",
                       help="output folder (default: the home's adapters/<model fingerprint>)")
     tune.set_defaults(func=_tune)
@@ -89,8 +94,8 @@ def _tune(args: argparse.Namespace) -> int:
     if args.encode and args.link_tokens:
         print("promptlang tune: --encode takes no --link-tokens", file=sys.stderr)
         return 2
-    if not 0 <= args.same_shape <= 1 or not 0 <= args.quote <= 1:
-        print("promptlang tune: --same-shape and --quote must be between 0 and 1",
+    if not all(0 <= share <= 1 for share in (args.same_shape, args.quote, args.gapless)):
+        print("promptlang tune: --same-shape, --quote and --gapless must be between 0 and 1",
               file=sys.stderr)
         return 2
     schemas = []
@@ -104,7 +109,8 @@ def _tune(args: argparse.Namespace) -> int:
                           written_docs=args.written_docs, rank=args.rank,
                           replay=args.replay, answer_weight=args.answer_weight,
                           link_tokens=args.link_tokens, encodes=args.encode,
-                          same_shape=args.same_shape, quote=args.quote)
+                          same_shape=args.same_shape, quote=args.quote,
+                          gapless=args.gapless)
     bar = _Bar()
     writing = _Writing()
     try:
@@ -120,6 +126,9 @@ def _tune(args: argparse.Namespace) -> int:
     shaped = report.same_shape_evaluation
     if shaped is not None:
         print(f"held-out same-shaped records: KL {_gains(shaped)}")
+    gapless = report.gapless_evaluation
+    if gapless is not None:
+        print(f"held-out combinations without gaps: KL {_gains(gapless)}")
     return 0
 
 

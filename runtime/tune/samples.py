@@ -43,6 +43,7 @@ class Sample:
     answer_length: int             # of `ids`, the last answer_length are the answer
     records: bool = False          # a combination of same-shaped records (corpus.py)
     quoted: bool = False           # its answer is a sentence of a document, not the teacher's
+    gapless: bool = False          # its schema holds only the documents it imports
     cached_ids: torch.Tensor | None = None        # [S]: the cached tokens' ids
     cached_positions: torch.Tensor | None = None  # [S]: their positions
     cached_sees: torch.Tensor | None = None       # [S, S] bool: what each sees when encoded

@@ -40,6 +40,9 @@ from promptlang.runtime.tune.samples import (Sample, answer_logprob, kl_per_row,
 STATE_FILE = "checkpoint.pt"
 LOG_FILE = "tune-log.jsonl"
 CORPUS_FILE = "corpus.json"
+# each held-out set (held_out_sets) -> its field of TuneReport, the log and the adapter's meta
+EVALUATION_FIELDS = {"documents": "evaluation", "records": "same_shape_evaluation",
+                     "gapless": "gapless_evaluation"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,8 +65,11 @@ class TuneOptions:
     replay_samples: int = 32         # the most recent samples those are drawn from
     same_shape: float = 0.0          # the share of rounds on same-shaped records
     quote: float = 0.0               # the share of rounds that quote a document's sentence
+    gapless: float = 0.0             # the share of rounds whose schema holds only the
+                                     # documents the prompt imports (no position gaps)
     held_out: int = 16               # held-out combinations for the evaluation (of each kind
-                                     # trained on: the corpus's, and records where same_shape)
+                                     # trained on: the corpus's, records where same_shape,
+                                     # combinations without gaps where gapless)
     checkpoint_minutes: float = 5.0
     max_steps: int | None = None     # stop after this many steps (tests); None: the budget
     resume: bool = False
@@ -93,6 +99,7 @@ class TuneReport:
     seconds: float
     evaluation: Evaluation
     same_shape_evaluation: Evaluation | None = None   # held-out records, where trained on
+    gapless_evaluation: Evaluation | None = None      # held-out, no gaps, where trained on
     losses: list[float] = field(default_factory=list)
 
 
@@ -127,7 +134,7 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
     engine = private_engine(llm)
     model = plain_copy(llm.adapter.model)
     end_ids = set(llm.tokenizer.eos_ids)
-    held_out, held_shaped = held_out_sets(engine, model, val_docs, options, end_ids)
+    held_out = held_out_sets(engine, model, val_docs, options, end_ids)
     adapter = SeamLoRA(shape_of(model, options.rank, options.alpha, options.link_tokens,
                                 options.encodes), seed=options.seed)
     optimizer = _optimizer(adapter, options)
@@ -158,6 +165,8 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
                 draw = _draw_same_shape
             elif options.quote > 0 and rng.random() < options.quote:
                 draw = functools.partial(_draw, quoting=True)
+            if options.gapless > 0 and rng.random() < options.gapless:
+                draw = functools.partial(draw, gapless=True)
             sample = draw(engine, model, train_docs, rng, options, end_ids, f"tune-{step}")
             earlier = replay.draw(options.replay)
             replay.add(sample)
@@ -176,6 +185,7 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
                                       "replayed": trained is not sample,
                                       "records": trained.records,
                                       "quoted": trained.quoted,
+                                      "gapless": trained.gapless,
                                       "seconds": round(time.perf_counter() - started, 2)})
                           + "\n")
                 if bar is not None:
@@ -186,11 +196,9 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
                 saved = time.perf_counter()
         seconds = time.perf_counter() - started
         _checkpoint(state_path, adapter, optimizer, step, seconds, rng)
-        evaluation = evaluate(model, held_out, adapter)
-        shaped = evaluate(model, held_shaped, adapter) if held_shaped else None
-        line = {"evaluation": asdict(evaluation), "steps": step}
-        if shaped is not None:
-            line["same_shape_evaluation"] = asdict(shaped)
+        evaluations = {EVALUATION_FIELDS[name]: evaluate(model, samples, adapter)
+                       for name, samples in held_out.items()}
+        line = {**{field_: asdict(e) for field_, e in evaluations.items()}, "steps": step}
         log.write(json.dumps(line) + "\n")
     finally:
         log.close()
@@ -198,12 +206,10 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
     meta = {"model_fingerprint": llm.adapter.weights_fingerprint, "seed": str(options.seed),
             "steps": str(step), "minutes": f"{seconds / 60:.1f}",
             "options": json.dumps(asdict(options), default=str),
-            "evaluation": json.dumps(asdict(evaluation))}
-    if shaped is not None:
-        meta["same_shape_evaluation"] = json.dumps(asdict(shaped))
+            **{field_: json.dumps(asdict(e)) for field_, e in evaluations.items()}}
     adapter.save(path, meta)
-    return TuneReport(adapter_path=path, steps=step, seconds=seconds, evaluation=evaluation,
-                      same_shape_evaluation=shaped, losses=losses)
+    return TuneReport(adapter_path=path, steps=step, seconds=seconds, losses=losses,
+                      **evaluations)
 
 
 def _optimizer(adapter: SeamLoRA, options: TuneOptions) -> torch.optim.Optimizer:
@@ -241,18 +247,24 @@ def private_engine(llm):
 
 
 def held_out_sets(engine, model, val_docs: list[corpus_mod.Document], options: TuneOptions,
-                  end_ids: set[int]) -> tuple[list[Sample], list[Sample]]:
-    """The held-out combinations of `val_docs`, and (where `options.same_shape`) as many of
-    same-shaped records built on them; each drawn with a seed of its own."""
-    documents = [_draw(engine, model, val_docs, random.Random(options.seed + 7 + i), options,
-                       end_ids, f"tune-val-{i}") for i in range(options.held_out)]
-    records = []
+                  end_ids: set[int]) -> dict[str, list[Sample]]:
+    """The held-out sets, by name: "documents", the combinations of `val_docs`; where
+    `options.same_shape`, "records", as many of same-shaped records built on them; where
+    `options.gapless`, "gapless", the same draws as "documents" with schemas of only the
+    imported documents. Each combination drawn with a seed of its own."""
+    sets = {"documents": [_draw(engine, model, val_docs, random.Random(options.seed + 7 + i),
+                                options, end_ids, f"tune-val-{i}")
+                          for i in range(options.held_out)]}
     if options.same_shape > 0:
-        records = [_draw_same_shape(engine, model, val_docs,
-                                    random.Random(options.seed + 700 + i), options, end_ids,
-                                    f"tune-val-shaped-{i}")
-                   for i in range(options.held_out)]
-    return documents, records
+        sets["records"] = [_draw_same_shape(engine, model, val_docs,
+                                            random.Random(options.seed + 700 + i), options,
+                                            end_ids, f"tune-val-shaped-{i}")
+                           for i in range(options.held_out)]
+    if options.gapless > 0:
+        sets["gapless"] = [_draw(engine, model, val_docs, random.Random(options.seed + 7 + i),
+                                 options, end_ids, f"tune-val-gapless-{i}", gapless=True)
+                           for i in range(options.held_out)]
+    return sets
 
 
 class Replay:
@@ -312,37 +324,42 @@ def _mean(values: list[float]) -> float:
 
 def _draw(engine, model, docs: list[corpus_mod.Document], rng: random.Random,
           options: TuneOptions, end_ids: set[int], name: str, *,
-          quoting: bool = False) -> Sample:
+          quoting: bool = False, gapless: bool = False) -> Sample:
     """One combination: a schema of `schema_docs` documents, a prompt importing k of them
     (schema order) and asking one's question; its teacher and student. `quoting`: the
     request asks instead for a sentence of an imported document by its first words
     (corpus.quote), the answer that sentence, so the teacher reads the document's own words
     and the rows that predict them say what the full prefill takes from that document (a
-    document with no such sentence is asked its question)."""
+    document with no such sentence is asked its question). `gapless`: the same draw, with
+    a schema of only the k imported documents."""
     chosen = rng.sample(docs, options.schema_docs)
     return _combination(engine, model, [d.text for d in chosen],
                         [(d.question,) for d in chosen], rng, options, end_ids, name,
-                        quoting=quoting)
+                        quoting=quoting, gapless=gapless)
 
 
 def _draw_same_shape(engine, model, docs: list[corpus_mod.Document], rng: random.Random,
-                     options: TuneOptions, end_ids: set[int], name: str) -> Sample:
+                     options: TuneOptions, end_ids: set[int], name: str, *,
+                     gapless: bool = False) -> Sample:
     """One combination of same-shaped records (corpus.same_shape_group, one of `docs` as
     their shared sentences): the schema, the prompt and the question as `_draw`'s."""
     records = corpus_mod.same_shape_group(rng, rng.choice(docs).text, options.schema_docs)
     sample = _combination(engine, model, [r.text for r in records],
-                          [r.questions for r in records], rng, options, end_ids, name)
+                          [r.questions for r in records], rng, options, end_ids, name,
+                          gapless=gapless)
     return replace(sample, records=True)
 
 
 def _combination(engine, model, texts: list[str], questions: list[tuple[str, ...]],
                  rng: random.Random, options: TuneOptions, end_ids: set[int],
-                 name: str, quoting: bool = False) -> Sample:
+                 name: str, quoting: bool = False, gapless: bool = False) -> Sample:
     """`texts` as a schema's documents, a prompt importing k of them and asking one of an
     imported document's `questions` (`quoting`: for one of its sentences); its teacher and
-    student."""
-    schema = rag_schema(name, rng.choice(corpus_mod.SYSTEMS), rng.choice(corpus_mod.LABELS),
-                        texts)
+    student. `gapless`: the schema holds only the k imported texts, so the request's
+    positions have no gaps (as a prompt importing every module of its schema), where
+    otherwise each text left out leaves one."""
+    system = rng.choice(corpus_mod.SYSTEMS)
+    label = rng.choice(corpus_mod.LABELS)
     k = min(rng.choice(options.docs_per_request), len(texts))
     imported = sorted(rng.sample(range(len(texts)), k))
     which = rng.choice(imported)
@@ -354,12 +371,17 @@ def _combination(engine, model, texts: list[str], questions: list[tuple[str, ...
         answer = None
     else:
         question, answer = quoted
+    if gapless:
+        texts = [texts[i] for i in imported]
+        imported = list(range(k))
+    schema = rag_schema(name, system, label, texts)
     engine.add_schema(schema)
     try:
-        return make_sample(engine, model, rag_prompt(name, imported, question),
-                           options.answer_tokens, end_ids, answer)
+        sample = make_sample(engine, model, rag_prompt(name, imported, question),
+                             options.answer_tokens, end_ids, answer)
     finally:
         engine.remove_schema(name)
+    return replace(sample, gapless=gapless)
 
 
 def _corpus(llm, adapter_dir: Path, options: TuneOptions, schemas, say, writing) -> list:

@@ -17,7 +17,8 @@ from promptlang.runtime.tune import corpus
 from promptlang.runtime.model.lora import AdapterFileError, SeamLoRA, attached, shape_of
 from promptlang.runtime.tune.samples import (kl_per_row, make_sample, rag_prompt, rag_schema,
                                              student_logprobs)
-from promptlang.runtime.tune.train import Replay, TuneOptions, plain_copy, tune, weighted_kl
+from promptlang.runtime.tune.train import (Replay, TuneOptions, _draw, plain_copy, tune,
+                                           weighted_kl)
 
 from .tiny import Words, tiny_llama
 
@@ -381,6 +382,47 @@ def test_tune_on_same_shaped_records_measures_them_apart(tmp_path):
     assert lines[-1]["same_shape_evaluation"]["kl_before"] == shaped.kl_before
     _, meta = SeamLoRA.load(report.adapter_path)
     assert json.loads(meta["same_shape_evaluation"])["kl_after"] == shaped.kl_after
+
+
+def test_a_gapless_draw_is_the_same_request_at_positions_without_gaps():
+    """The same seed draws the same documents, question and answer; without the left-out
+    documents in the schema the request's positions run 0..N-1, where the drawn one has a
+    gap; the teacher (the plain prompt's full prefill) is the same for both."""
+    base = tiny_llama(0, VOCAB)
+    llm = _engine(base)
+    model = plain_copy(base)
+    docs = [corpus.Document(text, "what is in the notes?", "user") for text in TEXTS]
+    options = _short_run(schema_docs=len(TEXTS), docs_per_request=(2,))
+    for seed in range(4):
+        drawn = _draw(llm, model, docs, random.Random(seed), options, set(), f"g{seed}")
+        gapless = _draw(llm, model, docs, random.Random(seed), options, set(), f"h{seed}",
+                        gapless=True)
+        assert gapless.gapless and not drawn.gapless
+        assert torch.equal(gapless.ids, drawn.ids)
+        assert torch.equal(gapless.cached_ids, drawn.cached_ids)
+        assert torch.allclose(gapless.teacher, drawn.teacher, atol=1e-5)
+        every = torch.cat([gapless.cached_positions, gapless.positions])
+        assert torch.equal(every, torch.arange(len(every)))
+        gapped = torch.cat([drawn.cached_positions, drawn.positions])
+        if not torch.equal(gapped, torch.arange(len(gapped))):
+            break
+    else:
+        pytest.fail("no draw left a gap: the comparison tested nothing")
+
+
+def test_tune_without_gaps_measures_those_combinations_apart(tmp_path):
+    llm = _engine(tiny_llama(0, VOCAB))
+    report = tune(llm, tmp_path / "adapter", _short_run(gapless=1.0), say=lambda line: None)
+    assert report.steps == 2
+    gapless = report.gapless_evaluation
+    assert gapless is not None and gapless.kl_before > 0
+    assert report.same_shape_evaluation is None
+    lines = [json.loads(line) for line in
+             (tmp_path / "adapter" / "tune-log.jsonl").read_text().splitlines()]
+    assert [line["gapless"] for line in lines if "loss" in line] == [True, True]
+    assert lines[-1]["gapless_evaluation"]["kl_after"] == gapless.kl_after
+    _, meta = SeamLoRA.load(report.adapter_path)
+    assert json.loads(meta["gapless_evaluation"])["kl_before"] == gapless.kl_before
 
 
 def test_cache_ls_lists_the_adapters_tune_wrote(tmp_path, monkeypatch, capsys):
