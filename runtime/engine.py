@@ -487,6 +487,10 @@ class LLM:
                                         request_keys(units, left_out))
         with self._released_on_error(buffer):
             self.assembler.assemble(buffer, units, left_out)
+            shift = 0
+            if selected.seam is not None and numbers is None and buffer.length:
+                last = int(buffer.positions[:buffer.length].max())
+                positions, shift = contiguous.closed_tail(positions, last)
             if tail is not None:
                 ids, positions = tail.place(buffer, ids, positions)
             if contexts is not None:
@@ -500,7 +504,7 @@ class LLM:
             t.assemble = time.perf_counter() - mark
             opened = Opened(buffer=buffer,
                             logits=None,
-                            position=bound.end if numbers is None else numbers.end,
+                            position=bound.end - shift if numbers is None else numbers.end,
                             bound=bound,
                             timings=t,
                             prefill_tokens=len(ids),

@@ -91,3 +91,20 @@ def merged(missed: dict[str, list[int]], more: dict[str, list[int]]) -> dict[str
     """Each unit's positions in either, sorted."""
     units = {**missed, **more}
     return {unit: sorted({*missed.get(unit, ()), *more.get(unit, ())}) for unit in units}
+
+
+def closed_tail(positions: list[int], last_cached: int) -> tuple[list[int], int]:
+    """A fast request's computed tokens (`positions`, increasing) with those after its last
+    cached token (at `last_cached`) moved down, keeping their order, so the first sits
+    right after it; the tokens before it keep theirs. Returns the new positions and how far
+    the moved ones went (0: no gap before them).
+
+    Under `tuned` the question and the answer are computed right after the last module the
+    request imports, as in the plain prompt, not after the positions of the modules it
+    leaves out: the cached modules keep their layout positions (their KV is valid only
+    there), the computed tokens are free to take any."""
+    after = [p for p in positions if p > last_cached]
+    if not after:
+        return list(positions), 0
+    shift = after[0] - (last_cached + 1)
+    return [p - shift if p > last_cached else p for p in positions], shift

@@ -6,17 +6,19 @@ A sample is a prompt that imports k of a schema's document modules and asks a qu
   (what a user gets from transformers on the same text), then its greedy answer; the
   teacher's next-token log-probabilities on every token after the documents (the question,
   the assistant's affix, the answer) are the targets.
-- Student: the same request served as the runtime serves it under policy `none` (each
-  document's KV encoded apart, from the store, at its layout position), then the tokens
-  after the documents computed by the plain model with the adapter attached. Only that
-  last pass carries gradients: the cached KV is the base model's.
+- Student: the same request served as the runtime serves it under policy `tuned`: each
+  document's KV encoded apart, from the store, at its layout position (as `none` serves
+  it), then the tokens after the documents, at the positions right after the last cached
+  token's (contiguous.closed_tail), computed by the plain model with the adapter
+  attached. Only that last pass carries gradients: the cached KV is the base model's.
 - Student of an adapter that encodes (lora.py): the cached tokens are computed again with
   the adapter attached, each seeing what the runtime's encoder lets it see (its own unit's
   tokens and its context units' at positions up to its own), in one pass with the tokens
   after them; gradients reach the modules' KV too.
 
-`student_logprobs(..., adapter=None)` is exactly the runtime's `none` prefill (tested), so
-an untrained adapter (B = 0) starts from today's fast path.
+`student_logprobs(..., adapter=None)` is exactly what `tuned` serves with an untrained
+adapter (B = 0): the runtime's `none` prefill where the request leaves no module out after
+its last imported one (tested), so training starts from the fast path.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from transformers import DynamicCache
 from promptlang.errors import InvalidArgumentError
 from promptlang.pml import nodes
 from promptlang.runtime.model.lora import SeamLoRA, attached
+from promptlang.runtime.recompute.contiguous import closed_tail
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +78,9 @@ def make_sample(llm, teacher_model: torch.nn.Module, prompt: nodes.PromptDoc,
     n = served.cached_length
     tail_ids = served.token_ids[n:]
     tail_positions = served.positions[n:]
+    if n:                    # computed right after the last cached token, as `tuned` serves
+        moved, _ = closed_tail(tail_positions.tolist(), int(served.positions[:n].max()))
+        tail_positions = torch.tensor(moved, dtype=tail_positions.dtype)
     plain = torch.tensor(served.bound.token_ids())
     if len(tail_ids) == 0 or not torch.equal(plain[len(plain) - len(tail_ids):], tail_ids):
         raise InvalidArgumentError("the prompt's tokens after its documents are not its last "

@@ -73,6 +73,9 @@ def test_tuned_serves_the_tokens_after_the_modules_as_the_tune_loop_s_student(se
     # the adapter changes the answer's distribution: the check above can fail
     untuned = student_logprobs(model, sample, None)[:tail]
     assert not torch.allclose(got, untuned, atol=1e-2)
+    # documents 2 and 3 left out: the student's question sits where `tuned` serves it
+    _, gapped, _ = _served_as_the_student(llm, model, adapter, [0, 1])
+    assert int(gapped.positions[0]) == int(gapped.cached_positions.max()) + 1
 
 
 def _serving(folder, **form):
@@ -255,20 +258,52 @@ def test_a_fresh_adapter_serves_exactly_what_none_serves(tmp_path):
     assert torch.allclose(tuned.logits, none.logits, atol=1e-4)
 
 
+def test_a_request_with_gaps_is_computed_right_after_its_last_module(tmp_path):
+    """Under `tuned` the question follows the last imported module's positions, not the
+    left-out modules' (a fresh adapter: the base model at those positions); `none` keeps
+    the layout's positions, and the two differ."""
+    base = tiny_llama(0, VOCAB)
+    llm = _engine(base, exact_reuse=False)
+    fresh = SeamLoRA(shape_of(plain_copy(base)), seed=4)          # B = 0
+    llm.use_seam_adapter(_adapter_file(tmp_path, llm, fresh))
+    prompt = rag_prompt("s", [0, 2], QUESTION)                    # document 3 left out
+    tuned = llm.prefill(prompt, recompute="tuned", all_logits=True)
+    none = llm.prefill(prompt, recompute="none", all_logits=True)
+    n = none.cached_length
+    start = int(none.positions[:n].max()) + 1
+    tail = len(none.token_ids) - n
+    assert int(none.positions[n]) > start
+    assert torch.equal(tuned.positions[n:], torch.arange(start, start + tail))
+    assert torch.equal(tuned.positions[:n], none.positions[:n])
+    model = plain_copy(base)
+    cache = DynamicCache(config=model.config)
+    for layer in range(none.keys.shape[0]):
+        cache.update(none.keys[layer][None, :, :n], none.values[layer][None, :, :n], layer)
+    with torch.no_grad():
+        rows = model(input_ids=none.token_ids[None, n:],
+                     position_ids=torch.arange(start, start + tail)[None], cache=cache,
+                     use_cache=True).logits[0]
+    assert torch.allclose(tuned.logits[-tail:], rows, atol=1e-4)
+    assert not torch.allclose(tuned.logits[-tail:], none.logits[-tail:], atol=1e-3)
+
+
 def test_decode_steps_run_on_the_adapter_as_the_student_s_greedy_answer(setup):
     llm, model, adapter, _ = setup
     prompt = rag_prompt("s", [1, 2], QUESTION)
     result = llm.generate(prompt, recompute="tuned", max_new_tokens=5, temperature=0.0,
                           token_healing=False)
-    # reference: the served modules' KV as the past, then the tail and each picked token
-    # through the plain model with the adapter's hooks, greedily
+    # reference: the served modules' KV as the past, then the tail (right after the last
+    # module's positions: document 3 is left out) and each picked token through the plain
+    # model with the adapter's hooks, greedily
     served = llm.prefill(prompt, recompute="none", all_logits=True)
     n = served.cached_length
     cache = DynamicCache(config=model.config)
     for layer in range(served.keys.shape[0]):
         cache.update(served.keys[layer][None, :, :n], served.values[layer][None, :, :n], layer)
     ids = served.token_ids[n:]
-    positions = served.positions[n:]
+    start = int(served.positions[:n].max()) + 1
+    assert int(served.positions[n]) > start           # `none` leaves the gap
+    positions = torch.arange(start, start + len(ids))
     picked = []
     with torch.no_grad(), attached(model, adapter):
         rows = model(input_ids=ids[None], position_ids=positions[None], cache=cache,
