@@ -5,13 +5,11 @@
 Rebuilds the held-out sets a `promptlang tune --seed 0` run on CORPUS.json measures (the
 same split of the documents and the same draws: 16 combinations of the held-out documents;
 16 of same-shaped records built on them, as with `--same-shape`; the first set's draws with
-schemas of only the imported documents, no position gaps, as with `--gapless`; and the
-first set again with the tokens after the documents moved to the positions right after the
-last imported document's, the gaps between documents kept: what closing only the gap
-before the question would buy) and measures each ADAPTER (a seam-lora.safetensors) on
-each: the mean next-token KL from the full prefill and the teacher's answer
-log-probability gap, with the adapter and without. On the default model, from the
-repository root.
+schemas of only the imported documents, no position gaps, as with `--gapless`; in each
+the question at the positions right after the last imported document's, as `tuned` serves
+it) and measures each ADAPTER (a seam-lora.safetensors) on each: the mean next-token KL
+from the full prefill and the teacher's answer log-probability gap, with the adapter and
+without. On the default model, from the repository root.
 """
 
 from __future__ import annotations
@@ -19,13 +17,12 @@ from __future__ import annotations
 import json
 import random
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from promptlang.runtime import engine
 from promptlang.runtime.model.lora import SeamLoRA
 from promptlang.runtime.tune import corpus
-from promptlang.runtime.tune.samples import Sample
 from promptlang.runtime.tune.train import (TuneOptions, evaluate, held_out_sets, plain_copy,
                                            private_engine, split_corpus)
 
@@ -38,7 +35,6 @@ def main(corpus_path: str, out_path: str, adapters: list[str]) -> None:
     model = plain_copy(llm.adapter.model)
     sets = held_out_sets(private_engine(llm), model, val_docs, options,
                          set(llm.tokenizer.eos_ids))
-    sets["documents-tail-closed"] = [tail_closed(sample) for sample in sets["documents"]]
     results = {}
     for path in adapters:
         adapter, _ = SeamLoRA.load(Path(path))
@@ -47,13 +43,6 @@ def main(corpus_path: str, out_path: str, adapters: list[str]) -> None:
         print(path, json.dumps(results[path]))
     Path(out_path).write_text(json.dumps({"corpus": corpus_path, "seed": options.seed,
                                           "adapters": results}, indent=1))
-
-
-def tail_closed(sample: Sample) -> Sample:
-    """`sample` with its computed tokens moved to the positions right after its last cached
-    token's (the teacher is the full prefill's either way)."""
-    shift = int(sample.positions[0]) - (int(sample.cached_positions.max()) + 1)
-    return replace(sample, positions=sample.positions - shift)
 
 
 if __name__ == "__main__":
