@@ -1,10 +1,14 @@
-"""pl_attend inside the RoPE attention (runtime/model/attention.py), for the common case.
+"""pl_attend and pl_causal_bf16 inside the RoPE attention (runtime/model/attention.py), for
+the common case.
 
 The adapter hands a NativeAttention down with every pass it runs (the `promptlang_attend`
 keyword). The attention calls it when every past key is visible and the new tokens are
-causal among themselves (no mask), for one sequence without dropout; it serves up to
+causal among themselves (no mask), for one sequence without dropout. It serves up to
 MAX_QUERIES new tokens on a CPU in one pass over every piece of keys -- the buffer's and
-those read in place from stored units -- and answers None wherever it does not apply.
+those read in place from stored units (pl_attend); a longer pass in bfloat16 (the bfloat16
+twin's encode, recompute and prefill: runtime/model/compute.py) over keys all in the buffer
+on a CPU with AVX512-BF16 takes pl_causal_bf16, whose products are bfloat16 as the pass's
+own are; it answers None wherever neither applies (PyTorch's SDPA then serves the pass).
 """
 
 from __future__ import annotations
@@ -15,8 +19,12 @@ import promptlang.runtime.fast.native as native
 from promptlang.runtime.fast.pieces import layer_pieces
 
 # New tokens up to which pl_attend serves a pass (it computes each causal block whole, so
-# long causal passes stay on SDPA's causal kernel).
+# longer passes take pl_causal_bf16 in bfloat16 and SDPA's causal kernel in float32).
 MAX_QUERIES = 64
+
+# Inside `with long_causal_off():` long bfloat16 passes stay on SDPA (A/B measurements, tests).
+_long_causal = native.Switch()
+long_causal_off = _long_causal.off
 
 
 class NativeAttention:
@@ -30,8 +38,10 @@ class NativeAttention:
         # query: [1, H, Q, D]; key, value: [1, H_kv, K, D], new tokens last
         q = query.shape[2]
         k = key.shape[2]
-        if q > MAX_QUERIES or query.device.type != "cpu" or not native.enabled():
+        if query.device.type != "cpu" or not native.enabled():
             return None
+        if q > MAX_QUERIES:
+            return _long_causal_pass(shared, query, key, value, scaling)
         pieces = [(keys[0], values[0], False)
                   for _, _, keys, values in layer_pieces(layer, shared, key, value, k - q)]
         pieces.append((key[0, :, k - q:], value[0, :, k - q:], True))
@@ -42,3 +52,18 @@ class NativeAttention:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out, _ = native.attend(rows, pieces, q, scale)
         return out[None]
+
+
+def _long_causal_pass(shared, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float | None) -> torch.Tensor | None:
+    """pl_causal_bf16 for a pass whose every key is in `key`, in bfloat16; else None."""
+    # query: [1, H, Q, D]; key, value: [1, H_kv, K, D], new tokens last
+    if shared or not _long_causal or query.shape[0] != 1:
+        return None
+    if not native.causal_fits(query[0], key[0], value[0]) or not native.available():
+        return None
+    _, heads, q, d = query.shape
+    kv_heads = key.shape[1]
+    scale = scaling if scaling is not None else d ** -0.5
+    out = native.causal_bf16(query[0], key[0], value[0], scale)
+    return out.reshape(1, kv_heads, heads // kv_heads * q, d)

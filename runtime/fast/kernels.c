@@ -2241,6 +2241,157 @@ int pl_attend(const float* q, long heads, long rows, long d, float scale, long n
     return 0;
 }
 
+/* ---- a long causal pass in bfloat16 (pl_causal_bf16) ------------------------------------- *
+ * The attention of a bfloat16 pass over many new tokens (a module's encode, a new
+ * combination's recompute, a long prefill): n new tokens at the end of nk keys, each seeing
+ * every key before it and itself. Q.K and P.V take vdpbf16ps (the tiles of attend_part's bf
+ * path, float32 sums), a KV head's keys and values are paired once for every query head and
+ * chunk of tokens that reads them, and the blocks after a chunk's last token are never
+ * computed. Online softmax in float32 (exp2 on 512-bit vectors), P rounded to bfloat16 after
+ * its block's running maximum, as attend_part's bf path. */
+#define CHUNK MAXR     /* query tokens per task: one query head's rows */
+
+/* 2^x for x <= 0: exp2_neg on 512-bit vectors (the same clamp and polynomial) */
+AIB __m512 exp2_neg16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* Row r's scores s[0:vis] of one block (raw Q.K) -> their weights 2^(c s - m) in place, zero
+ * for keys [vis, n32); updates the row's running maximum *m, sum *l and rescales acc (d). */
+BF static void causal_softmax(float* s, long vis, long n32, float c, float* m, float* l,
+                              float* acc, long d) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), vc = _mm512_set1_ps(c);
+    __m512 vmx = ninf;
+    for (long j = 0; j < vis; j += 16) {
+        __mmask16 in = vis - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (vis - j)) - 1);
+        __m512 x = _mm512_mask_mul_ps(ninf, in, _mm512_loadu_ps(s + j), vc);
+        _mm512_storeu_ps(s + j, x);
+        vmx = _mm512_max_ps(vmx, x);
+    }
+    float mx = _mm512_reduce_max_ps(vmx);
+    float mn = mx > *m ? mx : *m;
+    float corr = exp2f(*m - mn);
+    __m512 sum = _mm512_setzero_ps(), vm = _mm512_set1_ps(mn);
+    for (long j = 0; j < vis; j += 16) {
+        __mmask16 in = vis - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (vis - j)) - 1);
+        __m512 e = _mm512_maskz_mov_ps(in, exp2_neg16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm)));
+        _mm512_storeu_ps(s + j, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    for (long j = (vis + 15) & ~15L; j < n32; j += 16) _mm512_storeu_ps(s + j, _mm512_setzero_ps());
+    *l = *l * corr + _mm512_reduce_add_ps(sum);
+    *m = mn;
+    if (corr != 1.f) {
+        __m512 vr = _mm512_set1_ps(corr);
+        for (long k = 0; k < d; k += 16)
+            _mm512_storeu_ps(acc + k, _mm512_mul_ps(vr, _mm512_loadu_ps(acc + k)));
+    }
+}
+
+/* nr (<= CHUNK) query rows of one head, the first at key position p0 (row r sees keys
+ * 0 .. p0 + r), over a KV head's paired blocks kt, vt; out: the normalised rows in bf16.
+ * qh: rows of d / 2 bf16 pairs; c: the scale times log2(e). */
+BF static void causal_chunk(const uint32_t* qh, long nr, long p0, const uint32_t* kt,
+                            const uint32_t* vt, long d, float c, uint16_t* out) {
+    float s[CHUNK * BK] __attribute__((aligned(64)));
+    float acc[CHUNK * MAXD] __attribute__((aligned(64)));
+    uint32_t ph[CHUNK * BK / 2];
+    float m[CHUNK], l[CHUNK];
+    long visr[CHUNK], d2 = d / 2;
+    for (long r = 0; r < nr; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    memset(acc, 0, sizeof(float) * nr * d);
+    long kend = p0 + nr;
+    for (long j0 = 0; j0 < kend; j0 += BK) {
+        long nkb = kend - j0 < BK ? kend - j0 : BK;
+        long nk16 = (nkb + 15) & ~15L, nk32 = (nkb + 31) & ~31L;
+        const uint32_t* ktb = kt + (j0 / BK) * d2 * BK;
+        const uint32_t* vtb = vt + (j0 / BK) * (BK / 2) * d;
+        long first = j0 > p0 ? j0 - p0 : 0;          /* rows before it see none of the block */
+        for (long jb = 0; jb < nk16; jb += 32) {
+            int cols16 = nk16 - jb >= 32 ? 2 : 1;
+            /* rows before r see none of the tile */
+            for (long r = j0 + jb > p0 ? j0 + jb - p0 : 0; r < nr; r += 6) {
+                long rows = nr - r < 6 ? nr - r : 6;
+                qk_bf(rows, cols16, qh + r * d2, d2, ktb + jb, s + r * BK + jb);
+            }
+        }
+        for (long r = 0; r < first; r++) visr[r] = 0;
+        for (long r = first; r < nr; r++) {
+            long vis = p0 + r + 1 - j0;
+            vis = vis < nkb ? vis : nkb;
+            visr[r] = vis;
+            causal_softmax(s + r * BK, vis, nk32, c, m + r, l + r, acc + r * d, d);
+            to_bf16(s + r * BK, nk32, (uint16_t*)(ph + r * (BK / 2)));
+        }
+        for (long cc = 0; cc < d; cc += 32)
+            for (long r = first; r < nr; r += 6) {
+                long rows = nr - r < 6 ? nr - r : 6, n = 0;
+                for (long i = 0; i < rows; i++) n = visr[r + i] > n ? visr[r + i] : n;
+                pv_bf(rows, ph + r * (BK / 2), (n + 1) / 2, vtb + cc, d, acc + r * d + cc);
+            }
+    }
+    for (long r = 0; r < nr; r++) {
+        __m512 inv = _mm512_set1_ps(1.f / l[r]);
+        for (long k = 0; k < d; k += 16)
+            _mm512_storeu_ps(acc + r * d + k, _mm512_mul_ps(inv, _mm512_loadu_ps(acc + r * d + k)));
+        to_bf16(acc + r * d, d, out + r * d);
+    }
+}
+
+/* out[h][t] (bf16) = causal attention of query head h's token t (q: [heads][n][d] bf16, the
+ * n new tokens last among nk keys) over its KV head h / (heads / kv_heads)'s keys and values
+ * (bf16 rows of d; head g's row j at k + g * kstride + j * d, the same for v), scaled by
+ * `scale`. threads: the team. Returns 0, -1 for shapes or a CPU it does not serve, -2 when
+ * out of memory. */
+int pl_causal_bf16(const uint16_t* q, long heads, long n, long d, const uint16_t* k,
+                   long kstride, const uint16_t* v, long vstride, long kv_heads, long nk,
+                   float scale, uint16_t* out, int threads) {
+    if (!pl_bf16_products() || d % 32 || d > MAXD || kv_heads <= 0 || heads % kv_heads
+            || n <= 0 || n > nk)
+        return -1;
+    long nb = (nk + BK - 1) / BK, d2 = d / 2;
+    size_t kt_per = (size_t)nb * d2 * BK, vt_per = (size_t)nb * (BK / 2) * d;
+    uint32_t* kt = (uint32_t*)malloc(sizeof(uint32_t) * kt_per * kv_heads);
+    uint32_t* vt = (uint32_t*)malloc(sizeof(uint32_t) * vt_per * kv_heads);
+    if (!kt || !vt) {
+        free(kt); free(vt);
+        return -2;
+    }
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (long g = 0; g < kv_heads; g++)
+        for (long b = 0; b < nb; b++) {
+            long rows = nk - b * BK < BK ? nk - b * BK : BK;
+            transpose_block((const float*)(k + g * kstride + b * BK * d), rows, d2,
+                            (float*)(kt + g * kt_per + b * d2 * BK));
+            pair_rows(v + g * vstride + b * BK * d, rows, d, vt + g * vt_per + b * (BK / 2) * d);
+        }
+    long chunks = (n + CHUNK - 1) / CHUNK, past = nk - n, groups = heads / kv_heads;
+    float c = scale * LOG2E;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (long t = 0; t < heads * chunks; t++) {
+        long ch = chunks - 1 - t / heads, h = t % heads, g = h / groups;   /* longest first */
+        long t0 = ch * CHUNK, nr = n - t0 < CHUNK ? n - t0 : CHUNK;
+        causal_chunk((const uint32_t*)(q + (h * n + t0) * d), nr, past + t0, kt + g * kt_per,
+                     vt + g * vt_per, d, c, out + (h * n + t0) * d);
+    }
+    free(kt); free(vt);
+    return 0;
+}
+
 /* ---- decoder layers of the Llama family ---------------------------------------------------- */
 
 /* Weights of one layer, in this order, in pl_decoder's table (NULL for a bias a model lacks). */

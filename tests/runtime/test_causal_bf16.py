@@ -1,0 +1,155 @@
+"""pl_causal_bf16 (runtime/fast/kernels.c): the attention of a long bfloat16 pass -- the n new
+tokens last among nk keys, each seeing the keys before it and itself -- with bfloat16
+products and float32 sums, served to the bfloat16 twin's passes by fast/attention.py.
+
+Its oracle is the float32 attention of the same bfloat16 inputs with an explicit causal mask;
+its error is bfloat16's (the output's rounding, P's), the size of PyTorch's own bfloat16
+SDPA error on the same inputs. A CPU without AVX512-BF16 keeps the pass on SDPA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from promptlang.runtime.fast import attention as fast_attention
+from promptlang.runtime.fast import native
+from promptlang.runtime.model.compute import attach_bf16
+
+HAS_KERNEL = native.available() and native.products_available("bf16")
+needs_kernel = pytest.mark.skipif(not HAS_KERNEL,
+                                  reason="needs the CPU kernels and AVX512_BF16")
+
+
+def _inputs(heads, kv_heads, n, past, d, seed=0):
+    torch.manual_seed(seed)
+    q = torch.randn(heads, n, d).bfloat16()
+    k = torch.randn(kv_heads, past + n, d).bfloat16()
+    v = torch.randn(kv_heads, past + n, d).bfloat16()
+    return q, k, v
+
+
+def _oracle(q, k, v, *, causal=True):
+    """float32 attention of the bfloat16 inputs, explicit mask (row t sees keys <= past + t)."""
+    heads, n, d = q.shape
+    groups = heads // k.shape[0]
+    keys = k.float().repeat_interleave(groups, 0)
+    values = v.float().repeat_interleave(groups, 0)
+    past = k.shape[1] - n
+    mask = torch.ones(n, past + n, dtype=torch.bool)
+    if causal:
+        mask = mask.tril(past)
+    return F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask,
+                                          scale=d ** -0.5)
+
+
+def _sdpa_bf16(q, k, v):
+    n = q.shape[1]
+    past = k.shape[1] - n
+    mask = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                         scale=q.shape[-1] ** -0.5, enable_gqa=True)
+    return out[0].float()
+
+
+# (heads, kv_heads, new tokens, past keys, head size): chunk (64 tokens) and block (128 keys)
+# edges, grouped heads, a past before the new tokens, one new token, three head sizes
+SHAPES = [(4, 2, 300, 0, 64), (9, 3, 65, 0, 64), (2, 1, 129, 127, 32), (6, 3, 130, 500, 64),
+          (2, 1, 1, 40, 64), (3, 3, 200, 7, 128), (2, 2, 64, 64, 32), (1, 1, 257, 0, 64)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+def test_equals_the_float32_oracle_within_bfloat16(shape):
+    q, k, v = _inputs(*shape)
+    assert native.causal_fits(q, k, v)
+    out = native.causal_bf16(q, k, v, q.shape[-1] ** -0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    expected = _oracle(q, k, v)
+    error = (out.float() - expected).abs()
+    torch_error = (_sdpa_bf16(q, k, v) - expected).abs()
+    # the output's bfloat16 rounding (8 bits) dominates: as close as torch's bfloat16 SDPA
+    assert error.max() <= 2 ** -7 * expected.abs().max()
+    assert error.mean() <= 1.25 * torch_error.mean() + 1e-6
+    # the check can fail: without the causal mask the outputs move far beyond it
+    if shape[2] > 1:
+        wrong = _oracle(q, k, v, causal=False)
+        assert (wrong - expected).abs().max() > 50 * error.max()
+
+
+@needs_kernel
+def test_reads_heads_in_place_from_a_larger_buffer():
+    q, k, v = _inputs(4, 2, 150, 20, 64)
+    buffer_k = torch.zeros(2, 400, 64, dtype=torch.bfloat16)
+    buffer_v = torch.zeros(2, 400, 64, dtype=torch.bfloat16)
+    buffer_k[:, :170] = k
+    buffer_v[:, :170] = v
+    in_place = native.causal_bf16(q, buffer_k[:, :170], buffer_v[:, :170], 0.125)
+    assert torch.equal(in_place, native.causal_bf16(q, k, v, 0.125))
+
+
+@needs_kernel
+def test_takes_only_the_shapes_it_serves():
+    q, k, v = _inputs(4, 2, 100, 0, 64)
+    assert native.causal_fits(q, k, v)
+    assert not native.causal_fits(q.float(), k.float(), v.float())     # float32: SDPA's
+    assert not native.causal_fits(q, k[:, :50], v[:, :50])             # more new tokens than keys
+    assert not native.causal_fits(q[:3], k, v)                          # 3 heads over 2
+    assert not native.causal_fits(q[..., :16], k[..., :16], v[..., :16])   # d % 32 != 0
+    assert not native.causal_fits(q, k.transpose(1, 2).contiguous().transpose(1, 2), v)
+
+
+def _twin_llm():
+    """The bfloat16 twin of a tiny Llama with heads of 32 (the kernel's multiple)."""
+    import transformers
+
+    from promptlang.runtime.engine import LLM
+    from promptlang.runtime.store import ModuleStore
+    from promptlang.tokenizer import WordTokenizer
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(vocab_size=500, hidden_size=128, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=512)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    llm = LLM.from_model(model, WordTokenizer(500, bos=True), store=ModuleStore(disk_dir=None),
+                         exact_reuse=False)
+    attach_bf16(llm.adapter, min_rows=1)
+    return llm
+
+
+def _forward(llm, tokens):
+    n = tokens.shape[0]
+    return llm.adapter.forward(tokens, torch.arange(n), None, None, torch.arange(n))
+
+
+@needs_kernel
+def test_the_twins_long_passes_take_it_and_agree_with_sdpa(monkeypatch):
+    llm = _twin_llm()
+    calls = []
+    kernel = native.causal_bf16
+
+    def counting(q, k, v, scale):
+        calls.append(q.shape[1])
+        return kernel(q, k, v, scale)
+
+    monkeypatch.setattr(native, "causal_bf16", counting)
+    tokens = torch.randint(1, 500, (200,))
+    served = _forward(llm, tokens)
+    assert calls == [200, 200]                       # both layers, every new token
+    with fast_attention.long_causal_off():
+        reference = _forward(llm, tokens)
+    assert calls == [200, 200]
+    assert served.logits.dtype == reference.logits.dtype
+    difference = (served.logits.float() - reference.logits.float()).abs().max()
+    assert 0 < difference < 0.05                      # two bfloat16 computations of one pass
+    short = _forward(llm, tokens[:40])                # pl_attend's rows, never this kernel
+    assert calls == [200, 200] and short.logits.shape[0] == 40
+
+
+def test_a_cpu_without_the_unit_keeps_sdpa(monkeypatch):
+    monkeypatch.setattr(native, "products_available", lambda kind="bf16": False)
+    q, k, v = _inputs(4, 2, 100, 0, 64)
+    assert not native.causal_fits(q, k, v)
+    served = fast_attention.NativeAttention()(None, None, q[None], k[None], v[None], None)
+    assert served is None
