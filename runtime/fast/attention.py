@@ -41,7 +41,7 @@ class NativeAttention:
         if query.device.type != "cpu" or not native.enabled():
             return None
         if q > MAX_QUERIES:
-            return _long_causal_pass(shared, query, key, value, scaling)
+            return _long_causal_pass(layer, shared, query, key, value, scaling)
         pieces = [(keys[0], values[0], False)
                   for _, _, keys, values in layer_pieces(layer, shared, key, value, k - q)]
         pieces.append((key[0, :, k - q:], value[0, :, k - q:], True))
@@ -54,15 +54,25 @@ class NativeAttention:
         return out[None]
 
 
-def _long_causal_pass(shared, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      scaling: float | None) -> torch.Tensor | None:
-    """pl_causal_bf16 for a pass whose every key is in `key`, in bfloat16; else None."""
+def _long_causal_pass(layer: int | None, shared, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, scaling: float | None) -> torch.Tensor | None:
+    """pl_causal_bf16 for a pass in bfloat16; else None. Past slots read in place from
+    stored units (`shared`) are first copied beside the rest, in bfloat16: a few hundred KB
+    a layer, against the pass's quadratic attention."""
     # query: [1, H, Q, D]; key, value: [1, H_kv, K, D], new tokens last
-    if shared or not _long_causal or query.shape[0] != 1:
+    if not _long_causal or query.shape[0] != 1 or query.dtype != torch.bfloat16:
         return None
+    q = query.shape[2]
+    past = key.shape[2] - q
+    if shared:
+        pieces = layer_pieces(layer, shared, key, value, past)
+        key = torch.cat([keys.to(torch.bfloat16) for _, _, keys, _ in pieces]
+                        + [key[:, :, past:]], dim=2)
+        value = torch.cat([values.to(torch.bfloat16) for _, _, _, values in pieces]
+                          + [value[:, :, past:]], dim=2)
     if not native.causal_fits(query[0], key[0], value[0]) or not native.available():
         return None
-    _, heads, q, d = query.shape
+    _, heads, _, d = query.shape
     kv_heads = key.shape[1]
     scale = scaling if scaling is not None else d ** -0.5
     out = native.causal_bf16(query[0], key[0], value[0], scale)
