@@ -2248,48 +2248,49 @@ int pl_attend(const float* q, long heads, long rows, long d, float scale, long n
  * path, float32 sums), a KV head's keys and values are paired once for every query head and
  * chunk of tokens that reads them, and the blocks after a chunk's last token are never
  * computed. Online softmax in float32 (exp2 on 512-bit vectors), P rounded to bfloat16 after
- * its block's running maximum, as attend_part's bf path. */
+ * its block's running maximum, as attend_part's bf path, as it is made. */
 #define CHUNK MAXR     /* query tokens per task: one query head's rows */
 
-/* 2^x for x <= 0: exp2_neg on 512-bit vectors (the same clamp and polynomial) */
+/* 2^x for x <= 0 on 512-bit vectors, to about 3e-6 relative: the Taylor polynomial of 2^f
+ * (degree 5, |f| <= 1/2) scaled by 2^n with vscalefps (0 far below -126). Enough for weights
+ * rounded to bfloat16 next: their rounding is 2^-9. */
 AIB __m512 exp2_neg16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    __m512 p = _mm512_set1_ps(1.3333558146e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return _mm512_scalef_ps(p, n);
 }
 
-/* Row r's scores s[0:vis] of one block (raw Q.K) -> their weights 2^(c s - m) in place, zero
- * for keys [vis, n32); updates the row's running maximum *m, sum *l and rescales acc (d). */
-BF static void causal_softmax(float* s, long vis, long n32, float c, float* m, float* l,
-                              float* acc, long d) {
+/* Row r's raw scores s[0:vis] of one block (Q.K) -> their weights 2^(c s - m) as bfloat16
+ * into p (zero for keys [vis, n32)); updates the row's running maximum *m (of c s), sum *l
+ * and rescales acc (d floats). c > 0: the scale times log2(e). */
+BF static void causal_softmax(const float* s, long vis, long n32, float c, float* m, float* l,
+                              float* acc, long d, uint16_t* p) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY), vc = _mm512_set1_ps(c);
     __m512 vmx = ninf;
     for (long j = 0; j < vis; j += 16) {
         __mmask16 in = vis - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (vis - j)) - 1);
-        __m512 x = _mm512_mask_mul_ps(ninf, in, _mm512_loadu_ps(s + j), vc);
-        _mm512_storeu_ps(s + j, x);
-        vmx = _mm512_max_ps(vmx, x);
+        vmx = _mm512_mask_max_ps(vmx, in, vmx, _mm512_loadu_ps(s + j));
     }
-    float mx = _mm512_reduce_max_ps(vmx);
+    float mx = _mm512_reduce_max_ps(vmx) * c;
     float mn = mx > *m ? mx : *m;
     float corr = exp2f(*m - mn);
-    __m512 sum = _mm512_setzero_ps(), vm = _mm512_set1_ps(mn);
+    __m512 sum = _mm512_setzero_ps(), vm = _mm512_set1_ps(-mn);
     for (long j = 0; j < vis; j += 16) {
         __mmask16 in = vis - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (vis - j)) - 1);
-        __m512 e = _mm512_maskz_mov_ps(in, exp2_neg16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm)));
-        _mm512_storeu_ps(s + j, e);
+        __m512 e = _mm512_maskz_mov_ps(in, exp2_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j),
+                                                                      vc, vm)));
         sum = _mm512_add_ps(sum, e);
+        _mm256_storeu_si256((__m256i*)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
     }
-    for (long j = (vis + 15) & ~15L; j < n32; j += 16) _mm512_storeu_ps(s + j, _mm512_setzero_ps());
+    for (long j = (vis + 15) & ~15L; j < n32; j += 16)
+        _mm256_storeu_si256((__m256i*)(p + j), _mm256_setzero_si256());
     *l = *l * corr + _mm512_reduce_add_ps(sum);
     *m = mn;
     if (corr != 1.f) {
@@ -2334,8 +2335,8 @@ BF static void causal_chunk(const uint32_t* qh, long nr, long p0, const uint32_t
             long vis = p0 + r + 1 - j0;
             vis = vis < nkb ? vis : nkb;
             visr[r] = vis;
-            causal_softmax(s + r * BK, vis, nk32, c, m + r, l + r, acc + r * d, d);
-            to_bf16(s + r * BK, nk32, (uint16_t*)(ph + r * (BK / 2)));
+            causal_softmax(s + r * BK, vis, nk32, c, m + r, l + r, acc + r * d, d,
+                           (uint16_t*)(ph + r * (BK / 2)));
         }
         for (long cc = 0; cc < d; cc += 32)
             for (long r = first; r < nr; r += 6) {

@@ -1,5 +1,7 @@
 """Study (not a test): causal attention over one long pass in bfloat16, torch's CPU flash
-kernel against attention built from bfloat16 matmuls, at the default model's shape.
+kernel against attention built from bfloat16 matmuls and against promptlang's
+pl_causal_bf16 (runtime/fast/kernels.c; on a CPU with AVX512-BF16), at the default model's
+shape.
 
     python tests/studies/attention_bf16.py [TOKENS] [BLOCK]
 
@@ -7,8 +9,8 @@ Query heads 9, key/value heads 3 (grouped), head size 64, as SmolLM2-135M. Times
 3) F.scaled_dot_product_attention(is_causal=True) in float32 and in bfloat16, and a blocked
 form: each block of BLOCK queries takes its scores against the keys up to its end with one
 bfloat16 matmul, a float32 softmax (the causal mask on its diagonal block), and a bfloat16
-matmul with the values. Prints each one's seconds and its largest difference from the
-float32 result.
+matmul with the values; and pl_causal_bf16 (the grouped key/value heads read as they are).
+Prints each one's seconds and its largest difference from the float32 result.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from promptlang.runtime.fast import native
 
 
 def blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
@@ -50,18 +54,23 @@ def timed(run) -> tuple[float, torch.Tensor]:
 def main(tokens: int, block: int) -> None:
     torch.manual_seed(0)
     q = torch.randn(9, tokens, 64)
-    k = torch.randn(3, tokens, 64).repeat_interleave(3, dim=0)
-    v = torch.randn(3, tokens, 64).repeat_interleave(3, dim=0)
+    k3 = torch.randn(3, tokens, 64)
+    v3 = torch.randn(3, tokens, 64)
+    k = k3.repeat_interleave(3, dim=0)
+    v = v3.repeat_interleave(3, dim=0)
     reference_s, reference = timed(lambda: F.scaled_dot_product_attention(
         q[None], k[None], v[None], is_causal=True)[0])
     qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
     flash_s, flash = timed(lambda: F.scaled_dot_product_attention(
         qb[None], kb[None], vb[None], is_causal=True)[0])
     ours_s, ours = timed(lambda: blocked(qb, kb, vb, block))
+    rows = [("sdpa bfloat16", flash_s, flash), ("blocked bf16 mm", ours_s, ours)]
+    k3b, v3b = k3.bfloat16(), v3.bfloat16()
+    if native.causal_fits(qb, k3b, v3b) and native.available():
+        rows.append(("pl_causal_bf16", *timed(lambda: native.causal_bf16(qb, k3b, v3b, 0.125))))
     print(f"tokens {tokens}, block {block}, torch threads {torch.get_num_threads()}")
     print(f"sdpa float32     {reference_s:8.3f} s")
-    for name, seconds, out in (("sdpa bfloat16", flash_s, flash),
-                               ("blocked bf16 mm", ours_s, ours)):
+    for name, seconds, out in rows:
         error = float((out.float() - reference).abs().max())
         print(f"{name:16s} {seconds:8.3f} s  {reference_s / seconds:5.2f}x float32  "
               f"max |diff| {error:.4f}")
