@@ -39,6 +39,7 @@ import torch
 
 from promptlang.errors import ConfigError
 from promptlang.home import compute_dir, untrusted_reason, write_private
+from promptlang.runtime.fast.native import kernels_version
 
 CHOICES = ("float32", "bfloat16", "auto")
 CALIBRATION_ROWS = (8, 16, 32, 64, 128, 256)
@@ -128,10 +129,13 @@ class Bf16Compute:
 
 
 def calibration_file(fingerprint: str) -> Path:
-    """Where the switch point for this CPU and model is kept (the home's compute/)."""
+    """Where the switch point for this CPU and model is kept (the home's compute/); a new
+    version of the CPU kernels (whose bfloat16 attention the twin's passes take) measures
+    it anew."""
     cpu = cpu_name()
     digest = hashlib.sha256(f"{cpu}|{fingerprint}|{torch.__version__}|"
-                            f"{torch.get_num_threads()}".encode()).hexdigest()[:24]
+                            f"{torch.get_num_threads()}|{kernels_version()}"
+                            .encode()).hexdigest()[:24]
     return compute_dir() / f"{digest}.json"
 
 
