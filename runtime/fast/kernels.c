@@ -2241,37 +2241,38 @@ int pl_attend(const float* q, long heads, long rows, long d, float scale, long n
     return 0;
 }
 
-/* ---- a long causal pass in bfloat16 (pl_causal_bf16) ------------------------------------- *
- * The attention of a bfloat16 pass over many new tokens (a module's encode, a new
- * combination's recompute, a long prefill): n new tokens at the end of nk keys, each seeing
- * every key before it and itself. Q.K and P.V take vdpbf16ps (the tiles of attend_part's bf
- * path, float32 sums), a KV head's keys and values are paired once for every query head and
- * chunk of tokens that reads them, and the blocks after a chunk's last token are never
- * computed. Online softmax in float32 (exp2 on 512-bit vectors), P rounded to bfloat16 after
- * its block's running maximum, as attend_part's bf path, as it is made. */
+/* ---- a long causal pass (pl_causal) ----------------------------------------------------- *
+ * The attention of a pass over many new tokens (a module's encode, a new combination's
+ * recompute, a long prefill): n new tokens at the end of nk keys, each seeing every key
+ * before it and itself. A KV head's keys are transposed into blocks once for every query
+ * head and chunk of tokens that reads them, and the blocks after a chunk's last token are
+ * never computed. Online softmax in float32 (exp2 on 512-bit vectors). In bfloat16 (`bf`,
+ * AVX512_BF16): Q.K and P.V take vdpbf16ps (the tiles of attend_part's bf path, float32
+ * sums; values paired once too), P rounded to bfloat16 after its block's running maximum. In float32 (AVX-512F): the 512-bit tiles of attend_part (qk_w, pv_w),
+ * values read in place. */
 #define CHUNK MAXR     /* query tokens per task: one query head's rows */
 
-/* 2^x for x <= 0 on 512-bit vectors, to about 3e-6 relative: the Taylor polynomial of 2^f
- * (degree 5, |f| <= 1/2) scaled by 2^n with vscalefps (0 far below -126). Enough for weights
- * rounded to bfloat16 next: their rounding is 2^-9. */
-AIB __m512 exp2_neg16(__m512 x) {
+/* 2^x for x <= 0 on 512-bit vectors: exp2_neg's polynomial (Cephes' exp2f) for 2^f,
+ * |f| <= 1/2, scaled by 2^n with vscalefps (0 far below -126, where exp2_neg gives 2^-126). */
+AIW __m512 exp2_neg16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3333558146e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
 }
 
-/* Row r's raw scores s[0:vis] of one block (Q.K) -> their weights 2^(c s - m) as bfloat16
- * into p (zero for keys [vis, n32)); updates the row's running maximum *m (of c s), sum *l
- * and rescales acc (d floats). c > 0: the scale times log2(e). */
-BF static void causal_softmax(const float* s, long vis, long n32, float c, float* m, float* l,
-                              float* acc, long d, uint16_t* p) {
+/* Row r's raw scores s[0:vis] of one block (Q.K) -> their weights 2^(c s - m) in place,
+ * zero for keys [vis, n32); updates the row's running maximum *m (of c s), sum *l and
+ * rescales acc (d floats). c > 0: the scale times log2(e). */
+WIDE static void causal_softmax(float* s, long vis, long n32, float c, float* m, float* l,
+                                float* acc, long d) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY), vc = _mm512_set1_ps(c);
     __m512 vmx = ninf;
     for (long j = 0; j < vis; j += 16) {
@@ -2287,10 +2288,9 @@ BF static void causal_softmax(const float* s, long vis, long n32, float c, float
         __m512 e = _mm512_maskz_mov_ps(in, exp2_neg16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j),
                                                                       vc, vm)));
         sum = _mm512_add_ps(sum, e);
-        _mm256_storeu_si256((__m256i*)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+        _mm512_storeu_ps(s + j, e);
     }
-    for (long j = (vis + 15) & ~15L; j < n32; j += 16)
-        _mm256_storeu_si256((__m256i*)(p + j), _mm256_setzero_si256());
+    for (long j = (vis + 15) & ~15L; j < n32; j += 16) _mm512_storeu_ps(s + j, _mm512_setzero_ps());
     *l = *l * corr + _mm512_reduce_add_ps(sum);
     *m = mn;
     if (corr != 1.f) {
@@ -2300,16 +2300,21 @@ BF static void causal_softmax(const float* s, long vis, long n32, float c, float
     }
 }
 
+/* The keys and values of one KV head, ready for causal_chunk: per block of BK keys, kt (the
+ * block transposed: d rows of BK floats, or in bf d / 2 rows of BK bf16 pairs) and, in bf,
+ * vt (pairs of value rows); in float32 the value rows are read where they are. */
+typedef struct { const uint32_t* kt; const uint32_t* vt; const float* v; } CausalHead;
+
 /* nr (<= CHUNK) query rows of one head, the first at key position p0 (row r sees keys
- * 0 .. p0 + r), over a KV head's paired blocks kt, vt; out: the normalised rows in bf16.
- * qh: rows of d / 2 bf16 pairs; c: the scale times log2(e). */
-BF static void causal_chunk(const uint32_t* qh, long nr, long p0, const uint32_t* kt,
-                            const uint32_t* vt, long d, float c, uint16_t* out) {
+ * 0 .. p0 + r), over a KV head's blocks; out: the normalised rows (bf16 in bf, else float32).
+ * q: the rows (bf: d / 2 bf16 pairs each, else d floats); c: the scale times log2(e). */
+WIDE static void causal_chunk(const void* q, long nr, long p0, CausalHead kv, long d, float c,
+                              int bf, void* out) {
     float s[CHUNK * BK] __attribute__((aligned(64)));
     float acc[CHUNK * MAXD] __attribute__((aligned(64)));
     uint32_t ph[CHUNK * BK / 2];
     float m[CHUNK], l[CHUNK];
-    long visr[CHUNK], d2 = d / 2;
+    long visr[CHUNK], d2 = d / 2, kd = bf ? d2 : d;
     for (long r = 0; r < nr; r++) {
         m[r] = -INFINITY;
         l[r] = 0.f;
@@ -2319,15 +2324,19 @@ BF static void causal_chunk(const uint32_t* qh, long nr, long p0, const uint32_t
     for (long j0 = 0; j0 < kend; j0 += BK) {
         long nkb = kend - j0 < BK ? kend - j0 : BK;
         long nk16 = (nkb + 15) & ~15L, nk32 = (nkb + 31) & ~31L;
-        const uint32_t* ktb = kt + (j0 / BK) * d2 * BK;
-        const uint32_t* vtb = vt + (j0 / BK) * (BK / 2) * d;
+        const uint32_t* ktb = kv.kt + (j0 / BK) * kd * BK;
         long first = j0 > p0 ? j0 - p0 : 0;          /* rows before it see none of the block */
         for (long jb = 0; jb < nk16; jb += 32) {
             int cols16 = nk16 - jb >= 32 ? 2 : 1;
             /* rows before r see none of the tile */
             for (long r = j0 + jb > p0 ? j0 + jb - p0 : 0; r < nr; r += 6) {
                 long rows = nr - r < 6 ? nr - r : 6;
-                qk_bf(rows, cols16, qh + r * d2, d2, ktb + jb, s + r * BK + jb);
+                if (bf)
+                    qk_bf(rows, cols16, (const uint32_t*)q + r * d2, d2, ktb + jb,
+                          s + r * BK + jb);
+                else
+                    qk_w(rows, cols16, (const float*)q + r * d, d, (const float*)ktb + jb,
+                         s + r * BK + jb);
             }
         }
         for (long r = 0; r < first; r++) visr[r] = 0;
@@ -2335,50 +2344,61 @@ BF static void causal_chunk(const uint32_t* qh, long nr, long p0, const uint32_t
             long vis = p0 + r + 1 - j0;
             vis = vis < nkb ? vis : nkb;
             visr[r] = vis;
-            causal_softmax(s + r * BK, vis, nk32, c, m + r, l + r, acc + r * d, d,
-                           (uint16_t*)(ph + r * (BK / 2)));
+            causal_softmax(s + r * BK, vis, nk32, c, m + r, l + r, acc + r * d, d);
+            if (bf) to_bf16(s + r * BK, nk32, (uint16_t*)(ph + r * (BK / 2)));
         }
         for (long cc = 0; cc < d; cc += 32)
             for (long r = first; r < nr; r += 6) {
                 long rows = nr - r < 6 ? nr - r : 6, n = 0;
                 for (long i = 0; i < rows; i++) n = visr[r + i] > n ? visr[r + i] : n;
-                pv_bf(rows, ph + r * (BK / 2), (n + 1) / 2, vtb + cc, d, acc + r * d + cc);
+                if (bf)
+                    pv_bf(rows, ph + r * (BK / 2), (n + 1) / 2,
+                          kv.vt + (j0 / BK) * (BK / 2) * d + cc, d, acc + r * d + cc);
+                else
+                    pv_w(rows, s + r * BK, n, kv.v + j0 * d + cc, d, acc + r * d + cc);
             }
     }
     for (long r = 0; r < nr; r++) {
         __m512 inv = _mm512_set1_ps(1.f / l[r]);
+        float* o = bf ? acc + r * d : (float*)out + r * d;
         for (long k = 0; k < d; k += 16)
-            _mm512_storeu_ps(acc + r * d + k, _mm512_mul_ps(inv, _mm512_loadu_ps(acc + r * d + k)));
-        to_bf16(acc + r * d, d, out + r * d);
+            _mm512_storeu_ps(o + k, _mm512_mul_ps(inv, _mm512_loadu_ps(acc + r * d + k)));
+        if (bf) to_bf16(o, d, (uint16_t*)out + r * d);
     }
 }
 
-/* out[h][t] (bf16) = causal attention of query head h's token t (q: [heads][n][d] bf16, the
- * n new tokens last among nk keys) over its KV head h / (heads / kv_heads)'s keys and values
- * (bf16 rows of d; head g's row j at k + g * kstride + j * d, the same for v), scaled by
- * `scale`. threads: the team. Returns 0, -1 for shapes or a CPU it does not serve, -2 when
- * out of memory. */
-int pl_causal_bf16(const uint16_t* q, long heads, long n, long d, const uint16_t* k,
-                   long kstride, const uint16_t* v, long vstride, long kv_heads, long nk,
-                   float scale, uint16_t* out, int threads) {
-    if (!pl_bf16_products() || d % 32 || d > MAXD || kv_heads <= 0 || heads % kv_heads
-            || n <= 0 || n > nk)
+/* out[h][t] = causal attention of query head h's token t (q: [heads][n][d], the n new
+ * tokens last among nk keys) over its KV head h / (heads / kv_heads)'s keys and values (rows
+ * of d; head g's row j at k + g * kstride + j * d, the same for v), scaled by `scale`; q, k,
+ * v and out in bfloat16 where bf (AVX512_BF16), else float32 (the 512-bit tiles: pl_wide).
+ * threads: the team.
+ * Returns 0, -1 for shapes or a CPU it does not serve, -2 when out of memory. */
+int pl_causal(const void* q, long heads, long n, long d, const void* k, long kstride,
+              const void* v, long vstride, long kv_heads, long nk, float scale, void* out,
+              int bf, int threads) {
+    int able = bf ? pl_bf16_products() : wide_tiles;
+    if (!able || d % 32 || d > MAXD || kv_heads <= 0 || heads % kv_heads || n <= 0 || n > nk)
         return -1;
-    long nb = (nk + BK - 1) / BK, d2 = d / 2;
-    size_t kt_per = (size_t)nb * d2 * BK, vt_per = (size_t)nb * (BK / 2) * d;
+    long nb = (nk + BK - 1) / BK, d2 = d / 2, es = bf ? 2 : 4;
+    size_t kt_per = (size_t)nb * (bf ? d2 : d) * BK, vt_per = bf ? (size_t)nb * (BK / 2) * d : 0;
     uint32_t* kt = (uint32_t*)malloc(sizeof(uint32_t) * kt_per * kv_heads);
-    uint32_t* vt = (uint32_t*)malloc(sizeof(uint32_t) * vt_per * kv_heads);
-    if (!kt || !vt) {
+    uint32_t* vt = bf ? (uint32_t*)malloc(sizeof(uint32_t) * vt_per * kv_heads) : NULL;
+    if (!kt || (bf && !vt)) {
         free(kt); free(vt);
         return -2;
     }
+    const char *kb = (const char*)k, *vb = (const char*)v;
     #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (long g = 0; g < kv_heads; g++)
         for (long b = 0; b < nb; b++) {
             long rows = nk - b * BK < BK ? nk - b * BK : BK;
-            transpose_block((const float*)(k + g * kstride + b * BK * d), rows, d2,
-                            (float*)(kt + g * kt_per + b * d2 * BK));
-            pair_rows(v + g * vstride + b * BK * d, rows, d, vt + g * vt_per + b * (BK / 2) * d);
+            const char* from = kb + (g * kstride + b * BK * d) * es;
+            if (bf) {
+                transpose_block((const float*)from, rows, d2, (float*)(kt + g * kt_per + b * d2 * BK));
+                pair_rows((const uint16_t*)(vb + (g * vstride + b * BK * d) * es), rows, d,
+                          vt + g * vt_per + b * (BK / 2) * d);
+            } else
+                transpose_block((const float*)from, rows, d, (float*)(kt + g * kt_per + b * d * BK));
         }
     long chunks = (n + CHUNK - 1) / CHUNK, past = nk - n, groups = heads / kv_heads;
     float c = scale * LOG2E;
@@ -2386,8 +2406,10 @@ int pl_causal_bf16(const uint16_t* q, long heads, long n, long d, const uint16_t
     for (long t = 0; t < heads * chunks; t++) {
         long ch = chunks - 1 - t / heads, h = t % heads, g = h / groups;   /* longest first */
         long t0 = ch * CHUNK, nr = n - t0 < CHUNK ? n - t0 : CHUNK;
-        causal_chunk((const uint32_t*)(q + (h * n + t0) * d), nr, past + t0, kt + g * kt_per,
-                     vt + g * vt_per, d, c, out + (h * n + t0) * d);
+        CausalHead head = {kt + g * kt_per, bf ? vt + g * vt_per : NULL,
+                           bf ? NULL : (const float*)(vb + g * vstride * es)};
+        causal_chunk((const char*)q + (h * n + t0) * d * es, nr, past + t0, head, d, c, bf,
+                     (char*)out + (h * n + t0) * d * es);
     }
     free(kt); free(vt);
     return 0;

@@ -126,7 +126,7 @@ def bind(library: Path) -> ctypes.CDLL:
         "pl_linear_q8": ([_P, _L, _L, _P, _L, _P, _I], None), "pl_group": ([_I], _I),
         "pl_linear_i8": ([_P, _L, _L, _P, _L, _P], _I), "pl_group_runs": ([], _L),
         "pl_products": ([_I], _I), "pl_few": ([_I], _I), "pl_vnni": ([], _I),
-        "pl_causal_bf16": ([_P, _L, _L, _L, _P, _L, _P, _L, _L, _L, _F, _P, _I], _I)}
+        "pl_causal": ([_P, _L, _L, _L, _P, _L, _P, _L, _L, _L, _F, _P, _I, _I], _I)}
     try:
         for name, (arguments, result) in signatures.items():
             kernel = getattr(lib, name)

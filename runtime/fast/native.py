@@ -348,38 +348,44 @@ def attend(rows: torch.Tensor, pieces, new_tokens: int, scale: float,
 
 
 def causal_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether `causal_bf16` serves query [H, Q, D] over key/value [H_kv, K, D]: bfloat16 on
-    a CPU with AVX512-BF16, D % 32 == 0, the Q new tokens last among the K keys, and each
-    head's key and value rows contiguous."""
+    """Whether `causal` serves query [H, Q, D] over key/value [H_kv, K, D]: all bfloat16 on a
+    CPU with AVX512-BF16 or all float32 with the 512-bit tiles on (`wide`), D % 32 == 0, the
+    Q new tokens last among the K keys, and each head's key and value rows contiguous."""
     heads, q, d = query.shape
     kv_heads, k = key.shape[0], key.shape[1]
+    dtype = query.dtype
     tensors = (query, key, value)
-    dtypes_fit = all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+    dtypes_fit = all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
     shapes_fit = (value.shape == key.shape and key.shape[2] == d and d % 32 == 0
                   and d <= MAX_HEAD_DIM and heads % kv_heads == 0 and 0 < q <= k)
     rows_fit = all(t.stride(2) == 1 and (t.shape[1] <= 1 or t.stride(1) == d)
                    for t in (key, value))
-    return dtypes_fit and shapes_fit and rows_fit and products_available("bf16")
+    if not (dtypes_fit and shapes_fit and rows_fit):
+        return False
+    if dtype == torch.bfloat16:
+        return products_available("bf16")
+    return dtype == torch.float32 and wide()
 
 
-def causal_bf16(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                scale: float) -> torch.Tensor:
-    """Causal softmax attention of the Q new tokens (query [H, Q, D], bfloat16) over key and
-    value [H_kv, K, D] whose last Q rows are theirs: query head h reads KV head
-    h // (H / H_kv); products in bfloat16, sums and softmax in float32 (pl_causal_bf16).
-    Returns [H, Q, D] in bfloat16. Check `causal_fits` first."""
+def causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """Causal softmax attention of the Q new tokens (query [H, Q, D]) over key and value
+    [H_kv, K, D] whose last Q rows are theirs: query head h reads KV head h // (H / H_kv);
+    in bfloat16 (products bfloat16, sums and softmax float32) or float32 (pl_causal).
+    Returns [H, Q, D] in the query's dtype. Check `causal_fits` first."""
     heads, q, d = query.shape
     kv_heads, k = key.shape[0], key.shape[1]
     query = query.contiguous()
     out = torch.empty_like(query)
-    status = (_lib or _load()).pl_causal_bf16(query.data_ptr(), heads, q, d, key.data_ptr(),
-                                              key.stride(0), value.data_ptr(), value.stride(0),
-                                              kv_heads, k, float(scale), out.data_ptr(),
-                                              kernel_threads())
+    bf = int(query.dtype == torch.bfloat16)
+    status = (_lib or _load()).pl_causal(query.data_ptr(), heads, q, d, key.data_ptr(),
+                                         key.stride(0), value.data_ptr(), value.stride(0),
+                                         kv_heads, k, float(scale), out.data_ptr(), bf,
+                                         kernel_threads())
     if status == -2:
-        raise MemoryError(f"pl_causal_bf16: no memory for {kv_heads} heads of {k} keys")
+        raise MemoryError(f"pl_causal: no memory for {kv_heads} heads of {k} keys")
     if status != 0:
-        raise InternalError(f"pl_causal_bf16 failed ({status})")
+        raise InternalError(f"pl_causal failed ({status})")
     return out
 
 

@@ -1,7 +1,6 @@
 """Study (not a test): causal attention over one long pass in bfloat16, torch's CPU flash
 kernel against attention built from bfloat16 matmuls and against promptlang's
-pl_causal_bf16 (runtime/fast/kernels.c; on a CPU with AVX512-BF16), at the default model's
-shape.
+pl_causal (runtime/fast/kernels.c) in both dtypes, at the default model's shape.
 
     python tests/studies/attention_bf16.py [TOKENS] [BLOCK]
 
@@ -9,7 +8,8 @@ Query heads 9, key/value heads 3 (grouped), head size 64, as SmolLM2-135M. Times
 3) F.scaled_dot_product_attention(is_causal=True) in float32 and in bfloat16, and a blocked
 form: each block of BLOCK queries takes its scores against the keys up to its end with one
 bfloat16 matmul, a float32 softmax (the causal mask on its diagonal block), and a bfloat16
-matmul with the values; and pl_causal_bf16 (the grouped key/value heads read as they are).
+matmul with the values; and pl_causal in float32 and in bfloat16 (the grouped key/value
+heads read as they are; bfloat16 on a CPU with AVX512-BF16).
 Prints each one's seconds and its largest difference from the float32 result.
 """
 
@@ -66,8 +66,10 @@ def main(tokens: int, block: int) -> None:
     ours_s, ours = timed(lambda: blocked(qb, kb, vb, block))
     rows = [("sdpa bfloat16", flash_s, flash), ("blocked bf16 mm", ours_s, ours)]
     k3b, v3b = k3.bfloat16(), v3.bfloat16()
-    if native.causal_fits(qb, k3b, v3b) and native.available():
-        rows.append(("pl_causal_bf16", *timed(lambda: native.causal_bf16(qb, k3b, v3b, 0.125))))
+    if native.available() and native.causal_fits(q, k3, v3):
+        rows.append(("pl_causal fp32", *timed(lambda: native.causal(q, k3, v3, 0.125))))
+    if native.available() and native.causal_fits(qb, k3b, v3b):
+        rows.append(("pl_causal bf16", *timed(lambda: native.causal(qb, k3b, v3b, 0.125))))
     print(f"tokens {tokens}, block {block}, torch threads {torch.get_num_threads()}")
     print(f"sdpa float32     {reference_s:8.3f} s")
     for name, seconds, out in rows:
