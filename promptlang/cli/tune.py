@@ -2,7 +2,7 @@
 
     promptlang tune [--model PATH] [--minutes N] [--seed S] [--resume] [--out DIR]
                     [--link-tokens T | --encode] [--same-shape SHARE] [--quote SHARE]
-                    [--gapless SHARE]
+                    [--gapless SHARE] [--tail-as-served]
                     [SOURCE ...]
 
 SOURCEs (PML schemas, folders of them, or Python files of @prompt functions) add their
@@ -68,6 +68,11 @@ def register(subparsers: Any) -> None:
                       help="the share of rounds (0-1) whose schema holds only the documents "
                            "the request imports, so its positions have no gaps; otherwise "
                            "each document left out leaves one (default 0)")
+    tune.add_argument("--tail-as-served", action="store_true",
+                      help="a round with gaps trains the tokens after its documents right "
+                           "after the last one, where `tuned` serves them; by default "
+                           "after the gaps, where `none` serves them, which carried over "
+                           "better to requests without gaps (docs/RECOMPUTE.md)")
     tune.add_argument("--out", metavar="DIR",
                       help="output folder (default: the home's adapters/<model fingerprint>)")
     tune.set_defaults(func=_tune)
@@ -110,7 +115,7 @@ def _tune(args: argparse.Namespace) -> int:
                           replay=args.replay, answer_weight=args.answer_weight,
                           link_tokens=args.link_tokens, encodes=args.encode,
                           same_shape=args.same_shape, quote=args.quote,
-                          gapless=args.gapless)
+                          gapless=args.gapless, tail_as_served=args.tail_as_served)
     bar = _Bar()
     writing = _Writing()
     try:

@@ -9,8 +9,10 @@ A sample is a prompt that imports k of a schema's document modules and asks a qu
 - Student: the same request served as the runtime serves it under policy `tuned`: each
   document's KV encoded apart, from the store, at its layout position (as `none` serves
   it), then the tokens after the documents, at the positions right after the last cached
-  token's (contiguous.closed_tail), computed by the plain model with the adapter
-  attached. Only that last pass carries gradients: the cached KV is the base model's.
+  token's (contiguous.closed_tail, as `tuned` serves them) -- or, with `close_tail=False`,
+  at the layout's positions, after the gaps of the documents the prompt leaves out (as
+  `none` serves them) -- computed by the plain model with the adapter attached. Only that
+  last pass carries gradients: the cached KV is the base model's.
 - Student of an adapter that encodes (lora.py): the cached tokens are computed again with
   the adapter attached, each seeing what the runtime's encoder lets it see (its own unit's
   tokens and its context units' at positions up to its own), in one pass with the tokens
@@ -69,16 +71,17 @@ def rag_prompt(name: str, docs: list[int], question: str) -> nodes.PromptDoc:
 
 
 def make_sample(llm, teacher_model: torch.nn.Module, prompt: nodes.PromptDoc,
-                answer_tokens: int, end_ids: set[int], answer_text: str | None = None
-                ) -> Sample:
+                answer_tokens: int, end_ids: set[int], answer_text: str | None = None, *,
+                close_tail: bool = True) -> Sample:
     """Teacher and student inputs of `prompt` (its schema registered on `llm`). The answer
     is the teacher's greedy one, or `answer_text`'s tokens (at most `answer_tokens`) where
-    given: the teacher then reads them, as the student does."""
+    given: the teacher then reads them, as the student does. `close_tail`: the student's
+    tokens after the documents right after the last one (else at the layout's positions)."""
     served = llm.prefill(prompt, recompute="none", all_logits=True)
     n = served.cached_length
     tail_ids = served.token_ids[n:]
     tail_positions = served.positions[n:]
-    if n:                    # computed right after the last cached token, as `tuned` serves
+    if n and close_tail:     # computed right after the last cached token, as `tuned` serves
         moved, _ = closed_tail(tail_positions.tolist(), int(served.positions[:n].max()))
         tail_positions = torch.tensor(moved, dtype=tail_positions.dtype)
     plain = torch.tensor(served.bound.token_ids())

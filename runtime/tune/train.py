@@ -67,6 +67,11 @@ class TuneOptions:
     quote: float = 0.0               # the share of rounds that quote a document's sentence
     gapless: float = 0.0             # the share of rounds whose schema holds only the
                                      # documents the prompt imports (no position gaps)
+    tail_as_served: bool = False     # a round with gaps trains the tokens after its documents
+                                     # where `tuned` serves them (right after the last); by
+                                     # default after the gaps, where `none` serves them (a
+                                     # harder draw that carries over better, measured: the
+                                     # held-out sets are always measured as `tuned` serves)
     held_out: int = 16               # held-out combinations for the evaluation (of each kind
                                      # trained on: the corpus's, records where same_shape,
                                      # combinations without gaps where gapless)
@@ -167,7 +172,8 @@ def tune(llm, adapter_dir: Path, options: TuneOptions, *, schemas=(),
                 draw = functools.partial(_draw, quoting=True)
             if options.gapless > 0 and rng.random() < options.gapless:
                 draw = functools.partial(draw, gapless=True)
-            sample = draw(engine, model, train_docs, rng, options, end_ids, f"tune-{step}")
+            sample = draw(engine, model, train_docs, rng, options, end_ids, f"tune-{step}",
+                          served=options.tail_as_served)
             earlier = replay.draw(options.replay)
             replay.add(sample)
             for trained in (sample, *earlier):
@@ -251,18 +257,20 @@ def held_out_sets(engine, model, val_docs: list[corpus_mod.Document], options: T
     """The held-out sets, by name: "documents", the combinations of `val_docs`; where
     `options.same_shape`, "records", as many of same-shaped records built on them; where
     `options.gapless`, "gapless", the same draws as "documents" with schemas of only the
-    imported documents. Each combination drawn with a seed of its own."""
+    imported documents. Each combination drawn with a seed of its own, its student as
+    `tuned` serves it."""
     sets = {"documents": [_draw(engine, model, val_docs, random.Random(options.seed + 7 + i),
-                                options, end_ids, f"tune-val-{i}")
+                                options, end_ids, f"tune-val-{i}", served=True)
                           for i in range(options.held_out)]}
     if options.same_shape > 0:
         sets["records"] = [_draw_same_shape(engine, model, val_docs,
                                             random.Random(options.seed + 700 + i), options,
-                                            end_ids, f"tune-val-shaped-{i}")
+                                            end_ids, f"tune-val-shaped-{i}", served=True)
                            for i in range(options.held_out)]
     if options.gapless > 0:
         sets["gapless"] = [_draw(engine, model, val_docs, random.Random(options.seed + 7 + i),
-                                 options, end_ids, f"tune-val-gapless-{i}", gapless=True)
+                                 options, end_ids, f"tune-val-gapless-{i}", gapless=True,
+                                 served=True)
                            for i in range(options.held_out)]
     return sets
 
@@ -324,35 +332,37 @@ def _mean(values: list[float]) -> float:
 
 def _draw(engine, model, docs: list[corpus_mod.Document], rng: random.Random,
           options: TuneOptions, end_ids: set[int], name: str, *,
-          quoting: bool = False, gapless: bool = False) -> Sample:
+          quoting: bool = False, gapless: bool = False, served: bool = True) -> Sample:
     """One combination: a schema of `schema_docs` documents, a prompt importing k of them
     (schema order) and asking one's question; its teacher and student. `quoting`: the
     request asks instead for a sentence of an imported document by its first words
     (corpus.quote), the answer that sentence, so the teacher reads the document's own words
     and the rows that predict them say what the full prefill takes from that document (a
     document with no such sentence is asked its question). `gapless`: the same draw, with
-    a schema of only the k imported documents."""
+    a schema of only the k imported documents. `served`: the student's tokens after the
+    documents where `tuned` serves them (make_sample's `close_tail`)."""
     chosen = rng.sample(docs, options.schema_docs)
     return _combination(engine, model, [d.text for d in chosen],
                         [(d.question,) for d in chosen], rng, options, end_ids, name,
-                        quoting=quoting, gapless=gapless)
+                        quoting=quoting, gapless=gapless, served=served)
 
 
 def _draw_same_shape(engine, model, docs: list[corpus_mod.Document], rng: random.Random,
                      options: TuneOptions, end_ids: set[int], name: str, *,
-                     gapless: bool = False) -> Sample:
+                     gapless: bool = False, served: bool = True) -> Sample:
     """One combination of same-shaped records (corpus.same_shape_group, one of `docs` as
     their shared sentences): the schema, the prompt and the question as `_draw`'s."""
     records = corpus_mod.same_shape_group(rng, rng.choice(docs).text, options.schema_docs)
     sample = _combination(engine, model, [r.text for r in records],
                           [r.questions for r in records], rng, options, end_ids, name,
-                          gapless=gapless)
+                          gapless=gapless, served=served)
     return replace(sample, records=True)
 
 
 def _combination(engine, model, texts: list[str], questions: list[tuple[str, ...]],
                  rng: random.Random, options: TuneOptions, end_ids: set[int],
-                 name: str, quoting: bool = False, gapless: bool = False) -> Sample:
+                 name: str, quoting: bool = False, gapless: bool = False,
+                 served: bool = True) -> Sample:
     """`texts` as a schema's documents, a prompt importing k of them and asking one of an
     imported document's `questions` (`quoting`: for one of its sentences); its teacher and
     student. `gapless`: the schema holds only the k imported texts, so the request's
@@ -378,7 +388,7 @@ def _combination(engine, model, texts: list[str], questions: list[tuple[str, ...
     engine.add_schema(schema)
     try:
         sample = make_sample(engine, model, rag_prompt(name, imported, question),
-                             options.answer_tokens, end_ids, answer)
+                             options.answer_tokens, end_ids, answer, close_tail=served)
     finally:
         engine.remove_schema(name)
     return replace(sample, gapless=gapless)

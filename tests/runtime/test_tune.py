@@ -410,6 +410,53 @@ def test_a_gapless_draw_is_the_same_request_at_positions_without_gaps():
         pytest.fail("no draw left a gap: the comparison tested nothing")
 
 
+def test_a_round_with_gaps_trains_its_tail_after_them_unless_asked_as_served():
+    """A draw that leaves a document out after its last imported one: served (the held-out
+    sets, `--tail-as-served`) its tokens after the documents follow the last imported one;
+    otherwise (training's default) they sit at the layout's positions, after the gap, as
+    `none` serves them; the tokens, cached KV and teacher are the same."""
+    base = tiny_llama(0, VOCAB)
+    llm = _engine(base)
+    model = plain_copy(base)
+    docs = [corpus.Document(text, "what is in the notes?", "user") for text in TEXTS]
+    options = _short_run(schema_docs=len(TEXTS), docs_per_request=(2,))
+    for seed in range(8):
+        served = _draw(llm, model, docs, random.Random(seed), options, set(), f"s{seed}")
+        far = _draw(llm, model, docs, random.Random(seed), options, set(), f"f{seed}",
+                    served=False)
+        assert torch.equal(served.ids, far.ids)
+        assert torch.equal(served.cached_positions, far.cached_positions)
+        assert torch.equal(served.teacher, far.teacher)
+        last = int(served.cached_positions.max())
+        assert int(served.positions[0]) == last + 1
+        if int(far.positions[0]) > last + 1:
+            shift = int(far.positions[0]) - last - 1
+            assert torch.equal(far.positions, served.positions + shift)
+            break
+    else:
+        pytest.fail("no draw left a document out after its last one: nothing tested")
+
+
+def test_tune_trains_rounds_with_gaps_as_asked(tmp_path, monkeypatch):
+    from promptlang.runtime.tune import train as train_mod
+    seen = []
+    make = train_mod.make_sample
+
+    def recording(*args, close_tail=True, **kwargs):
+        seen.append(close_tail)
+        return make(*args, close_tail=close_tail, **kwargs)
+
+    monkeypatch.setattr(train_mod, "make_sample", recording)
+    llm = _engine(tiny_llama(0, VOCAB))
+    for as_served in (False, True):
+        seen.clear()
+        options = _short_run(held_out=2, tail_as_served=as_served)
+        tune(llm, tmp_path / f"adapter-{as_served}", options, say=lambda line: None)
+        held_out = options.held_out
+        assert seen[:held_out] == [True] * held_out         # the held-out sets: as served
+        assert seen[held_out:] and set(seen[held_out:]) == {as_served}
+
+
 def test_tune_without_gaps_measures_those_combinations_apart(tmp_path):
     llm = _engine(tiny_llama(0, VOCAB))
     report = tune(llm, tmp_path / "adapter", _short_run(gapless=1.0), say=lambda line: None)
