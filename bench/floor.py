@@ -221,6 +221,13 @@ def _kernels() -> str:
     if not native.available():
         return "PyTorch's (runtime/fast/kernels.c unavailable here)"
     tiles = "AVX2, 512-bit tiles" if native.wide() else "AVX2"
+    long_passes = []
+    if native.wide():
+        long_passes.append("float32")
+    if native.products_available("bf16"):
+        long_passes.append("bfloat16")
+    causal = (f"; the attention of passes of 65+ new tokens in {' and '.join(long_passes)} "
+              "(pl_causal)" if long_passes else "")
     return (f"runtime/fast/kernels.c ({tiles}): whole decoder layers for Llama-family models "
-            "(runtime/fast/fused.py), else small linears and unmasked attention; PyTorch's for the "
-            "rest")
+            "(runtime/fast/fused.py), else small linears and unmasked attention"
+            f"{causal}; PyTorch's for the rest")
