@@ -50,6 +50,11 @@ static inline float hmax(__m256 a) {
 #define LOG2E 1.44269504088896341f
 #define LN2 0.69314718055994531f
 
+/* Cephes' exp2f polynomial for 2^f, |f| <= 1/2, highest power first */
+static const float EXP2_P[7] = {1.535336188319500e-4f, 1.339887440266574e-3f,
+                                9.618437357674640e-3f, 5.550332471162809e-2f,
+                                2.402264791363012e-1f, 6.931472028550421e-1f, 1.f};
+
 /* 2^x for x <= 0 (Cephes' exp2f polynomial). Below -126, -inf included, it gives 2^-126
  * (~1e-38) instead of less: next to a softmax row's largest term (exactly 1), or inside
  * silu, that is far below float precision. */
@@ -57,13 +62,8 @@ static inline __m256 exp2_neg(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
     __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    __m256 p = _mm256_set1_ps(EXP2_P[0]);
+    for (int i = 1; i < 7; i++) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_P[i]));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
@@ -2258,13 +2258,8 @@ AIW __m512 exp2_neg16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    __m512 p = _mm512_set1_ps(EXP2_P[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_P[i]));
     return _mm512_scalef_ps(p, n);
 }
 

@@ -384,15 +384,20 @@ def test_tune_on_same_shaped_records_measures_them_apart(tmp_path):
     assert json.loads(meta["same_shape_evaluation"])["kl_after"] == shaped.kl_after
 
 
+def _drawing():
+    """An engine, a plain copy of its model, TEXTS as documents and options that draw two of
+    them from a schema of all four."""
+    base = tiny_llama(0, VOCAB)
+    docs = [corpus.Document(text, "what is in the notes?", "user") for text in TEXTS]
+    return (_engine(base), plain_copy(base), docs,
+            _short_run(schema_docs=len(TEXTS), docs_per_request=(2,)))
+
+
 def test_a_gapless_draw_is_the_same_request_at_positions_without_gaps():
     """The same seed draws the same documents, question and answer; without the left-out
     documents in the schema the request's positions run 0..N-1, where the drawn one has a
     gap; the teacher (the plain prompt's full prefill) is the same for both."""
-    base = tiny_llama(0, VOCAB)
-    llm = _engine(base)
-    model = plain_copy(base)
-    docs = [corpus.Document(text, "what is in the notes?", "user") for text in TEXTS]
-    options = _short_run(schema_docs=len(TEXTS), docs_per_request=(2,))
+    llm, model, docs, options = _drawing()
     for seed in range(4):
         drawn = _draw(llm, model, docs, random.Random(seed), options, set(), f"g{seed}")
         gapless = _draw(llm, model, docs, random.Random(seed), options, set(), f"h{seed}",
@@ -415,11 +420,7 @@ def test_a_round_with_gaps_trains_its_tail_after_them_unless_asked_as_served():
     sets, `--tail-as-served`) its tokens after the documents follow the last imported one;
     otherwise (training's default) they sit at the layout's positions, after the gap, as
     `none` serves them; the tokens, cached KV and teacher are the same."""
-    base = tiny_llama(0, VOCAB)
-    llm = _engine(base)
-    model = plain_copy(base)
-    docs = [corpus.Document(text, "what is in the notes?", "user") for text in TEXTS]
-    options = _short_run(schema_docs=len(TEXTS), docs_per_request=(2,))
+    llm, model, docs, options = _drawing()
     for seed in range(8):
         served = _draw(llm, model, docs, random.Random(seed), options, set(), f"s{seed}")
         far = _draw(llm, model, docs, random.Random(seed), options, set(), f"f{seed}",
