@@ -62,9 +62,11 @@ def _long_causal_pass(layer: int | None, shared, query: torch.Tensor, key: torch
     against the pass's quadratic attention."""
     # query: [1, H, Q, D]; key, value: [1, H_kv, K, D], new tokens last
     dtype = query.dtype
-    if not _long_causal or query.shape[0] != 1 or dtype not in (torch.float32, torch.bfloat16):
+    _, heads, q, d = query.shape
+    if not _long_causal or query.shape[0] != 1 or d % 32:
         return None
-    q = query.shape[2]
+    if not native.available() or not native.causal_serves(dtype):       # before any copy
+        return None
     past = key.shape[2] - q
     if shared:
         pieces = layer_pieces(layer, shared, key, value, past)
@@ -72,9 +74,8 @@ def _long_causal_pass(layer: int | None, shared, query: torch.Tensor, key: torch
                         dim=2)
         value = torch.cat([values.to(dtype) for _, _, _, values in pieces]
                           + [value[:, :, past:]], dim=2)
-    if not native.causal_fits(query[0], key[0], value[0]) or not native.available():
+    if not native.causal_fits(query[0], key[0], value[0]):
         return None
-    _, heads, _, d = query.shape
     kv_heads = key.shape[1]
     scale = scaling if scaling is not None else d ** -0.5
     out = native.causal(query[0], key[0], value[0], scale)

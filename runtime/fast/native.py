@@ -360,8 +360,12 @@ def causal_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
                   and d <= MAX_HEAD_DIM and heads % kv_heads == 0 and 0 < q <= k)
     rows_fit = all(t.stride(2) == 1 and (t.shape[1] <= 1 or t.stride(1) == d)
                    for t in (key, value))
-    if not (dtypes_fit and shapes_fit and rows_fit):
-        return False
+    return dtypes_fit and shapes_fit and rows_fit and causal_serves(dtype)
+
+
+def causal_serves(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs `causal` in `dtype`: bfloat16 with AVX512-BF16, float32 with the
+    512-bit tiles on (`wide`)."""
     if dtype == torch.bfloat16:
         return products_available("bf16")
     return dtype == torch.float32 and wide()
