@@ -2248,8 +2248,9 @@ int pl_attend(const float* q, long heads, long rows, long d, float scale, long n
  * head and chunk of tokens that reads them, and the blocks after a chunk's last token are
  * never computed. Online softmax in float32 (exp2 on 512-bit vectors). In bfloat16 (`bf`,
  * AVX512_BF16): Q.K and P.V take vdpbf16ps (the tiles of attend_part's bf path, float32
- * sums; values paired once too), P rounded to bfloat16 after its block's running maximum. In float32 (AVX-512F): the 512-bit tiles of attend_part (qk_w, pv_w),
- * values read in place. */
+ * sums; values paired once too), P rounded to bfloat16 after its block's running maximum.
+ * In float32 (the 512-bit tiles on: pl_wide): attend_part's qk_w and pv_w, values read in
+ * place. */
 #define CHUNK MAXR     /* query tokens per task: one query head's rows */
 
 /* 2^x for x <= 0 on 512-bit vectors: exp2_neg's polynomial (Cephes' exp2f) for 2^f,
@@ -2389,11 +2390,13 @@ int pl_causal(const void* q, long heads, long n, long d, const void* k, long kst
             long rows = nk - b * BK < BK ? nk - b * BK : BK;
             const char* from = kb + (g * kstride + b * BK * d) * es;
             if (bf) {
-                transpose_block((const float*)from, rows, d2, (float*)(kt + g * kt_per + b * d2 * BK));
+                transpose_block((const float*)from, rows, d2,
+                                (float*)(kt + g * kt_per + b * d2 * BK));
                 pair_rows((const uint16_t*)(vb + (g * vstride + b * BK * d) * es), rows, d,
                           vt + g * vt_per + b * (BK / 2) * d);
             } else
-                transpose_block((const float*)from, rows, d, (float*)(kt + g * kt_per + b * d * BK));
+                transpose_block((const float*)from, rows, d,
+                                (float*)(kt + g * kt_per + b * d * BK));
         }
     long chunks = (n + CHUNK - 1) / CHUNK, past = nk - n, groups = heads / kv_heads;
     float c = scale * LOG2E;
