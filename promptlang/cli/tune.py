@@ -122,6 +122,12 @@ def _tune(args: argparse.Namespace) -> int:
         report = tune(llm, out, options, schemas=schemas,
                       say=lambda line: print(line, file=sys.stderr), bar=bar,
                       writing=writing)
+    except OSError as exc:                     # a full disk, a folder gone: no traceback
+        bar.close()
+        where = exc.filename or out
+        print(f"promptlang tune: {where}: {exc.strerror or exc}; the last checkpoint in {out} "
+              "is kept: `--resume` goes on from it", file=sys.stderr)
+        return 1
     finally:
         writing.close()
         bar.close()
@@ -161,6 +167,7 @@ class _Writing:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
 
 
 class _Bar:
@@ -181,6 +188,7 @@ class _Bar:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
 
 
 def hint_when_untuned(llm, model: str | None) -> None:

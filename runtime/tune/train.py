@@ -242,12 +242,14 @@ def split_corpus(docs: list[corpus_mod.Document], rng: random.Random,
 
 
 def private_engine(llm):
-    """An engine on `llm`'s model for tune's own combinations: a bounded store, no exact
-    entries, no tails."""
+    """An engine on `llm`'s model for tune's own combinations: a bounded store in memory
+    only (every round's schema is new and thrown away: on disk they would fill the user's
+    KV cache, tens of GB in 45 minutes), no exact entries, no tails."""
     from promptlang.runtime.engine import LLM
     from promptlang.runtime.store import ModuleStore
 
-    store = ModuleStore(device=llm.adapter.device, device_budget_bytes=512 << 20)
+    store = ModuleStore(device=llm.adapter.device, device_budget_bytes=512 << 20,
+                        disk_budget_bytes=0)
     return LLM(llm.adapter, llm.tokenizer, store, recompute="none", exact_reuse=False,
                tail_budget_bytes=0)
 

@@ -473,6 +473,36 @@ def test_tune_without_gaps_measures_those_combinations_apart(tmp_path):
     assert json.loads(meta["gapless_evaluation"])["kl_before"] == gapless.kl_before
 
 
+def test_tune_keeps_its_combinations_out_of_the_kv_cache(tmp_path, monkeypatch):
+    """Every round's schema is new and thrown away: none of its KV reaches the home's disk
+    tier (a 45-minute run would write tens of GB there)."""
+    monkeypatch.setenv("PROMPTLANG_HOME", str(tmp_path / "home"))
+    llm = LLM.from_model(tiny_llama(0, VOCAB), Words(VOCAB, bos=True),
+                         store=ModuleStore(disk_budget_bytes=0), recompute="none",
+                         exact_reuse=False)
+    report = tune(llm, tmp_path / "adapter", _short_run(), say=lambda line: None)
+    assert report.steps == 2
+    kv = tmp_path / "home" / "kv"
+    assert not kv.exists() or not any(kv.rglob("*.safetensors"))
+
+
+def test_a_full_disk_ends_tune_with_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch,
+                                                                      capsys):
+    from promptlang.cli import main
+    from promptlang.runtime import engine
+    from promptlang.runtime.tune import train as train_mod
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / "out" / "checkpoint.pt"))
+
+    monkeypatch.setattr(engine, "load", lambda model=None: _engine(tiny_llama(0, VOCAB)))
+    monkeypatch.setattr(train_mod, "tune", full)
+    assert main(["tune", "--minutes", "1", "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "checkpoint.pt: No space left on device" in err
+    assert "--resume" in err and "Traceback" not in err
+
+
 def test_cache_ls_lists_the_adapters_tune_wrote(tmp_path, monkeypatch, capsys):
     from promptlang.cli import main
 
