@@ -221,11 +221,9 @@ def _kernels() -> str:
     if not native.available():
         return "PyTorch's (runtime/fast/kernels.c unavailable here)"
     tiles = "AVX2, 512-bit tiles" if native.wide() else "AVX2"
-    long_passes = []
-    if native.wide():
-        long_passes.append("float32")
-    if native.products_available("bf16"):
-        long_passes.append("bfloat16")
+    long_passes = [name for dtype, name in ((torch.float32, "float32"),
+                                            (torch.bfloat16, "bfloat16"))
+                   if native.causal_serves(dtype)]
     causal = (f"; the attention of passes of 65+ new tokens in {' and '.join(long_passes)} "
               "(pl_causal)" if long_passes else "")
     return (f"runtime/fast/kernels.c ({tiles}): whole decoder layers for Llama-family models "
